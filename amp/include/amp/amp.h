@@ -1,0 +1,36 @@
+// amp: Apex-style automatic mixed precision for LibTorch.
+//
+// Two changes to an existing training loop:
+//
+//   #include <amp/amp.h>
+//
+//   std::tie(model, optimizer) = amp::initialize(model, optimizer, amp::O1);
+//   for (auto& batch : *loader) {
+//     optimizer->zero_grad();
+//     auto loss = torch::nll_loss(model->forward(batch.data), batch.target);
+//     {
+//       amp::scale_loss scaled(loss, optimizer);
+//       scaled.backward();
+//     }
+//     optimizer->step();
+//   }
+//
+// Headers: initialize.h (the front door, Handle, deinitialize), options.h and
+// opt_levels.h (O0-O5 and overrides), scale_loss.h (the backward guard),
+// optimizer.h (what initialize returns), cast_policy.h (op tables and user
+// registration), casting_scope.h (disable_casts / enable_casts),
+// cast_cache.h, loss_scaler.h, model_conversion.h, op_stats.h, state.h
+// (checkpoints).
+#pragma once
+
+#include <amp/cast_cache.h>
+#include <amp/cast_policy.h>
+#include <amp/casting_scope.h>
+#include <amp/initialize.h>
+#include <amp/loss_scaler.h>
+#include <amp/model_conversion.h>
+#include <amp/op_stats.h>
+#include <amp/opt_levels.h>
+#include <amp/optimizer.h>
+#include <amp/options.h>
+#include <amp/scale_loss.h>

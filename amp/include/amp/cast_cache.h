@@ -1,0 +1,33 @@
+// The cast cache: an fp32 weight is cast to low precision at most once per
+// iteration.
+//
+// Under O1, every lower-precision op casts its fp32 weight arguments. A leaf
+// tensor that requires grad (a parameter) is cast once and the copy reused
+// until the cache is cleared: when a scale_loss guard exits (once per
+// iteration), on clear_cast_cache(), and on deinitialize. Activations are never
+// cached. An entry is not reused when
+//   - the weight changed in place since the cast (its version counter moved:
+//     an optimizer step, a manual edit) - a stale-copy window that both Apex
+//     and native autocast leave open;
+//   - it was made under no_grad (or in eval) and grad mode is now on, so the
+//     copy carries no autograd history;
+//   - the weight itself was freed (the key's address may be reused).
+// Casts under InferenceMode are never cached. The cache is process-wide and
+// thread-safe; counters are monotonic, so tests and reports take differences.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace amp {
+
+struct CastCounts {
+  int64_t casts = 0;       // tensors cast by amp (cache misses included)
+  int64_t cache_hits = 0;  // weight casts served from the cache
+};
+
+CastCounts cast_counts();
+void clear_cast_cache();
+size_t cast_cache_size();
+
+}  // namespace amp

@@ -1,0 +1,77 @@
+// LossScaler: one loss's scale, dynamic or static, kept on the gradients'
+// device.
+//
+// amp creates one scaler per loss (Options::num_losses) and drives it from the
+// scale_loss guard; most users never touch it directly. Read the current scale
+// with amp::loss_scale(loss_id) or scale_loss::loss_scale().
+//
+// Dynamic scaling (Apex/GradScaler defaults): start at 2**16; on an overflow
+// (inf/NaN in the gradients) the step is skipped and the scale multiplied by
+// backoff_factor (after `hysteresis` overflows, Megatron-style), never below
+// min_loss_scale (or 2**-126 without one); after growth_interval clean steps
+// it is multiplied by growth_factor, never above max_loss_scale. A static
+// scale never changes and never skips.
+//
+// The scale, the growth tracker and the hysteresis tracker are tensors on the
+// device of the first loss scaled, updated there by at::_amp_update_scale_
+// (or equivalent tensor ops with hysteresis): updating needs no host sync.
+// Unscaling is one at::_amp_foreach_non_finite_check_and_unscale_ per
+// (device, dtype) group of gradients.
+#pragma once
+
+#include <amp/opt_levels.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace amp {
+
+class LossScaler {
+ public:
+  LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0);
+
+  int loss_id() const { return loss_id_; }
+  bool dynamic() const { return dynamic_; }
+
+  // The scale as a 1-element float32 tensor on `device` (moved there on the
+  // first call with a new device).
+  const at::Tensor& scale_tensor(c10::Device device);
+  // Host values: each reads the device (a sync); for logs, tests, checkpoints.
+  double scale() const;
+  int64_t growth_tracker() const;
+  int64_t hysteresis_tracker() const;
+
+  // Multiplies `grads` in place by 1/scale (computed in double, then float,
+  // as GradScaler does) and sets `found_inf` (a 1-element float32 tensor on
+  // the scale's device) to 1 if any of them holds an inf or NaN.
+  void unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
+
+  // Updates the scale from `found_inf` without a host sync. Returns a
+  // 3-element float32 snapshot [found_inf, scale before, scale after] for the
+  // one deferred host read that decides whether the step is skipped.
+  at::Tensor update(const at::Tensor& found_inf);
+
+  // The floor an overflow cannot push the scale below.
+  double floor() const;
+  const DynamicScaling& options() const { return options_; }
+
+  void save(torch::serialize::OutputArchive& archive) const;
+  // Errors: a missing or mistyped entry, or a static/dynamic mismatch with
+  // this scaler; the scaler is unchanged when loading fails.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  void update_with_hysteresis(const at::Tensor& found_inf);
+
+  int loss_id_;
+  bool dynamic_;
+  DynamicScaling options_;
+  at::Tensor scale_;               // float32 [1]
+  at::Tensor growth_tracker_;      // int32 [1]
+  at::Tensor hysteresis_tracker_;  // int32 [1]
+};
+
+}  // namespace amp

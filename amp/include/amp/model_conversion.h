@@ -1,0 +1,42 @@
+// Model conversion for O2/O3/O5: parameters and buffers to low precision,
+// except the modules that must stay float32.
+//
+// amp::initialize calls this; it is public for users who convert models amp
+// does not train (e.g. an EMA copy) the same way.
+//
+//   auto converted = amp::convert_model(*model, at::kHalf, /*keep_batchnorm_fp32=*/true);
+//
+// Every floating parameter and buffer of every submodule is converted in place
+// (the same tensors, new data), except
+//   - affine BatchNorm1d/2d/3d when keep_batchnorm_fp32 (non-affine BatchNorm
+//     has no parameters to protect and converts, as in Apex);
+//   - modules for which keep_fp32 returns true (their own tensors; their
+//     children are judged on their own).
+// Returns the converted parameters with their original float32 values (the
+// exact values, no copy), from which O2 builds its master weights.
+//
+// Errors: dtype not float16/bfloat16. Parameters on several devices are
+// checked by initialize, not here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <vector>
+
+namespace amp {
+
+struct ConvertedParameter {
+  at::Tensor parameter;      // now in the low-precision dtype
+  at::Tensor fp32_original;  // its float32 values before conversion
+};
+
+std::vector<ConvertedParameter> convert_model(
+    torch::nn::Module& model, c10::ScalarType dtype, bool keep_batchnorm_fp32,
+    const std::function<bool(const torch::nn::Module&)>& keep_fp32 = {});
+
+// True for BatchNorm1d/2d/3d modules with affine parameters.
+bool is_affine_batchnorm(const torch::nn::Module& module);
+
+}  // namespace amp

@@ -1,0 +1,45 @@
+// Options: the opt level, its overrides, and amp's own knobs.
+//
+//   amp::Options options = amp::O2;         // an OptLevel or "O2" converts implicitly
+//   options.keep_batchnorm_fp32 = false;    // Apex property overrides
+//   options.loss_scale = amp::LossScale::Static(128);
+//   options.num_losses = 3;
+//   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+//
+// initialize validates everything once (see opt_levels.h for the property
+// errors); bad values are errors that name the field and the fix.
+#pragma once
+
+#include <amp/opt_levels.h>
+
+#include <functional>
+#include <string>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace amp {
+
+struct Options : PropertyOverrides {
+  Options() = default;
+  Options(OptLevel level) : opt_level(level) {}                          // NOLINT: implicit by design
+  Options(const char* level) : opt_level(parse_opt_level(level)) {}      // NOLINT
+  Options(const std::string& level) : opt_level(parse_opt_level(level)) {}  // NOLINT
+
+  OptLevel opt_level = OptLevel::O1;  // Apex's default
+  // Independent losses, each with its own loss scaler (scale_loss's loss_id).
+  int num_losses = 1;
+  // 0: silent. 1: the resolved properties at initialize, one line per skipped
+  // step. 2: also every model conversion decision.
+  int verbosity = 1;
+  // Run banned ops (binary_cross_entropy on CUDA) in float32 instead of
+  // raising an error.
+  bool allow_banned = false;
+  // O2/O3/O5: modules for which this returns true keep their own parameters
+  // and buffers in float32 (like affine BatchNorm), e.g. a custom norm layer:
+  //   options.keep_fp32 = [](const torch::nn::Module& m) { return m.name() == "RMSNorm"; };
+  std::function<bool(const torch::nn::Module&)> keep_fp32;
+};
+
+}  // namespace amp

@@ -1,0 +1,125 @@
+#include "cast_cache.h"
+
+#include <amp/cast_cache.h>
+
+#include "dispatch/call_record.h"
+#include "dispatch/cast.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/flat_hash_map.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace amp {
+namespace detail {
+namespace {
+
+std::atomic<int64_t> g_casts{0};
+std::atomic<int64_t> g_cache_hits{0};
+
+struct Key {
+  const c10::TensorImpl* weight;
+  at::ScalarType to;
+  bool operator==(const Key& other) const { return weight == other.weight && to == other.to; }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return std::hash<const void*>()(k.weight) ^ (static_cast<size_t>(k.to) << 1);
+  }
+};
+
+struct Entry {
+  // Keeps the weight's TensorImpl allocated, so its address (the key) cannot
+  // be reused by another tensor while the entry lives.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;
+  at::Tensor copy;
+  int64_t weight_version;  // the weight's version counter when copied
+};
+
+class CastCache {
+ public:
+  at::Tensor get_or_cast(const at::Tensor& t, at::ScalarType to) {
+    const Key key{t.unsafeGetTensorImpl(), to};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = entries_.find(key);
+      if (it != entries_.end() && is_fresh(it->second, t)) {
+        g_cache_hits.fetch_add(1, std::memory_order_relaxed);
+        CallRecord::note_cache_hit();
+        return it->second.copy;
+      }
+    }
+    at::Tensor copy = t.to(to);  // outside the lock: casts of other weights run in parallel
+    g_casts.fetch_add(1, std::memory_order_relaxed);
+    CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl,
+                                                                 c10::UndefinedTensorImpl>(
+                                             t.getIntrusivePtr()),
+                                         copy, t._version()});
+    return copy;
+  }
+
+  void clear() {
+    ska::flat_hash_map<Key, Entry, KeyHash> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped.swap(entries_);
+    }  // copies are freed outside the lock
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_.size();
+  }
+
+ private:
+  static bool is_fresh(const Entry& e, const at::Tensor& t) {
+    if (e.weight_version != t._version()) return false;  // edited in place since the cast
+    // A copy made under no_grad has no history; reusing it with grad on
+    // would silently cut the weight out of the graph.
+    return e.copy.requires_grad() || !at::GradMode::is_enabled();
+  }
+
+  std::mutex mutex_;
+  ska::flat_hash_map<Key, Entry, KeyHash> entries_;
+};
+
+CastCache& cache() {
+  static CastCache* c = new CastCache();  // leaked: tensors may die during static destruction
+  return *c;
+}
+
+}  // namespace
+
+bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
+  return (to == at::kHalf || to == at::kBFloat16) && t.scalar_type() == at::kFloat &&
+         t.requires_grad() && t.is_leaf() && !t.is_view() && !c10::InferenceMode::is_enabled();
+}
+
+at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) { return cache().get_or_cast(t, to); }
+
+at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
+  if (is_cacheable(t, to)) return cached_cast(t, to);
+  at::Tensor copy = t.to(to);
+  g_casts.fetch_add(1, std::memory_order_relaxed);
+  CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
+  return copy;
+}
+
+}  // namespace detail
+
+CastCounts cast_counts() {
+  return {detail::g_casts.load(std::memory_order_relaxed),
+          detail::g_cache_hits.load(std::memory_order_relaxed)};
+}
+
+void clear_cast_cache() { detail::cache().clear(); }
+
+size_t cast_cache_size() { return detail::cache().size(); }
+
+}  // namespace amp

@@ -1,0 +1,105 @@
+#include "context.h"
+
+#include <amp/cast_cache.h>
+
+#include "casting_scope_internal.h"
+#include "dispatch/interceptor.h"
+#include "log.h"
+#include "policy_registry.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+namespace amp::detail {
+namespace {
+
+std::mutex g_live_mutex;
+std::shared_ptr<Context> g_live;
+
+std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o) {
+  if (!p.intercepts_ops()) return {};
+  // O1/O4 cast fp32 weights per op; O2/O3/O5 let a low-precision model's
+  // weights decide, so fp32 inputs meet them and fp32-kept modules stay fp32.
+  const bool weights_decide = !p.patch_torch_functions;
+  const bool fp32_ops = p.patch_torch_functions || p.cast_model_outputs == c10::kFloat;
+  return {
+      {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
+       o.allow_banned},
+      {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
+       fp32_ops, o.allow_banned},
+  };
+}
+
+}  // namespace
+
+Context::Context(const Properties& properties, const Options& options)
+    : properties_(properties),
+      options_(options),
+      casting_(casting_for(properties, options)),
+      owner_(std::this_thread::get_id()) {
+  for (int i = 0; i < options.num_losses; ++i) {
+    scalers_.push_back(
+        std::make_unique<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
+  }
+  skip_logs_.resize(scalers_.size());
+  if (!casting_.empty()) {
+    interceptor_ = std::make_unique<Interceptor>(casting_);
+    set_live_interceptor(interceptor_.get());
+    owner_casting_ = std::make_unique<ThreadCasting>(casting_);
+  }
+}
+
+Context::~Context() {
+  if (shut_down_) return;
+  if (std::this_thread::get_id() != owner_ && owner_casting_) {
+    log_line("error: amp's context is destroyed on another thread than the one that "
+             "initialized it; that thread's autocast state stays enabled. Call "
+             "amp::deinitialize() on the initializing thread.");
+    (void)owner_casting_.release();  // restoring it here would edit this thread's state
+  }
+  teardown();
+}
+
+void Context::teardown() {
+  set_live_interceptor(nullptr);
+  interceptor_.reset();
+  owner_casting_.reset();
+  clear_cast_cache();
+  shut_down_ = true;
+}
+
+LossScaler& Context::scaler(int loss_id) {
+  TORCH_CHECK(loss_id >= 0 && loss_id < num_losses(), "amp: loss_id ", loss_id,
+              " is out of range: amp was initialized with num_losses=", num_losses(), ".");
+  return *scalers_[loss_id];
+}
+
+void Context::shutdown() {
+  if (shut_down_) return;
+  TORCH_CHECK(std::this_thread::get_id() == owner_ || !owner_casting_,
+              "amp: deinitialize() must run on the thread that called amp::initialize, which "
+              "owns amp's casting state.");
+  TORCH_CHECK(worker_threads.load() == 0, "amp: deinitialize() while ", worker_threads.load(),
+              " amp::enable_casts scope(s) are alive on other threads; end them first.");
+  teardown();
+}
+
+std::shared_ptr<Context> live_context() {
+  std::lock_guard<std::mutex> lock(g_live_mutex);
+  return g_live;
+}
+
+std::shared_ptr<Context> require_live_context(const char* what) {
+  std::shared_ptr<Context> context = live_context();
+  TORCH_CHECK(context != nullptr, "amp: ", what, " needs amp to be initialized; call "
+              "amp::initialize(model, optimizer, opt_level) first.");
+  return context;
+}
+
+void set_live_context(std::shared_ptr<Context> context) {
+  std::lock_guard<std::mutex> lock(g_live_mutex);
+  g_live = std::move(context);
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,28 @@
+// Out-of-line decisions of the interception kernels: backward detection and
+// the banned-op error.
+#include "dispatch/cast.h"
+#include "dispatch/op_binding.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace amp::detail {
+
+// The autograd engine sets the current graph task on every thread that
+// executes a backward pass (the caller's thread for CPU, device threads for
+// CUDA) and clears it afterwards.
+bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+void throw_banned(const OpBinding& binding) {
+  TORCH_CHECK(false, "amp: ", binding.display_name, " is unsafe to run in ",
+              c10::toString(binding.casting->low_dtype),
+              " (banned by amp's cast policy for ", binding.casting->device,
+              "). Many models apply a sigmoid right before binary_cross_entropy; in low precision "
+              "the sigmoid saturates and the log underflows. Combine the two with "
+              "torch::binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which is "
+              "safe under amp. To run ", binding.display_name,
+              " in float32 instead, set amp::Options::allow_banned = true, or call "
+              "amp::register_float_function(\"", binding.display_name, "\").");
+}
+
+}  // namespace amp::detail

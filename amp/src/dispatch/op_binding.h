@@ -1,0 +1,43 @@
+// Private: the run-time state an interception kernel reads on every call.
+#pragma once
+
+#include <amp/cast_policy.h>
+
+#include <ATen/core/operator_name.h>
+#include <c10/core/DispatchKey.h>
+#include <c10/core/ScalarType.h>
+
+#include <atomic>
+#include <string>
+
+namespace amp::detail {
+
+// How amp casts on one device while an Interceptor lives. Fixed for its life.
+struct DeviceCasting {
+  c10::DeviceType device;
+  c10::DispatchKey autocast_key;  // AutocastCPU or AutocastCUDA
+  c10::ScalarType low_dtype;      // float16 or bfloat16
+  // O2/O3: lower-precision ops run in the dtype of their weights (leaf
+  // tensors that require grad), so fp32 inputs meet a low-precision model.
+  bool weights_decide = false;
+  // False when cast_model_outputs is the low dtype: fp32-family policies
+  // leave their ops alone.
+  bool fp32_ops = true;
+  bool allow_banned = false;
+};
+
+// One intercepted (operator, device) pair. Its address is stable for the
+// lifetime of the kernel registered with it.
+struct OpBinding {
+  std::string display_name;  // "aten::softmax.int"
+  const DeviceCasting* casting;
+  // The policy the kernel applies: the table's policy after the device's
+  // settings (fp32_ops, allow_banned) are folded in, so the hot path reads
+  // one value.
+  std::atomic<CastPolicy> policy{CastPolicy::kPassthrough};
+  CastPolicy table_policy = CastPolicy::kPassthrough;  // before folding
+
+  void set_policy(CastPolicy table);
+};
+
+}  // namespace amp::detail

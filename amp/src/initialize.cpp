@@ -1,0 +1,176 @@
+#include <amp/initialize.h>
+
+#include <amp/model_conversion.h>
+
+#include "context.h"
+#include "log.h"
+
+#include <c10/util/Exception.h>
+
+#include <mutex>
+#include <sstream>
+
+namespace amp {
+namespace {
+
+std::mutex g_initialize_mutex;
+std::vector<std::weak_ptr<torch::nn::Module>> g_converted_models;
+std::vector<std::weak_ptr<torch::optim::Optimizer>> g_wrapped_optimizers;
+
+template <class T>
+bool contains(std::vector<std::weak_ptr<T>>& seen, const std::shared_ptr<T>& item) {
+  bool found = false;
+  for (auto it = seen.begin(); it != seen.end();) {
+    if (it->expired()) {
+      it = seen.erase(it);
+      continue;
+    }
+    found = found || it->lock() == item;
+    ++it;
+  }
+  return found;
+}
+
+// The one device every parameter and buffer lives on (CPU when there are none).
+c10::Device common_device(const std::vector<ModulePtr>& models,
+                          const std::vector<OptimizerPtr>& optimizers) {
+  std::optional<c10::Device> device;
+  auto visit = [&](const at::Tensor& t, const std::string& where) {
+    if (!device) device = t.device();
+    TORCH_CHECK(t.device() == *device, "amp: parameters and buffers must all live on one "
+                "device, but ", where, " is on ", t.device(), " and others on ", *device,
+                ". Move the model with model->to(device) before amp::initialize.");
+  };
+  for (const auto& model : models) {
+    for (const auto& p : model->named_parameters()) visit(p.value(), "parameter " + p.key());
+    for (const auto& b : model->named_buffers()) visit(b.value(), "buffer " + b.key());
+  }
+  for (const auto& optimizer : optimizers) {
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) visit(p, "an optimizer parameter");
+    }
+  }
+  return device.value_or(c10::Device(c10::kCPU));
+}
+
+void warn_about_dtypes(const std::vector<ModulePtr>& models, const Properties& p, int verbosity) {
+  if (verbosity < 1 || !p.cast_model_type) return;
+  for (const auto& model : models) {
+    for (const auto& param : model->named_parameters()) {
+      const c10::ScalarType t = param.value().scalar_type();
+      if (!param.value().is_floating_point()) continue;
+      if (*p.cast_model_type == c10::kFloat && t != c10::kFloat) {
+        detail::log_line("warning: opt_level O0 expects float32 parameters, but " + param.key() + " is " +
+                 c10::toString(t) + ". O0 leaves the model as it is.");
+        return;
+      }
+      if (*p.cast_model_type != c10::kFloat && t == *p.cast_model_type) {
+        detail::log_line("warning: parameter " + param.key() + " is already " + c10::toString(t) +
+                 ". You do not need to convert the model before amp::initialize; masters of "
+                 "already-rounded weights lose the precision O2 keeps.");
+        return;
+      }
+    }
+  }
+}
+
+void shut_down_live(const std::shared_ptr<detail::Context>& context) {
+  context->shutdown();
+  detail::set_live_context(nullptr);
+}
+
+}  // namespace
+
+std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>& models,
+                                                    std::vector<OptimizerPtr> optimizers,
+                                                    const Options& options) {
+  std::lock_guard<std::mutex> lock(g_initialize_mutex);
+  if (auto live = detail::live_context()) {
+    TORCH_CHECK(false, "amp: amp is already initialized (opt_level ",
+                to_string(live->properties().opt_level), "). Call amp::deinitialize() (or "
+                "destroy its amp::Handle) before initializing again.");
+  }
+  TORCH_CHECK(options.num_losses >= 1, "amp: num_losses must be >= 1, got ", options.num_losses);
+  TORCH_CHECK(options.verbosity >= 0 && options.verbosity <= 2,
+              "amp: verbosity must be 0, 1 or 2, got ", options.verbosity);
+  for (const auto& model : models) {
+    TORCH_CHECK(model != nullptr, "amp: initialize got a null model.");
+    TORCH_CHECK(model->name().find("DataParallel") == std::string::npos, "amp: the model is "
+                "wrapped in ", model->name(), ". Call amp::initialize on the bare model and wrap "
+                "it for data parallelism afterwards.");
+    TORCH_CHECK(!contains(g_converted_models, model), "amp: this model was already converted "
+                "by an earlier amp::initialize; its float32 values are gone. Pass a fresh "
+                "float32 model (or load an fp32 checkpoint into it) before initializing again.");
+  }
+  for (const auto& optimizer : optimizers) {
+    TORCH_CHECK(optimizer != nullptr, "amp: initialize got a null optimizer.");
+    TORCH_CHECK(dynamic_cast<MixedPrecisionOptimizer*>(optimizer.get()) == nullptr &&
+                    !contains(g_wrapped_optimizers, optimizer),
+                "amp: this optimizer was already passed through amp::initialize. Create a new "
+                "optimizer for a new initialization.");
+  }
+  const c10::Device device = common_device(models, optimizers);
+  const Properties properties = resolve_properties(options.opt_level, options, device.type());
+  warn_about_dtypes(models, properties, options.verbosity);
+
+  // Everything is validated; from here on amp changes state.
+  std::vector<std::pair<at::Tensor, at::Tensor>> fp32_originals;
+  const bool convert = properties.cast_model_type && *properties.cast_model_type != c10::kFloat;
+  for (const auto& model : models) {
+    if (!convert) continue;
+    for (auto& c : convert_model(*model, *properties.cast_model_type,
+                                 properties.keep_batchnorm_fp32, options.keep_fp32)) {
+      fp32_originals.emplace_back(c.parameter, c.fp32_original);
+    }
+    g_converted_models.push_back(model);
+  }
+  auto context = std::make_shared<detail::Context>(properties, options);
+  detail::set_live_context(context);
+  context_ = context;
+  std::vector<OptimizerPtr> wrapped;
+  for (auto& optimizer : optimizers) {
+    g_wrapped_optimizers.push_back(optimizer);
+    wrapped.push_back(std::make_shared<MixedPrecisionOptimizer>(
+        optimizer, properties.master_weights, fp32_originals, context));
+  }
+  if (options.verbosity >= 1) std::cerr << describe(properties);
+  return wrapped;
+}
+
+Handle::~Handle() {
+  try {
+    deinitialize();
+  } catch (const std::exception& e) {
+    detail::log_line(std::string("error: deinitializing amp failed: ") + e.what());
+  }
+}
+
+void Handle::deinitialize() {
+  std::lock_guard<std::mutex> lock(g_initialize_mutex);
+  if (active()) shut_down_live(context_);
+  context_.reset();
+}
+
+bool Handle::active() const {
+  return context_ != nullptr && detail::live_context() == context_;
+}
+
+Handle& global_handle() {
+  static Handle* handle = new Handle();  // never destroyed: no teardown during static exit
+  return *handle;
+}
+
+void deinitialize() {
+  std::lock_guard<std::mutex> lock(g_initialize_mutex);
+  shut_down_live(detail::require_live_context("amp::deinitialize"));
+}
+
+bool is_initialized() { return detail::live_context() != nullptr; }
+
+Properties properties() { return detail::require_live_context("amp::properties")->properties(); }
+
+double loss_scale(int loss_id) {
+  return detail::require_live_context("amp::loss_scale")->scaler(loss_id).scale();
+}
+
+}  // namespace amp

@@ -1,0 +1,119 @@
+#include <amp/loss_scaler.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+#include <map>
+#include <tuple>
+
+namespace amp {
+
+LossScaler::LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id)
+    : loss_id_(loss_id), dynamic_(loss_scale.dynamic), options_(dynamic) {
+  scale_ = at::full({1}, loss_scale.value, at::kFloat);
+  growth_tracker_ = at::zeros({1}, at::kInt);
+  hysteresis_tracker_ = at::full({1}, dynamic.hysteresis, at::kInt);
+}
+
+const at::Tensor& LossScaler::scale_tensor(c10::Device device) {
+  if (scale_.device() != device) {
+    scale_ = scale_.to(device);
+    growth_tracker_ = growth_tracker_.to(device);
+    hysteresis_tracker_ = hysteresis_tracker_.to(device);
+  }
+  return scale_;
+}
+
+double LossScaler::scale() const { return scale_.item<double>(); }
+int64_t LossScaler::growth_tracker() const { return growth_tracker_.item<int64_t>(); }
+int64_t LossScaler::hysteresis_tracker() const { return hysteresis_tracker_.item<int64_t>(); }
+
+double LossScaler::floor() const {
+  return options_.min_loss_scale.value_or(std::numeric_limits<float>::min());
+}
+
+void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
+  if (grads.empty()) return;
+  const c10::Device home = scale_.device();
+  // GradScaler computes 1/scale in double, then rounds once to float.
+  const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;  // (device, index, dtype)
+  for (const auto& g : grads) {
+    groups[{static_cast<int>(g.device().type()), g.device().index(),
+            static_cast<int>(g.scalar_type())}].push_back(g);
+  }
+  for (auto& [key, group] : groups) {
+    const c10::Device device = group.front().device();
+    if (device == home) {
+      at::_amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale);
+    } else {  // model parallel: check on the gradients' device, fold into found_inf
+      at::Tensor found_here = at::zeros({1}, found_inf.options().device(device));
+      at::_amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device));
+      found_inf.add_(found_here.to(home));
+    }
+  }
+}
+
+at::Tensor LossScaler::update(const at::Tensor& found_inf) {
+  const at::Tensor before = at::cat({found_inf, scale_});
+  if (dynamic_) {
+    if (options_.hysteresis == 1) {
+      at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor,
+                             options_.backoff_factor, options_.growth_interval);
+    } else {
+      update_with_hysteresis(found_inf);
+    }
+    scale_.clamp_(floor(), options_.max_loss_scale);
+  }
+  return at::cat({before, scale_});
+}
+
+// Megatron's DynamicGradScaler.update, as tensor ops: an overflow resets the
+// growth tracker and spends one unit of hysteresis; the scale backs off once
+// hysteresis is spent; growth refills it.
+void LossScaler::update_with_hysteresis(const at::Tensor& found_inf) {
+  const at::Tensor found = found_inf > 0;
+  hysteresis_tracker_.copy_(at::where(found, hysteresis_tracker_ - 1, hysteresis_tracker_));
+  const at::Tensor back_off = found & (hysteresis_tracker_ <= 0);
+  growth_tracker_.copy_(at::where(found, at::zeros_like(growth_tracker_), growth_tracker_ + 1));
+  const at::Tensor grow = growth_tracker_ >= options_.growth_interval;
+  const at::Tensor grown = scale_ * options_.growth_factor;
+  scale_.copy_(at::where(back_off, scale_ * options_.backoff_factor, scale_));
+  scale_.copy_(at::where(grow & at::isfinite(grown), grown, scale_));
+  growth_tracker_.masked_fill_(grow, 0);
+  hysteresis_tracker_.masked_fill_(grow, options_.hysteresis);
+}
+
+void LossScaler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("scale", scale_.cpu());
+  archive.write("growth_tracker", growth_tracker_.cpu());
+  archive.write("hysteresis_tracker", hysteresis_tracker_.cpu());
+  archive.write("dynamic", at::scalar_tensor(dynamic_ ? 1 : 0, at::kInt));
+}
+
+void LossScaler::load(torch::serialize::InputArchive& archive) {
+  auto read = [&](const char* key, at::ScalarType dtype) {
+    at::Tensor t;
+    TORCH_CHECK(archive.try_read(key, t), "amp: loss scaler ", loss_id_,
+                " state has no entry '", key, "'; was it saved by amp::save_state?");
+    TORCH_CHECK(t.scalar_type() == dtype && t.numel() == 1, "amp: loss scaler ", loss_id_,
+                " entry '", key, "' should hold one ", dtype, " value, got ", t.scalar_type(),
+                " with ", t.numel(), " values");
+    return t;
+  };
+  const at::Tensor scale = read("scale", at::kFloat);
+  const at::Tensor growth = read("growth_tracker", at::kInt);
+  const at::Tensor hysteresis = read("hysteresis_tracker", at::kInt);
+  const at::Tensor dynamic = read("dynamic", at::kInt);
+  TORCH_CHECK((dynamic.item<int>() != 0) == dynamic_, "amp: loss scaler ", loss_id_,
+              " was saved with ", dynamic.item<int>() ? "dynamic" : "static",
+              " loss scaling, but this run uses ", dynamic_ ? "dynamic" : "static",
+              " scaling; initialize with the same opt_level and loss_scale as the checkpoint.");
+  const c10::Device device = scale_.device();
+  scale_ = scale.reshape({1}).to(device);
+  growth_tracker_ = growth.reshape({1}).to(device);
+  hysteresis_tracker_ = hysteresis.reshape({1}).to(device);
+}
+
+}  // namespace amp

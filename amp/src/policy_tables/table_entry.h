@@ -1,0 +1,40 @@
+// Private: the form of a policy-table row, and the macros the tables use.
+//
+// A row names an ATen operator through its generated at::_ops struct, so the
+// name is checked at compile time and the row carries the unboxed kernel for
+// that signature.
+#pragma once
+
+#include "dispatch/typed_kernel.h"
+
+#include <ATen/Operators.h>
+
+#include <vector>
+
+namespace amp::detail {
+
+struct TableEntry {
+  const char* name;      // "aten::conv1d"
+  const char* overload;  // "padding", or "" for the default overload
+  CastPolicy policy;
+  KernelFactory make_kernel;
+};
+
+template <class Op, class AppendTarget = void>
+TableEntry table_entry(CastPolicy policy) {
+  return {Op::name, Op::overload_name, policy, &make_typed_kernel<Op, AppendTarget>};
+}
+
+// The default tables, mirroring LibTorch 2.11's autocast_mode.cpp per device.
+const std::vector<TableEntry>& cpu_policy_table();
+const std::vector<TableEntry>& cuda_policy_table();
+
+}  // namespace amp::detail
+
+#define AMP_OP(op, policy) ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::policy)
+#define AMP_OP_OVERLOAD(op, overload, policy) \
+  ::amp::detail::table_entry<::at::_ops::op##_##overload>(::amp::CastPolicy::policy)
+// Registered as `op.overload`, redirected to `op.target` with a trailing dtype.
+#define AMP_OP_APPEND_DTYPE(op, overload, target)                       \
+  ::amp::detail::table_entry<::at::_ops::op##_##overload, ::at::_ops::op##_##target>( \
+      ::amp::CastPolicy::kFp32AppendDtype)

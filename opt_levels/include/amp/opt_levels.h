@@ -1,0 +1,139 @@
+// amp's optimization levels O0-O5, as data, and the validation of overrides.
+//
+// An opt level is a named set of properties (Apex's table). A user picks a level
+// and may override single properties; resolve_properties() applies the
+// overrides and rejects every combination that makes no sense, with an error
+// that says what to do instead.
+//
+//   level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
+//   O0     float32          false                  -                    false           1.0
+//   O1     -                true                   -                    -               dynamic
+//   O2     low precision    false                  true                 true            dynamic
+//   O3     low precision    false                  false                false           1.0
+//   O4     -                true (bf16)            -                    -               1.0
+//   O5     bfloat16         false                  true                 true            1.0
+//
+// "low precision" is the model device's dtype: float16 on CUDA, bfloat16 on
+// CPU, unless PropertyOverrides::cpu_dtype / cuda_dtype choose otherwise. O4
+// and O5 are the bf16 levels of Apex-ROCm (O1 and O2 in bfloat16; bf16's fp32
+// exponent range needs no loss scaling).
+//
+// Example:
+//   amp::PropertyOverrides overrides;
+//   overrides.keep_batchnorm_fp32 = false;
+//   amp::Properties p = amp::resolve_properties(amp::O2, overrides, c10::kCUDA);
+//
+// Errors (c10::Error, thrown by resolve_properties and parse_opt_level):
+//   - an unknown level name ("o1", "0O", "O9"): lists the valid names and notes
+//     that the O is the letter O;
+//   - cast_model_type other than float32 under O1/O4 (use O2 or O3 to cast the
+//     model);
+//   - patch_torch_functions=true outside O1/O4 (choose O1);
+//   - keep_batchnorm_fp32 or master_weights set at all under O1/O4 (O1 keeps
+//     the model fp32, so neither applies);
+//   - a dtype other than float16/bfloat16, or float16 under O4/O5;
+//   - scaler values out of range: a loss scale <= 0 or not finite,
+//     growth_factor <= 1, backoff_factor outside (0, 1), growth_interval < 1,
+//     hysteresis < 1, min_loss_scale > max_loss_scale.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace amp {
+
+enum class OptLevel : uint8_t { O0, O1, O2, O3, O4, O5 };
+
+inline constexpr OptLevel O0 = OptLevel::O0;  // FP32 baseline; scale_loss still works.
+inline constexpr OptLevel O1 = OptLevel::O1;  // per-op casts, fp32 weights.
+inline constexpr OptLevel O2 = OptLevel::O2;  // low-precision model, fp32 BN and masters.
+inline constexpr OptLevel O3 = OptLevel::O3;  // everything low precision.
+inline constexpr OptLevel O4 = OptLevel::O4;  // O1 in bfloat16.
+inline constexpr OptLevel O5 = OptLevel::O5;  // O2 in bfloat16.
+
+// "O0".."O5". Anything else is an error listing the valid names.
+OptLevel parse_opt_level(std::string_view name);
+const char* to_string(OptLevel level);
+
+// What the optimizer steps and how gradients are scaled.
+struct LossScale {
+  bool dynamic = true;
+  double value = 65536.0;  // static: the fixed scale; dynamic: the initial scale.
+
+  static LossScale Dynamic(double init_scale = 65536.0) { return {true, init_scale}; }
+  static LossScale Static(double scale) { return {false, scale}; }
+};
+
+// What a dynamic scaler does when gradients overflow with the scale already at
+// min_loss_scale: keep skipping steps at the floor, or throw.
+enum class AtFloor : uint8_t { kHold, kRaise };
+
+// Knobs of dynamic loss scaling (Apex, GradScaler, DeepSpeed, Megatron).
+struct DynamicScaling {
+  double growth_factor = 2.0;     // scale *= growth_factor after growth_interval clean steps
+  double backoff_factor = 0.5;    // scale *= backoff_factor on overflow
+  int64_t growth_interval = 2000;
+  // Without a floor the scale still never drops below the smallest normal
+  // float (2**-126), so it cannot collapse to a denormal or zero.
+  std::optional<double> min_loss_scale;
+  double max_loss_scale = 16777216.0;  // 2**24, Apex's default ceiling
+  // Overflows tolerated before the scale backs off (the step is skipped either
+  // way); reset when the scale grows (Megatron's DynamicGradScaler).
+  int64_t hysteresis = 1;
+  AtFloor at_floor = AtFloor::kHold;
+};
+
+// Overrides of a level's properties: anything set replaces the level's value.
+struct PropertyOverrides {
+  std::optional<c10::ScalarType> cast_model_type;
+  std::optional<bool> patch_torch_functions;
+  std::optional<bool> keep_batchnorm_fp32;
+  std::optional<bool> master_weights;
+  std::optional<LossScale> loss_scale;
+  // Dtype of ops that Apex computes on the model's outputs (losses, softmax,
+  // norms: amp's fp32 list) at O2/O3. float32 (default) or the low dtype.
+  std::optional<c10::ScalarType> cast_model_outputs;
+  // Low-precision dtype per device: float16 or bfloat16. Defaults: CUDA
+  // float16, CPU bfloat16 (LibTorch's native autocast defaults).
+  std::optional<c10::ScalarType> cpu_dtype;
+  std::optional<c10::ScalarType> cuda_dtype;
+  DynamicScaling dynamic_scaling;
+};
+
+// A level with its overrides applied and validated.
+struct Properties {
+  OptLevel opt_level = OptLevel::O1;
+  // nullopt: the model is not touched (O1). kFloat: checked to be fp32 (O0).
+  // kHalf / kBFloat16: converted (O2/O3: the model device's low dtype).
+  std::optional<c10::ScalarType> cast_model_type;
+  bool patch_torch_functions = false;
+  bool keep_batchnorm_fp32 = false;
+  bool master_weights = false;
+  LossScale loss_scale;
+  c10::ScalarType cast_model_outputs = c10::kFloat;
+  c10::ScalarType cpu_dtype = c10::kBFloat16;
+  c10::ScalarType cuda_dtype = c10::kHalf;
+  DynamicScaling dynamic_scaling;
+
+  // The low-precision dtype used for tensors on `device`.
+  c10::ScalarType low_precision_dtype(c10::DeviceType device) const;
+  // True when amp intercepts ops in the dispatcher: O1/O4 cast fp32 weights
+  // per op; O2/O3/O5 cast activations to meet a low-precision model (C++
+  // cannot patch forward, so the dispatcher does what Apex's forward patch did).
+  bool intercepts_ops() const;
+};
+
+// Applies `overrides` to `level`'s defaults and validates the result. The
+// model's device picks O2/O3's cast_model_type (its low-precision dtype).
+Properties resolve_properties(OptLevel level, const PropertyOverrides& overrides,
+                              c10::DeviceType model_device = c10::DeviceType::CUDA);
+
+// A short multi-line table of the resolved properties (printed at verbosity 1).
+std::string describe(const Properties& properties);
+
+}  // namespace amp

@@ -1,0 +1,128 @@
+// resolve_properties: a level's defaults plus the user's overrides, validated
+// the way Apex's Properties setters validate them, plus range checks on the
+// loss-scaling knobs.
+#include "levels.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace amp {
+namespace {
+
+bool is_low_precision(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
+
+bool is_o1_family(OptLevel level) { return level == O1 || level == O4; }
+
+void check_dtype(const char* name, const std::optional<c10::ScalarType>& dtype,
+                 const LevelDefaults& level) {
+  if (!dtype) return;
+  TORCH_CHECK(is_low_precision(*dtype), "amp: ", name,
+              " must be float16 (c10::kHalf) or bfloat16 (c10::kBFloat16), got ", *dtype);
+  TORCH_CHECK(!level.bfloat16_only || *dtype == c10::kBFloat16, "amp: ", to_string(level.level),
+              " is a bfloat16 level, so ", name, " cannot be ", *dtype, "; use ",
+              level.level == O4 ? "O1" : "O2", " for float16.");
+}
+
+void check_positive_finite(const char* name, double value) {
+  TORCH_CHECK(std::isfinite(value) && value > 0, "amp: ", name,
+              " must be a finite number > 0, got ", value);
+}
+
+void check_dynamic_scaling(const DynamicScaling& d) {
+  TORCH_CHECK(std::isfinite(d.growth_factor) && d.growth_factor > 1,
+              "amp: growth_factor must be > 1 so the scale can grow, got ", d.growth_factor);
+  TORCH_CHECK(d.backoff_factor > 0 && d.backoff_factor < 1,
+              "amp: backoff_factor must lie in (0, 1) so the scale shrinks on overflow, got ",
+              d.backoff_factor);
+  TORCH_CHECK(d.growth_interval >= 1, "amp: growth_interval must be >= 1 step, got ",
+              d.growth_interval);
+  TORCH_CHECK(d.hysteresis >= 1,
+              "amp: hysteresis must be >= 1 (1 backs off on every overflow), got ", d.hysteresis);
+  check_positive_finite("max_loss_scale", d.max_loss_scale);
+  if (d.min_loss_scale) {
+    check_positive_finite("min_loss_scale", *d.min_loss_scale);
+    TORCH_CHECK(*d.min_loss_scale <= d.max_loss_scale, "amp: min_loss_scale (",
+                *d.min_loss_scale, ") must not exceed max_loss_scale (", d.max_loss_scale, ")");
+  }
+}
+
+}  // namespace
+
+Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
+                              c10::DeviceType model_device) {
+  const LevelDefaults& defaults = level_defaults(level);
+  const char* name = to_string(level);
+  check_dtype("cpu_dtype", o.cpu_dtype, defaults);
+  check_dtype("cuda_dtype", o.cuda_dtype, defaults);
+  check_dynamic_scaling(o.dynamic_scaling);
+
+  Properties p;
+  p.opt_level = level;
+  p.cpu_dtype = defaults.bfloat16_only ? c10::kBFloat16 : o.cpu_dtype.value_or(c10::kBFloat16);
+  p.cuda_dtype = defaults.bfloat16_only ? c10::kBFloat16 : o.cuda_dtype.value_or(c10::kHalf);
+  p.dynamic_scaling = o.dynamic_scaling;
+
+  switch (defaults.model_cast) {
+    case ModelCast::kNone: break;
+    case ModelCast::kFloat32: p.cast_model_type = c10::kFloat; break;
+    case ModelCast::kLowPrecision: p.cast_model_type = p.low_precision_dtype(model_device); break;
+  }
+  if (o.cast_model_type) {
+    const c10::ScalarType t = *o.cast_model_type;
+    TORCH_CHECK(t == c10::kFloat || is_low_precision(t),
+                "amp: cast_model_type must be float32, float16 or bfloat16, got ", t);
+    TORCH_CHECK(!is_o1_family(level) || t == c10::kFloat, "amp: ", name,
+                " inserts casts around LibTorch ops rather than casting model weights, so "
+                "the model weights themselves should remain float32. To cast the model to ",
+                t, ", use opt_level O2 or O3. cast_model_type was ", t);
+    p.cast_model_type = t;
+  }
+
+  p.patch_torch_functions = defaults.patch_torch_functions;
+  if (o.patch_torch_functions) {
+    TORCH_CHECK(!*o.patch_torch_functions || is_o1_family(level), "amp: patch_torch_functions=true "
+                "(per-op casting of fp32 weights) is what O1 does; select opt_level O1 instead "
+                "of ", name, " with this override.");
+    p.patch_torch_functions = *o.patch_torch_functions;
+  }
+
+  TORCH_CHECK(!o.keep_batchnorm_fp32 || !is_o1_family(level), "amp: with opt_level ", name,
+              " the model stays float32 and batchnorm ops run in the dtype of their input, so "
+              "keep_batchnorm_fp32 must be left unset. keep_batchnorm_fp32 was ",
+              *o.keep_batchnorm_fp32);
+  p.keep_batchnorm_fp32 = o.keep_batchnorm_fp32.value_or(defaults.keep_batchnorm_fp32.value_or(false));
+
+  TORCH_CHECK(!o.master_weights || !is_o1_family(level), "amp: master_weights make no sense "
+              "with opt_level ", name, ": the model weights themselves stay float32. Leave "
+              "master_weights unset, or use O2.");
+  p.master_weights = o.master_weights.value_or(defaults.master_weights.value_or(false));
+
+  p.loss_scale = defaults.static_loss_scale ? LossScale::Static(*defaults.static_loss_scale)
+                                            : LossScale::Dynamic();
+  if (o.loss_scale) {
+    check_positive_finite(o.loss_scale->dynamic ? "the initial dynamic loss scale"
+                                                : "a static loss scale",
+                          o.loss_scale->value);
+    p.loss_scale = *o.loss_scale;
+  }
+  if (p.loss_scale.dynamic) {  // Apex clamps the initial scale into [min, max].
+    p.loss_scale.value = std::min(p.loss_scale.value, p.dynamic_scaling.max_loss_scale);
+    p.loss_scale.value = std::max(p.loss_scale.value,
+                                  p.dynamic_scaling.min_loss_scale.value_or(0.0));
+  }
+
+  if (o.cast_model_outputs) {
+    const c10::ScalarType t = *o.cast_model_outputs;
+    const bool casts_model = p.cast_model_type && *p.cast_model_type != c10::kFloat;
+    TORCH_CHECK(casts_model, "amp: cast_model_outputs applies to levels that cast the model "
+                "(O2, O3, O5); under ", name, " the dtype of ops on the model's outputs follows "
+                "the op's cast policy. Remove the override.");
+    TORCH_CHECK(t == c10::kFloat || t == *p.cast_model_type, "amp: cast_model_outputs must be "
+                "float32 or the model's dtype ", *p.cast_model_type, ", got ", t);
+    p.cast_model_outputs = t;
+  }
+  return p;
+}
+
+}  // namespace amp

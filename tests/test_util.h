@@ -1,0 +1,58 @@
+// Shared helpers for amp's tests.
+#pragma once
+
+#include <amp/amp.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+// Expects `statement` to throw a c10::Error whose message contains `substring`.
+#define EXPECT_AMP_ERROR(statement, substring)                          \
+  EXPECT_THAT([&] { statement; }, ::testing::ThrowsMessage<c10::Error>( \
+                                      ::testing::HasSubstr(substring)))
+
+namespace amp::testing {
+
+// Exact equality: same dtype, shape and every bit of every value.
+inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type()) {
+    return ::testing::AssertionFailure() << "dtypes differ: " << a.scalar_type() << " vs "
+                                         << b.scalar_type();
+  }
+  if (a.sizes() != b.sizes()) {
+    return ::testing::AssertionFailure() << "shapes differ: " << a.sizes() << " vs " << b.sizes();
+  }
+  const at::Tensor x = a.detach().cpu().contiguous(), y = b.detach().cpu().contiguous();
+  if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) {
+    return ::testing::AssertionFailure() << "values differ, max |a-b| = "
+                                         << (x.to(at::kDouble) - y.to(at::kDouble)).abs().max().item<double>();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Deinitializes amp and drops user registrations after every test, so tests
+// are independent even when one fails half-way.
+class AmpTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (amp::is_initialized()) amp::deinitialize();
+    amp::reset_user_registrations();
+  }
+  static amp::Options quiet(amp::Options options) {
+    options.verbosity = 0;
+    return options;
+  }
+};
+
+// Two linear layers and a ReLU: enough for casts, caches and steps.
+struct TinyNetImpl : torch::nn::Module {
+  TinyNetImpl(int64_t in = 8, int64_t hidden = 16, int64_t out = 4)
+      : fc1(register_module("fc1", torch::nn::Linear(in, hidden))),
+        fc2(register_module("fc2", torch::nn::Linear(hidden, out))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(TinyNet);
+
+}  // namespace amp::testing

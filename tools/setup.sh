@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs what amp's build needs, then configures and builds it.
+#
+# Idempotent and quick when everything is present: Debian packages are
+# installed only when missing, LibTorch 2.11.0 comes from the PyPI torch wheel
+# in the project-local virtual environment .venv/, and the CMake build lives in
+# build/ (override with AMP_BUILD_DIR). Extra arguments are passed to CMake's
+# configure step, e.g. tools/setup.sh -DAMP_SANITIZE=ON.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build_dir=${AMP_BUILD_DIR:-$root/build}
+torch_version=2.11.0
+
+packages=(cmake g++ ninja-build python3-venv libabsl-dev googletest libgtest-dev
+          libbenchmark-dev dataset-fashion-mnist gnuplot-nox)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+venv=$root/.venv
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if ! "$venv/bin/python" - 2>/dev/null <<PY
+import sys, torch
+sys.exit(torch.__version__.split("+")[0] != "$torch_version")
+PY
+then
+  echo "setup: installing torch==$torch_version (LibTorch) into .venv"
+  "$venv/bin/pip" install -q "torch==$torch_version"
+fi
+torch_prefix=$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+
+if [ ! -f "$build_dir/CMakeCache.txt" ] || (($#)); then
+  cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 "$@" \
+    > "$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
+fi
+cmake --build "$build_dir" -j"$(nproc)"
