@@ -96,12 +96,30 @@ CastCache& cache() {
 
 }  // namespace
 
-bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
-  return (to == at::kHalf || to == at::kBFloat16) && t.scalar_type() == at::kFloat &&
-         t.requires_grad() && t.is_leaf() && !t.is_view() && !c10::InferenceMode::is_enabled();
+namespace {
+
+bool is_weight(const at::TensorBase& t) { return t.requires_grad() && t.is_leaf() && !t.is_view(); }
+
+// A view of a contiguous weight, such as the weight.t() that LibTorch's
+// nn::Linear passes to addmm: served as the same view of the weight's cached
+// copy, so the weight itself is still cast once.
+bool is_view_of_weight(const at::Tensor& t) {
+  return t.is_view() && is_weight(t._base()) && t._base().is_contiguous();
 }
 
-at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) { return cache().get_or_cast(t, to); }
+}  // namespace
+
+bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
+  return (to == at::kHalf || to == at::kBFloat16) && t.scalar_type() == at::kFloat &&
+         (is_weight(t) || is_view_of_weight(t)) && !c10::InferenceMode::is_enabled();
+}
+
+at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
+  if (!t.is_view()) return cache().get_or_cast(t, to);
+  const at::Tensor base(t._base());
+  const at::Tensor copy = cache().get_or_cast(base, to);  // contiguous, like its base
+  return copy.as_strided(t.sizes(), t.strides(), t.storage_offset() - base.storage_offset());
+}
 
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
   if (is_cacheable(t, to)) return cached_cast(t, to);

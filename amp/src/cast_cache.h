@@ -6,8 +6,8 @@
 namespace amp::detail {
 
 // True when a cast of `t` to `to` may be served from the cache: an fp32 leaf
-// that requires grad (a weight), not a view, going to a low-precision dtype,
-// outside InferenceMode.
+// that requires grad (a weight), or a view of a contiguous one, going to a
+// low-precision dtype, outside InferenceMode.
 bool is_cacheable(const at::Tensor& t, at::ScalarType to);
 
 // The cached copy of weight `t` in dtype `to`, casting on a miss (or when the

@@ -4,8 +4,9 @@
 // Under O1, every lower-precision op casts its fp32 weight arguments. A leaf
 // tensor that requires grad (a parameter) is cast once and the copy reused
 // until the cache is cleared: when a scale_loss guard exits (once per
-// iteration), on clear_cast_cache(), and on deinitialize. Activations are never
-// cached. An entry is not reused when
+// iteration), on clear_cast_cache(), and on deinitialize. A view of a weight
+// (LibTorch's nn::Linear passes weight.t() to addmm) is served as the same
+// view of the weight's cached copy. Activations are never cached. An entry is not reused when
 //   - the weight changed in place since the cast (its version counter moved:
 //     an optimizer step, a manual edit) - a stale-copy window that both Apex
 //     and native autocast leave open;

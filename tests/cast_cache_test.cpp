@@ -1,0 +1,172 @@
+// The per-iteration cast cache: one cast per weight per iteration, never
+// stale, never across grad modes, cleared by scale_loss.
+#include "test_util.h"
+
+namespace amp::testing {
+namespace {
+
+class CastCacheTest : public AmpTest {
+ protected:
+  void SetUp() override {
+    weight = torch::randn({6, 4}, torch::requires_grad());
+    bias = torch::randn({6}, torch::requires_grad());
+    options = quiet(O1);
+    handle.initialize(std::vector<ModulePtr>{}, {}, options);
+  }
+  void TearDown() override {
+    handle.deinitialize();
+    AmpTest::TearDown();
+  }
+  CastCounts delta(const CastCounts& before) const {
+    const CastCounts now = cast_counts();
+    return {now.casts - before.casts, now.cache_hits - before.cache_hits};
+  }
+  at::Tensor weight, bias;
+  Options options;
+  Handle handle;
+};
+
+TEST_F(CastCacheTest, SharedWeightIsCastOncePerIteration) {
+  const auto x = torch::randn({3, 4});
+  const CastCounts before = cast_counts();
+  const auto h1 = torch::linear(x, weight, bias);    // casts x, weight, bias
+  const auto h2 = torch::linear(x, weight, bias);    // casts x again; weight, bias hit
+  const CastCounts d = delta(before);
+  EXPECT_EQ(d.casts, 4);
+  EXPECT_EQ(d.cache_hits, 2);
+  EXPECT_EQ(cast_cache_size(), 2u);
+  EXPECT_TRUE(BitEqual(h1, h2));
+}
+
+TEST_F(CastCacheTest, TwoLayersSharingAWeightCastItOnce) {
+  // Weight tying: two Linear modules holding the same parameter.
+  torch::nn::Linear first(4, 4), second(4, 4);
+  second->weight = first->weight;
+  const auto x = torch::randn({2, 4});
+  const CastCounts before = cast_counts();
+  second(first(x));
+  const CastCounts d = delta(before);
+  // nn::Linear runs addmm(bias, x, weight.t()): x, the shared weight, both
+  // biases are cast; the second layer's weight.t() hits; its bf16 input needs
+  // no cast.
+  EXPECT_EQ(d.casts, 4);
+  EXPECT_EQ(d.cache_hits, 1);
+}
+
+TEST_F(CastCacheTest, ActivationsAreNeverCached) {
+  const auto activation = torch::randn({3, 4}, torch::requires_grad()) * 2;  // not a leaf
+  const CastCounts before = cast_counts();
+  torch::mm(activation, weight.t());
+  torch::mm(activation, weight.t());
+  const CastCounts d = delta(before);
+  EXPECT_EQ(d.casts, 3);       // the activation twice, the weight once
+  EXPECT_EQ(d.cache_hits, 1);  // weight.t() the second time: a view of the cached copy
+  EXPECT_EQ(cast_cache_size(), 1u);
+}
+
+TEST_F(CastCacheTest, InPlaceUpdateOfTheWeightInvalidatesItsEntry) {
+  const auto x = torch::randn({3, 4});
+  torch::linear(x, weight);
+  {
+    torch::NoGradGuard no_grad;
+    weight.add_(1.0);  // what an optimizer step does
+  }
+  const CastCounts before = cast_counts();
+  const auto y = torch::linear(x, weight);
+  EXPECT_EQ(delta(before).casts, 2);  // x and the edited weight: no stale hit
+  EXPECT_EQ(delta(before).cache_hits, 0);
+  disable_casts exact;
+  EXPECT_TRUE(BitEqual(y, torch::linear(x.to(at::kBFloat16), weight.to(at::kBFloat16))));
+}
+
+TEST_F(CastCacheTest, CopyMadeUnderNoGradIsNotReusedWithGradOn) {
+  const auto x = torch::randn({3, 4});
+  {
+    torch::NoGradGuard eval;
+    torch::linear(x, weight);  // caches a copy without autograd history
+  }
+  const CastCounts before = cast_counts();
+  const auto y = torch::linear(x, weight);
+  EXPECT_EQ(delta(before).cache_hits, 0);
+  ASSERT_TRUE(y.requires_grad());
+  y.to(at::kFloat).sum().backward();
+  ASSERT_TRUE(weight.grad().defined());  // the weight is in the graph
+  EXPECT_EQ(weight.grad().scalar_type(), at::kFloat);
+  // The other direction is safe and reuses the copy.
+  const CastCounts after_grad = cast_counts();
+  {
+    torch::NoGradGuard eval;
+    torch::linear(x, weight);
+  }
+  EXPECT_EQ(delta(after_grad).cache_hits, 1);
+}
+
+TEST_F(CastCacheTest, ViewOfACachedWeightGivesTheSameValuesAndGradients) {
+  const auto x = torch::randn({3, 4}, torch::requires_grad());
+  const auto y = torch::addmm(bias, x, weight.t());  // the weight is cast via its view
+  y.to(at::kFloat).sum().backward();
+  const at::Tensor weight_grad = weight.grad().clone(), x_grad = x.grad().clone();
+  weight.mutable_grad() = at::Tensor();
+  x.mutable_grad() = at::Tensor();
+  // Reference: the plain cast of the view, without amp.
+  disable_casts exact;
+  const auto reference = torch::addmm(bias.to(at::kBFloat16), x.to(at::kBFloat16),
+                                      weight.t().to(at::kBFloat16));
+  reference.to(at::kFloat).sum().backward();
+  EXPECT_TRUE(BitEqual(y, reference));
+  EXPECT_TRUE(BitEqual(weight_grad, weight.grad()));
+  EXPECT_TRUE(BitEqual(x_grad, x.grad()));
+}
+
+TEST_F(CastCacheTest, InferenceModeCastsAreNotCached) {
+  c10::InferenceMode inference;
+  torch::linear(torch::randn({3, 4}), weight);
+  EXPECT_EQ(cast_cache_size(), 0u);
+}
+
+TEST_F(CastCacheTest, ClearedWhenScaleLossExitsAndOnDeinitialize) {
+  handle.deinitialize();
+  auto model = TinyNet();
+  std::shared_ptr<torch::optim::Optimizer> optimizer =
+      std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  auto loss = model->forward(torch::randn({2, 8})).to(at::kFloat).sum();
+  EXPECT_EQ(cast_cache_size(), 4u);  // two weights, two biases
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+    EXPECT_EQ(cast_cache_size(), 4u);
+  }
+  EXPECT_EQ(cast_cache_size(), 0u);
+  model->forward(torch::randn({2, 8}));
+  EXPECT_EQ(cast_cache_size(), 4u);
+  handle.deinitialize();
+  EXPECT_EQ(cast_cache_size(), 0u);
+}
+
+TEST_F(CastCacheTest, ConcurrentForwardsShareTheCacheSafely) {
+  torch::nn::Linear layer(4, 6);
+  const auto x = torch::randn({3, 4});
+  at::Tensor reference;
+  {
+    disable_casts exact;
+    reference = torch::linear(x.to(at::kBFloat16), layer->weight.to(at::kBFloat16),
+                              layer->bias.to(at::kBFloat16));
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      enable_casts casts;
+      for (int i = 0; i < 50; ++i) {
+        if (!torch::equal(layer(x), reference)) mismatches.fetch_add(1);
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_EQ(cast_cache_size(), 2u);
+}
+
+}  // namespace
+}  // namespace amp::testing
