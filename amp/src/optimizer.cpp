@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
 
+#include <atomic>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -15,6 +16,8 @@
 namespace amp {
 namespace detail {
 namespace {
+
+std::atomic<int64_t> g_host_syncs{0};
 
 bool is_low_precision(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
@@ -86,6 +89,7 @@ bool resolve_pending(std::vector<std::shared_ptr<PendingUpdate>>& pending) {
   }
   if (!unread.empty()) {
     const at::Tensor host = at::cat(unread).cpu();  // the one host sync of the step
+    g_host_syncs.fetch_add(1, std::memory_order_relaxed);
     const float* values = host.data_ptr<float>();
     size_t k = 0;
     for (const auto& u : pending) {
@@ -221,6 +225,8 @@ void MixedPrecisionOptimizer::save(torch::serialize::OutputArchive& archive) con
 void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
   run_wrapped([&] { wrapped_->load(archive); });
 }
+
+int64_t host_syncs() { return detail::g_host_syncs.load(std::memory_order_relaxed); }
 
 std::vector<at::Tensor> master_params(const torch::optim::Optimizer& optimizer) {
   const auto* amp_optimizer = dynamic_cast<const MixedPrecisionOptimizer*>(&optimizer);

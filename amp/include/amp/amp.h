@@ -34,3 +34,4 @@
 #include <amp/optimizer.h>
 #include <amp/options.h>
 #include <amp/scale_loss.h>
+#include <amp/state.h>

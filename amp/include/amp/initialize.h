@@ -31,6 +31,7 @@
 // when initialize converts it, or not float32 at O0.
 #pragma once
 
+#include <amp/loss_scaler.h>
 #include <amp/options.h>
 #include <amp/optimizer.h>
 
@@ -137,5 +138,8 @@ Properties properties();
 // The current scale of loss `loss_id` (reads the device). Errors: not
 // initialized, loss_id out of range.
 double loss_scale(int loss_id = 0);
+
+// The live initialization's scaler for `loss_id` (tests, advanced use).
+LossScaler& loss_scaler(int loss_id = 0);
 
 }  // namespace amp

@@ -29,6 +29,10 @@
 
 namespace amp {
 
+// How many times amp has read device values on the host to decide whether a
+// step is skipped (at most once per optimizer step). Monotonic.
+int64_t host_syncs();
+
 class LossScaler {
  public:
   LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0);

@@ -1,0 +1,31 @@
+// Saving and restoring amp's own state with LibTorch serialization.
+//
+// amp's state is every loss scaler (scale, growth tracker, hysteresis
+// tracker) plus the opt level and num_losses it was made with. Master weights
+// (O2/O5) travel with the optimizer: torch::save(*optimizer) includes them.
+//
+// Resume recipe (as in Apex): initialize with the same options, then load the
+// model, the optimizer and amp's state.
+//
+//   torch::serialize::OutputArchive archive;
+//   amp::save_state(archive);
+//   archive.save_to("amp.pt");
+//   ...
+//   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+//   torch::serialize::InputArchive in;
+//   in.load_from("amp.pt");
+//   amp::load_state(in);
+//
+// Errors (c10::Error; on error nothing is changed): amp is not initialized; a
+// missing or mistyped entry; a different num_losses or opt level than the
+// live initialization; static/dynamic scaling mismatch.
+#pragma once
+
+#include <torch/serialize/archive.h>
+
+namespace amp {
+
+void save_state(torch::serialize::OutputArchive& archive);
+void load_state(torch::serialize::InputArchive& archive);
+
+}  // namespace amp

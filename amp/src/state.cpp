@@ -1,0 +1,61 @@
+#include <amp/state.h>
+
+#include "context.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace amp {
+namespace {
+
+int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
+  at::Tensor value;
+  TORCH_CHECK(archive.try_read(key, value), "amp: the archive has no '", key,
+              "' entry; was it written by amp::save_state?");
+  TORCH_CHECK(value.numel() == 1 && !value.is_floating_point(), "amp: entry '", key,
+              "' should hold one integer, got ", value.scalar_type(), " with ", value.numel(),
+              " values");
+  return value.item<int64_t>();
+}
+
+}  // namespace
+
+void save_state(torch::serialize::OutputArchive& archive) {
+  auto context = detail::require_live_context("amp::save_state");
+  archive.write("opt_level", at::scalar_tensor(static_cast<int64_t>(context->properties().opt_level),
+                                               at::kLong));
+  archive.write("num_losses", at::scalar_tensor(static_cast<int64_t>(context->num_losses()),
+                                                at::kLong));
+  for (int i = 0; i < context->num_losses(); ++i) {
+    torch::serialize::OutputArchive scaler(archive.compilation_unit());
+    context->scaler(i).save(scaler);
+    archive.write("loss_scaler" + std::to_string(i), scaler);
+  }
+}
+
+void load_state(torch::serialize::InputArchive& archive) {
+  auto context = detail::require_live_context("amp::load_state");
+  const int64_t level = read_int(archive, "opt_level");
+  const int64_t num_losses = read_int(archive, "num_losses");
+  const char* live_level = to_string(context->properties().opt_level);
+  TORCH_CHECK(level == static_cast<int64_t>(context->properties().opt_level), "amp: the state was "
+              "saved at opt_level ", level >= 0 && level <= 5 ? to_string(static_cast<OptLevel>(level)) : "?",
+              " but amp runs at ", live_level, "; initialize with the checkpoint's opt_level.");
+  TORCH_CHECK(num_losses == context->num_losses(), "amp: the state holds ", num_losses,
+              " loss scaler(s) but amp was initialized with num_losses=", context->num_losses(),
+              "; initialize with num_losses=", num_losses, ".");
+  // Load into copies first, so a bad entry leaves every live scaler untouched.
+  std::vector<LossScaler> loaded;
+  for (int i = 0; i < context->num_losses(); ++i) {
+    torch::serialize::InputArchive scaler;
+    TORCH_CHECK(archive.try_read("loss_scaler" + std::to_string(i), scaler), "amp: the state has "
+                "no entry 'loss_scaler", i, "'.");
+    loaded.push_back(context->scaler(i));
+    loaded.back().load(scaler);
+  }
+  for (int i = 0; i < context->num_losses(); ++i) context->scaler(i) = loaded[i];
+}
+
+}  // namespace amp

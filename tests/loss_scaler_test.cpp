@@ -1,0 +1,178 @@
+// Loss scale sequences: scripted clean/overflow steps against values derived
+// independently from the rules (Apex/GradScaler, Megatron hysteresis).
+#include "test_util.h"
+
+#include <cmath>
+#include <limits>
+
+namespace amp::testing {
+namespace {
+
+enum Step { kClean, kInf, kNaN };
+
+struct Expected {
+  double scale;
+  int64_t growth_tracker;
+  int64_t hysteresis_tracker;
+};
+
+// The rules, written out plainly (not via amp or ATen).
+std::vector<Expected> simulate(const std::vector<Step>& steps, double scale, const DynamicScaling& d) {
+  const double floor = d.min_loss_scale.value_or(std::numeric_limits<float>::min());
+  int64_t growth = 0, hysteresis = d.hysteresis;
+  std::vector<Expected> out;
+  for (Step step : steps) {
+    if (step != kClean) {
+      growth = 0;
+      hysteresis -= 1;
+      if (hysteresis <= 0) scale = std::max(scale * d.backoff_factor, floor);
+    } else if (++growth == d.growth_interval) {
+      growth = 0;
+      hysteresis = d.hysteresis;
+      scale = std::min(scale * d.growth_factor, d.max_loss_scale);
+    }
+    out.push_back({scale, growth, hysteresis});
+  }
+  return out;
+}
+
+class ScaleSequenceTest : public AmpTest {
+ protected:
+  // Trains a one-layer model for `steps`, injecting inf/NaN into a gradient
+  // inside the guard; returns the scaler state after each step.
+  std::vector<Expected> run(const std::vector<Step>& steps, double init, const DynamicScaling& d) {
+    auto model = torch::nn::Linear(3, 2);
+    OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.01);
+    Options options = quiet(O1);
+    options.loss_scale = LossScale::Dynamic(init);
+    options.dynamic_scaling = d;
+    Handle handle;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+    std::vector<Expected> out;
+    for (Step step : steps) {
+      optimizer->zero_grad();
+      const auto loss = model(torch::randn({4, 3})).to(at::kFloat).mean();
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+        if (step == kInf) model->weight.grad()[0][1] = std::numeric_limits<float>::infinity();
+        if (step == kNaN) model->bias.grad()[1] = std::numeric_limits<float>::quiet_NaN();
+      }
+      optimizer->step();
+      const LossScaler& scaler = loss_scaler();
+      out.push_back({scaler.scale(), scaler.growth_tracker(), scaler.hysteresis_tracker()});
+    }
+    return out;
+  }
+
+  void expect_sequence(const std::vector<Step>& steps, double init, const DynamicScaling& d) {
+    const auto expected = simulate(steps, init, d);
+    const auto actual = run(steps, init, d);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t i = 0; i < steps.size(); ++i) {
+      EXPECT_EQ(actual[i].scale, expected[i].scale) << "step " << i;
+      EXPECT_EQ(actual[i].growth_tracker, expected[i].growth_tracker) << "step " << i;
+      if (d.hysteresis > 1) {
+        EXPECT_EQ(actual[i].hysteresis_tracker, expected[i].hysteresis_tracker) << "step " << i;
+      }
+    }
+  }
+};
+
+TEST_F(ScaleSequenceTest, GrowthIntervalThree) {
+  DynamicScaling d;
+  d.growth_interval = 3;
+  expect_sequence({kClean, kClean, kClean, kInf, kClean, kClean, kClean, kClean, kNaN, kInf,
+                   kClean, kClean, kClean},
+                  65536.0, d);
+}
+
+TEST_F(ScaleSequenceTest, GrowthIntervalOneCappedByMax) {
+  DynamicScaling d;
+  d.growth_interval = 1;
+  d.max_loss_scale = 131072.0;
+  expect_sequence({kClean, kClean, kClean, kNaN, kClean, kClean, kInf, kInf, kClean}, 65536.0, d);
+}
+
+TEST_F(ScaleSequenceTest, FloorHoldsAtMinLossScale) {
+  DynamicScaling d;
+  d.min_loss_scale = 16384.0;
+  expect_sequence({kInf, kInf, kNaN, kInf, kClean, kInf}, 65536.0, d);
+}
+
+TEST_F(ScaleSequenceTest, HysteresisTwoSkipsBeforeBackingOff) {
+  DynamicScaling d;
+  d.hysteresis = 2;
+  d.growth_interval = 2;
+  expect_sequence({kInf, kClean, kInf, kInf, kClean, kClean, kInf, kClean, kInf, kInf}, 1024.0, d);
+}
+
+TEST_F(ScaleSequenceTest, WithoutAFloorTheScaleNeverBecomesDenormalOrZero) {
+  std::vector<Step> overflows(200, kInf);
+  const auto states = run(overflows, 65536.0, DynamicScaling{});
+  EXPECT_EQ(states.back().scale, static_cast<double>(std::numeric_limits<float>::min()));
+  for (const auto& s : states) EXPECT_TRUE(std::isnormal(s.scale));
+}
+
+TEST_F(ScaleSequenceTest, RaiseAtTheFloorIsAClearError) {
+  auto model = torch::nn::Linear(3, 2);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.01);
+  Options options = quiet(O1);
+  options.dynamic_scaling.min_loss_scale = 32768.0;
+  options.dynamic_scaling.at_floor = AtFloor::kRaise;
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  auto overflow_step = [&] {
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(model(torch::randn({2, 3})).to(at::kFloat).sum(), optimizer);
+      scaled.backward();
+      model->bias.grad()[0] = std::numeric_limits<float>::infinity();
+    }
+    optimizer->step();
+  };
+  overflow_step();  // 65536 -> 32768, the floor
+  EXPECT_EQ(loss_scale(), 32768.0);
+  EXPECT_AMP_ERROR(overflow_step(), "already at its floor");
+  EXPECT_EQ(loss_scale(), 32768.0);
+}
+
+TEST_F(ScaleSequenceTest, StaticScaleNeverChangesNorSkips) {
+  auto model = torch::nn::Linear(3, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.5);
+  Options options = quiet(O1);
+  options.loss_scale = LossScale::Static(128.0);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const int64_t syncs = host_syncs();
+  const auto before = model->weight.clone();
+  for (int i = 0; i < 3; ++i) {
+    optimizer->zero_grad();
+    scale_loss scaled(model(torch::randn({2, 3})).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+  }
+  optimizer->step();
+  EXPECT_EQ(loss_scale(), 128.0);
+  EXPECT_FALSE(torch::equal(before, model->weight));
+  EXPECT_EQ(host_syncs(), syncs);  // nothing to decide: no host read
+}
+
+TEST_F(ScaleSequenceTest, OneHostSyncPerStep) {
+  auto model = TinyNet();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  for (int step = 0; step < 5; ++step) {
+    const int64_t before = host_syncs();
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(model->forward(torch::randn({4, 8})).to(at::kFloat).sum(), optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+    EXPECT_EQ(host_syncs() - before, 1);
+  }
+}
+
+}  // namespace
+}  // namespace amp::testing

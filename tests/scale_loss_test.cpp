@@ -1,0 +1,477 @@
+// The scale_loss guard: skipped steps, logs, several losses and optimizers,
+// accumulation, clipping, gradient penalty, misuse, state.
+#include "test_util.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+#include <sstream>
+
+namespace amp::testing {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+std::string serialized(const torch::optim::Optimizer& optimizer) {
+  std::ostringstream bytes;
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  archive.save_to(bytes);
+  return bytes.str();
+}
+
+using OptimizerFactory = std::function<OptimizerPtr(std::vector<at::Tensor>)>;
+
+struct NamedFactory {
+  std::string name;
+  OptimizerFactory make;
+};
+
+class SkippedStepTest : public AmpTest, public ::testing::WithParamInterface<NamedFactory> {};
+
+TEST_P(SkippedStepTest, OverflowLeavesParametersAndOptimizerStateBitIdentical) {
+  auto model = TinyNet();
+  OptimizerPtr optimizer = GetParam().make(model->parameters());
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  auto iteration = [&](bool overflow) {
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(model->forward(torch::randn({4, 8})).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+      if (overflow) model->fc2->weight.grad()[0][0] = kInf;
+    }
+    optimizer->step();
+  };
+  iteration(false);
+  iteration(false);  // optimizer state exists now
+  std::vector<at::Tensor> params;
+  for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+  const std::string state = serialized(*optimizer);
+  iteration(true);
+  EXPECT_EQ(serialized(*optimizer), state);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(BitEqual(model->parameters()[i], params[i])) << "parameter " << i;
+  }
+  EXPECT_EQ(dynamic_cast<MixedPrecisionOptimizer&>(*optimizer).skipped_steps(), 1);
+  iteration(false);  // and training continues
+  EXPECT_FALSE(BitEqual(model->parameters()[0], params[0]));
+  EXPECT_NE(serialized(*optimizer), state);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Optimizers, SkippedStepTest,
+    ::testing::Values(
+        NamedFactory{"SGD", [](auto p) { return std::make_shared<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); }},
+        NamedFactory{"Adam", [](auto p) { return std::make_shared<torch::optim::Adam>(p, 1e-3); }},
+        NamedFactory{"AdamW", [](auto p) { return std::make_shared<torch::optim::AdamW>(p, 1e-3); }},
+        NamedFactory{"RMSprop", [](auto p) { return std::make_shared<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(1e-3).momentum(0.5)); }},
+        NamedFactory{"Adagrad", [](auto p) { return std::make_shared<torch::optim::Adagrad>(p, 0.1); }}),
+    [](const auto& info) { return info.param.name; });
+
+class ScaleLossTest : public AmpTest {};
+
+TEST_F(ScaleLossTest, OneConciseLinePerSkipAndNoFlood) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options options = O1;  // default verbosity 1
+  Handle handle;
+  ::testing::internal::CaptureStderr();
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  auto overflow_step = [&] {
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer);
+      scaled.backward();
+      model->bias.grad()[0] = kInf;
+    }
+    optimizer->step();
+  };
+  overflow_step();
+  std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, ::testing::HasSubstr("opt_level O1"));  // the properties, once
+  EXPECT_THAT(log, ::testing::HasSubstr(
+                       "amp: Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768\n"));
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 30; ++i) overflow_step();
+  log = ::testing::internal::GetCapturedStderr();
+  int lines = 0;
+  for (char c : log) lines += c == '\n';
+  EXPECT_EQ(lines, 5);  // 4 more skip lines, one suppression notice, then silence
+  EXPECT_THAT(log, ::testing::HasSubstr("suppressed"));
+}
+
+TEST_F(ScaleLossTest, VerbosityZeroIsSilent) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  ::testing::internal::CaptureStderr();
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  {
+    scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer);
+    scaled.backward();
+    model->bias.grad()[0] = kInf;
+  }
+  optimizer->step();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+// --- Exact training equivalence (Apex's tests/L0/run_amp style) -------------
+
+// y = x.mm(w) with small-integer inputs and weights on a 1/8 grid: every
+// forward, gradient, scaled gradient and SGD update is exact in bf16 and
+// fp32, so amp and a plain fp32 loop must agree bit for bit.
+struct GridModelImpl : torch::nn::Module {
+  explicit GridModelImpl(int offset)
+      : w(register_parameter("w", (torch::arange(4, torch::kFloat).view({4, 1}) + offset) / 8)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x.mm(w); }
+  torch::Tensor w;
+};
+TORCH_MODULE(GridModel);
+
+struct Plan {
+  bool overflow_a_in_loss0 = false;  // skips both optimizers (loss 0 covers both)
+  bool overflow_b_in_loss1 = false;  // skips only optimizer B
+};
+
+const std::vector<Plan>& plans() {
+  static const std::vector<Plan> p = {{}, {true, false}, {}, {false, true}, {}};
+  return p;
+}
+
+at::Tensor grid_input(int step) {
+  return (torch::arange(8, torch::kFloat).view({2, 4}) + step) .remainder(5) - 2;  // ints in [-2, 2]
+}
+
+// Plain fp32 LibTorch: the same losses; skipped steps simply not taken.
+std::pair<at::Tensor, at::Tensor> reference_run() {
+  GridModel a(0), b(3);
+  torch::optim::SGD opt_a(a->parameters(), 0.125), opt_b(b->parameters(), 0.125);
+  for (size_t step = 0; step < plans().size(); ++step) {
+    opt_a.zero_grad();
+    opt_b.zero_grad();
+    const auto x = grid_input(step);
+    (a(x).sum() + b(x).sum()).backward();
+    (b(x).sum() * 2).backward();
+    if (!plans()[step].overflow_a_in_loss0) {
+      opt_a.step();
+      if (!plans()[step].overflow_b_in_loss1) opt_b.step();
+    }
+  }
+  return {a->w.detach().clone(), b->w.detach().clone()};
+}
+
+class EquivalenceTest : public AmpTest,
+                        public ::testing::WithParamInterface<std::tuple<OptLevel, double>> {};
+
+TEST_P(EquivalenceTest, TwoModelsTwoOptimizersTwoLossesMatchFp32) {
+  const auto [level, scale] = GetParam();
+  GridModel a(0), b(3);
+  OptimizerPtr opt_a = std::make_shared<torch::optim::SGD>(a->parameters(), 0.125);
+  OptimizerPtr opt_b = std::make_shared<torch::optim::SGD>(b->parameters(), 0.125);
+  Options options = quiet(level);
+  options.num_losses = 2;
+  options.loss_scale = LossScale::Dynamic(scale);
+  Handle handle;
+  auto [models, optimizers] = handle.initialize({a.ptr(), b.ptr()}, {opt_a, opt_b}, options);
+  opt_a = optimizers[0];
+  opt_b = optimizers[1];
+  for (size_t step = 0; step < plans().size(); ++step) {
+    opt_a->zero_grad();
+    opt_b->zero_grad();
+    const auto x = grid_input(step);
+    {
+      scale_loss scaled(a(x).sum() + b(x).sum(), {opt_a, opt_b}, {/*loss_id=*/0});
+      scaled.backward();
+      if (plans()[step].overflow_a_in_loss0) a->w.grad()[0][0] = kInf;
+    }
+    {
+      scale_loss scaled(b(x).sum() * 2, opt_b, {/*loss_id=*/1});
+      scaled.backward();
+      if (plans()[step].overflow_b_in_loss1) b->w.grad()[1][0] = kInf;
+    }
+    opt_a->step();
+    opt_b->step();
+  }
+  const auto [ref_a, ref_b] = reference_run();
+  EXPECT_TRUE(BitEqual(a->w, ref_a.to(a->w.scalar_type())));
+  EXPECT_TRUE(BitEqual(b->w, ref_b.to(b->w.scalar_type())));
+  if (level == O2) {
+    EXPECT_TRUE(BitEqual(master_params(*opt_a)[0], ref_a));  // fp32 masters
+    EXPECT_TRUE(BitEqual(master_params(*opt_b)[0], ref_b));
+  }
+  EXPECT_EQ(loss_scale(0), scale / 2);  // one overflow each
+  EXPECT_EQ(loss_scale(1), scale / 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Levels, EquivalenceTest,
+    ::testing::Combine(::testing::Values(O0, O1, O2, O3), ::testing::Values(4.0, 16.0)),
+    [](const auto& info) {
+      return std::string(to_string(std::get<0>(info.param))) + "_scale" +
+             std::to_string(static_cast<int>(std::get<1>(info.param)));
+    });
+
+class AccumulationTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {};
+
+TEST_P(AccumulationTest, DelayUnscaleEqualsTheUnaccumulatedReference) {
+  GridModel model(1), reference(1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Options options = quiet(GetParam());
+  options.loss_scale = LossScale::Dynamic(16.0);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  optimizer->zero_grad();
+  for (int micro = 0; micro < 4; ++micro) {
+    scale_loss scaled(model(grid_input(micro)).sum(), optimizer, {0, /*delay_unscale=*/micro < 3});
+    scaled.backward();
+  }
+  optimizer->step();
+  torch::optim::SGD plain(reference->parameters(), 0.125);
+  at::Tensor total = torch::zeros({});
+  for (int micro = 0; micro < 4; ++micro) total = total + reference(grid_input(micro)).sum();
+  total.backward();
+  plain.step();
+  EXPECT_TRUE(BitEqual(model->w, reference->w.detach().to(model->w.scalar_type())));
+}
+
+TEST_P(AccumulationTest, OverflowInAnyMicroBatchSkipsTheAccumulatedStep) {
+  GridModel model(1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Options options = quiet(GetParam());
+  options.loss_scale = LossScale::Dynamic(16.0);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const auto before = model->w.detach().clone();
+  optimizer->zero_grad();
+  for (int micro = 0; micro < 3; ++micro) {
+    scale_loss scaled(model(grid_input(micro)).sum(), optimizer, {0, micro < 2});
+    scaled.backward();
+    if (micro == 0) model->w.grad()[2][0] = kInf;
+  }
+  optimizer->step();
+  EXPECT_TRUE(BitEqual(model->w, before));
+  EXPECT_EQ(loss_scale(), 8.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, AccumulationTest, ::testing::Values(O1, O2),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST_F(ScaleLossTest, ClippingAfterExplicitUnscaleEqualsFp32Clipping) {
+  GridModel model(2), reference(2);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Options options = quiet(O1);
+  options.loss_scale = LossScale::Dynamic(1024.0);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  {
+    scale_loss scaled(model(grid_input(0)).sum(), optimizer);
+    scaled.backward();
+    scaled.unscale();
+    torch::nn::utils::clip_grad_norm_(master_params(*optimizer), 0.5);
+    EXPECT_AMP_ERROR(scaled.unscale(), "already called");
+  }
+  optimizer->step();
+  torch::optim::SGD plain(reference->parameters(), 0.125);
+  reference(grid_input(0)).sum().backward();
+  torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+  plain.step();
+  EXPECT_TRUE(BitEqual(model->w, reference->w.detach()));
+}
+
+TEST_F(ScaleLossTest, GradientPenaltyWithTheCurrentScale) {
+  GridModel model(2), reference(2);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Options options = quiet(O1);
+  options.loss_scale = LossScale::Dynamic(256.0);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const auto x = grid_input(1);
+  const auto loss = model(x).to(at::kFloat).pow(2).sum() / 8;
+  // GradScaler's recipe: grads of the scaled loss, divided by the scale.
+  const at::Tensor scale = loss_scaler().scale_tensor(loss.device());
+  const auto scaled_grads = torch::autograd::grad({loss * scale}, {model->w}, {}, true, true);
+  const auto penalty = (scaled_grads[0] / scale).pow(2).sum() / 64;
+  {
+    scale_loss scaled(loss + penalty, optimizer);
+    scaled.backward();
+  }
+  const auto ref_loss = reference(x).pow(2).sum() / 8;
+  const auto ref_grads = torch::autograd::grad({ref_loss}, {reference->w}, {}, true, true);
+  (ref_loss + ref_grads[0].pow(2).sum() / 64).backward();
+  EXPECT_TRUE(BitEqual(model->w.grad(), reference->w.grad()));
+}
+
+TEST_F(ScaleLossTest, LossesWithDifferentScalesCombine) {
+  GridModel model(0), reference(0);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Options options = quiet(O1);
+  options.num_losses = 2;
+  options.loss_scale = LossScale::Dynamic(64.0);
+  options.dynamic_scaling.growth_interval = 1;  // loss 1's scale grows, loss 0's is reset below
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  loss_scaler(1).scale_tensor(at::kCPU).fill_(4096.0);
+  const auto x = grid_input(3);
+  {
+    scale_loss scaled(model(x).sum(), optimizer, {0});
+    scaled.backward();
+  }
+  {
+    scale_loss scaled(model(x).sum() * 3, optimizer, {1});
+    scaled.backward();
+  }
+  (reference(x).sum() + reference(x).sum() * 3).backward();
+  EXPECT_TRUE(BitEqual(model->w.grad(), reference->w.grad()));
+}
+
+// --- Misuse ------------------------------------------------------------------
+
+TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
+  auto model = TinyNet();
+  OptimizerPtr plain = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  const auto loss = model->forward(torch::randn({2, 8})).sum();
+  EXPECT_AMP_ERROR(scale_loss(loss, plain), "needs amp to be initialized");
+  Handle handle;
+  OptimizerPtr optimizer;
+  std::tie(model, optimizer) = handle.initialize(model, plain, quiet(O1));
+  const auto out = model->forward(torch::randn({2, 8}));
+  EXPECT_AMP_ERROR(scale_loss(out, optimizer), "scalar loss");
+  EXPECT_AMP_ERROR(scale_loss(torch::ones({}, at::kLong), optimizer), "floating-point loss");
+  EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer, {/*loss_id=*/1}), "num_losses=1");
+  auto stranger = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  EXPECT_AMP_ERROR(scale_loss(out.sum(), stranger), "amp::initialize did not return");
+  EXPECT_AMP_ERROR(scale_loss(out.sum(), plain), "amp::initialize did not return");
+  EXPECT_AMP_ERROR(optimizer->step([] { return torch::zeros({}); }), "closure");
+  {
+    scale_loss scaled(out.sum(), optimizer);
+    EXPECT_AMP_ERROR(optimizer->step(), "inside a live amp::scale_loss");
+    EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer), "already inside a live scale_loss");
+    scaled.backward();
+  }
+  optimizer->step();  // the guard's state is consistent after all the refusals
+}
+
+// Throws from its backward, as a failing custom kernel would.
+struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    throw std::runtime_error("backward failed");
+  }
+};
+
+TEST_F(ScaleLossTest, BackwardThrowingInsideTheGuardRestoresGradientsAndTrainingContinues) {
+  auto model = TinyNet();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  {  // gradients present before the failing guard must survive it
+    scale_loss scaled(model->forward(torch::randn({2, 8})).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+  }
+  const auto grad_before = model->fc1->weight.grad().clone();
+  const double scale_before = loss_scale();
+  try {
+    const auto h = model->fc1(torch::randn({2, 8}));
+    const auto loss = ThrowingBackward::apply(h.to(at::kFloat)).sum() + model->fc2(torch::relu(h)).sum();
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+    FAIL() << "backward should have thrown";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("backward failed"));
+  }
+  EXPECT_TRUE(BitEqual(model->fc1->weight.grad(), grad_before));
+  EXPECT_EQ(loss_scale(), scale_before);
+  EXPECT_EQ(cast_cache_size(), 0u);
+  EXPECT_EQ(torch::mm(torch::randn({2, 2}), torch::randn({2, 2})).scalar_type(), at::kBFloat16);
+  optimizer->zero_grad();
+  {
+    scale_loss scaled(model->forward(torch::randn({2, 8})).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+  }
+  optimizer->step();
+  EXPECT_EQ(dynamic_cast<MixedPrecisionOptimizer&>(*optimizer).skipped_steps(), 0);
+}
+
+TEST_F(ScaleLossTest, StaticScaleOneWithoutMastersIsAPassThrough) {
+  GridModel model(1), reference(1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.125);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O0));
+  const auto loss = model(grid_input(0)).sum();
+  {
+    scale_loss scaled(loss, optimizer);
+    EXPECT_TRUE(scaled.scaled_loss().is_same(loss));  // no multiply at scale 1 in fp32
+    scaled.backward();
+  }
+  reference(grid_input(0)).sum().backward();
+  EXPECT_TRUE(BitEqual(model->w.grad(), reference->w.grad()));
+}
+
+// --- State -----------------------------------------------------------------------
+
+TEST_F(ScaleLossTest, AmpStateRoundTripsEveryScaler) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options options = quiet(O1);
+  options.num_losses = 2;
+  options.dynamic_scaling.hysteresis = 3;
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  {
+    scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer, {1});
+    scaled.backward();
+    model->bias.grad()[0] = kInf;
+  }
+  optimizer->step();
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+  const double scale1 = loss_scale(1);
+  const int64_t hysteresis1 = loss_scaler(1).hysteresis_tracker();
+  EXPECT_EQ(hysteresis1, 2);
+  handle.deinitialize();
+
+  auto fresh = torch::nn::Linear(2, 1);
+  OptimizerPtr fresh_optimizer = std::make_shared<torch::optim::SGD>(fresh->parameters(), 0.1);
+  std::tie(fresh, fresh_optimizer) = handle.initialize(fresh, fresh_optimizer, options);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  load_state(in);
+  EXPECT_EQ(loss_scale(1), scale1);
+  EXPECT_EQ(loss_scaler(1).hysteresis_tracker(), hysteresis1);
+  EXPECT_EQ(loss_scale(0), 65536.0);
+}
+
+TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) {
+  Options two = quiet(O1);
+  two.num_losses = 2;
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, two);
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+  handle.deinitialize();
+
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  EXPECT_AMP_ERROR(load_state(in), "num_losses=1");
+  handle.deinitialize();
+  Options o2 = quiet(O2);
+  o2.num_losses = 2;
+  handle.initialize(std::vector<ModulePtr>{}, {}, o2);
+  bytes.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(bytes);
+  EXPECT_AMP_ERROR(load_state(again), "opt_level O1");
+  torch::serialize::InputArchive empty;
+  EXPECT_AMP_ERROR(load_state(empty), "'opt_level'");
+  EXPECT_EQ(loss_scale(0), 65536.0);
+}
+
+}  // namespace
+}  // namespace amp::testing
