@@ -90,7 +90,7 @@ Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
   TORCH_CHECK(!o.keep_batchnorm_fp32 || !is_o1_family(level), "amp: with opt_level ", name,
               " the model stays float32 and batchnorm ops run in the dtype of their input, so "
               "keep_batchnorm_fp32 must be left unset. keep_batchnorm_fp32 was ",
-              *o.keep_batchnorm_fp32);
+              o.keep_batchnorm_fp32.value_or(false) ? "true" : "false");
   p.keep_batchnorm_fp32 = o.keep_batchnorm_fp32.value_or(defaults.keep_batchnorm_fp32.value_or(false));
 
   TORCH_CHECK(!o.master_weights || !is_o1_family(level), "amp: master_weights make no sense "

@@ -174,6 +174,14 @@ MixedPrecisionOptimizer::~MixedPrecisionOptimizer() = default;
 
 bool MixedPrecisionOptimizer::has_master_weights() const { return grad_state_->master_weights; }
 
+std::vector<MasterWeight> MixedPrecisionOptimizer::master_weights() const {
+  std::vector<MasterWeight> out;
+  for (const auto& pair : grad_state_->params) {
+    if (pair.has_master()) out.push_back({pair.model, pair.master});
+  }
+  return out;
+}
+
 int64_t MixedPrecisionOptimizer::skipped_steps() const { return grad_state_->skipped_steps; }
 
 template <class Fn>
@@ -218,12 +226,44 @@ at::Tensor MixedPrecisionOptimizer::step(LossClosure closure) {
   return {};
 }
 
+// Master weights are saved with the optimizer: reloading them (instead of
+// rebuilding them from the rounded model) is what keeps a resumed O2 run
+// bit-identical - Apex's "loss spike after reload".
 void MixedPrecisionOptimizer::save(torch::serialize::OutputArchive& archive) const {
   run_wrapped([&] { wrapped_->save(archive); });
+  if (!grad_state_->master_weights) return;
+  torch::serialize::OutputArchive masters(archive.compilation_unit());
+  const auto& params = grad_state_->params;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].has_master()) masters.write(std::to_string(i), params[i].master.detach());
+  }
+  archive.write("amp_masters", masters);
 }
 
 void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
+  detail::OptimizerGradState& s = *grad_state_;
+  s.refresh(*this);
+  std::vector<std::pair<size_t, at::Tensor>> masters;
+  torch::serialize::InputArchive saved;
+  if (s.master_weights && archive.try_read("amp_masters", saved)) {
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      if (!s.params[i].has_master()) continue;
+      at::Tensor value;
+      TORCH_CHECK(saved.try_read(std::to_string(i), value), "amp: the optimizer state has no "
+                  "master weight for parameter ", i, "; was it saved from the same model at the "
+                  "same opt_level?");
+      TORCH_CHECK(value.sizes() == s.params[i].master.sizes() && value.scalar_type() == at::kFloat,
+                  "amp: saved master weight ", i, " is ", value.scalar_type(), value.sizes(),
+                  ", expected Float", s.params[i].master.sizes());
+      masters.emplace_back(i, value);
+    }
+  }
   run_wrapped([&] { wrapped_->load(archive); });
+  at::NoGradGuard no_grad;
+  for (const auto& [i, value] : masters) {
+    s.params[i].master.copy_(value);
+    s.params[i].model.copy_(value);
+  }
 }
 
 int64_t host_syncs() { return detail::g_host_syncs.load(std::memory_order_relaxed); }

@@ -19,11 +19,12 @@
 // opt_levels.h (O0-O5 and overrides), scale_loss.h (the backward guard),
 // optimizer.h (what initialize returns), cast_policy.h (op tables and user
 // registration), casting_scope.h (disable_casts / enable_casts),
-// cast_cache.h, loss_scaler.h, model_conversion.h, op_stats.h, state.h
-// (checkpoints).
+// cast_cache.h, loss_scaler.h, model_conversion.h, op_stats.h, state.h and
+// checkpoint.h (saving and resuming).
 #pragma once
 
 #include <amp/cast_cache.h>
+#include <amp/checkpoint.h>
 #include <amp/cast_policy.h>
 #include <amp/casting_scope.h>
 #include <amp/initialize.h>

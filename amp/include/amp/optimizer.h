@@ -30,6 +30,12 @@ struct OptimizerGradState;
 class Context;
 }  // namespace detail
 
+// A low-precision model parameter and the float32 master the optimizer steps.
+struct MasterWeight {
+  at::Tensor parameter;
+  at::Tensor master;
+};
+
 class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
  public:
   // `fp32_originals` maps converted model parameters to their float32 values
@@ -47,6 +53,8 @@ class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
   // The optimizer whose algorithm runs (its groups are empty between steps).
   torch::optim::Optimizer& wrapped() const { return *wrapped_; }
   bool has_master_weights() const;
+  // Every parameter that has a float32 master (empty without master weights).
+  std::vector<MasterWeight> master_weights() const;
   // Steps skipped after overflows so far.
   int64_t skipped_steps() const;
 

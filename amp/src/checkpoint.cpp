@@ -1,0 +1,140 @@
+#include <amp/checkpoint.h>
+
+#include <amp/state.h>
+
+#include "optimizer_grad_state.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <unordered_map>
+
+namespace amp {
+namespace {
+
+using MasterMap = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+
+MasterMap masters_of(const std::vector<OptimizerPtr>& optimizers) {
+  MasterMap masters;
+  for (const auto& optimizer : optimizers) {
+    auto* amp_optimizer = dynamic_cast<MixedPrecisionOptimizer*>(optimizer.get());
+    TORCH_CHECK(amp_optimizer != nullptr, "amp: checkpoints take the optimizers returned by "
+                "amp::initialize.");
+    for (const auto& pair : amp_optimizer->grad_state().params) {
+      if (pair.has_master()) masters[pair.model.unsafeGetTensorImpl()] = pair.master;
+    }
+  }
+  return masters;
+}
+
+// Float32 values of a parameter or buffer: its master when it has one, an
+// exact widening of low-precision values otherwise.
+at::Tensor fp32_value(const at::Tensor& t, const MasterMap& masters) {
+  auto it = masters.find(t.unsafeGetTensorImpl());
+  if (it != masters.end()) return it->second.detach();
+  const bool low = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+  return low ? t.detach().to(at::kFloat) : t.detach();
+}
+
+// torch::nn::Module::save's layout, in float32, masters in place of their
+// parameters.
+void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
+                  const MasterMap& masters) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    archive.write(p.key(), fp32_value(p.value(), masters));
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), fp32_value(b.value(), masters), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    torch::serialize::OutputArchive nested(archive.compilation_unit());
+    write_module(*child.value(), nested, masters);
+    archive.write(child.key(), nested);
+  }
+}
+
+struct PendingCopy {
+  at::Tensor target;
+  at::Tensor value;
+};
+
+// Reads every parameter and buffer of `module` from `archive`, checking
+// presence and shape, without changing anything.
+void read_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& prefix, std::vector<PendingCopy>& copies) {
+  auto read = [&](const std::string& key, const at::Tensor& target, bool is_buffer) {
+    at::Tensor value;
+    TORCH_CHECK(archive.try_read(key, value, is_buffer), "amp: the checkpoint has no entry '",
+                prefix + key, "'; it was saved from a different model.");
+    TORCH_CHECK(value.sizes() == target.sizes(), "amp: checkpoint entry '", prefix + key,
+                "' has shape ", value.sizes(), ", the model expects ", target.sizes());
+    copies.push_back({target, value});
+  };
+  for (const auto& p : module.named_parameters(false)) read(p.key(), p.value(), false);
+  for (const auto& b : module.named_buffers(false)) read(b.key(), b.value(), true);
+  for (const auto& child : module.named_children()) {
+    torch::serialize::InputArchive nested;
+    TORCH_CHECK(archive.try_read(child.key(), nested), "amp: the checkpoint has no submodule '",
+                prefix + child.key(), "'; it was saved from a different model.");
+    read_module(*child.value(), nested, prefix + child.key() + ".", copies);
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const std::vector<ModulePtr>& models,
+                     const std::vector<OptimizerPtr>& optimizers) {
+  const MasterMap masters = masters_of(optimizers);
+  torch::serialize::OutputArchive archive;
+  for (size_t i = 0; i < models.size(); ++i) {
+    torch::serialize::OutputArchive model(archive.compilation_unit());
+    write_module(*models[i], model, masters);
+    archive.write("model" + std::to_string(i), model);
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    torch::serialize::OutputArchive optimizer(archive.compilation_unit());
+    optimizers[i]->save(optimizer);
+    archive.write("optimizer" + std::to_string(i), optimizer);
+  }
+  torch::serialize::OutputArchive amp(archive.compilation_unit());
+  save_state(amp);
+  archive.write("amp", amp);
+  archive.save_to(path);
+}
+
+void load_checkpoint(const std::string& path, const std::vector<ModulePtr>& models,
+                     const std::vector<OptimizerPtr>& optimizers) {
+  const MasterMap masters = masters_of(optimizers);
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "amp: cannot read checkpoint '", path, "' (missing, truncated or "
+                "corrupt); nothing was loaded. Cause: ", e.what());
+  }
+  std::vector<PendingCopy> copies;
+  for (size_t i = 0; i < models.size(); ++i) {
+    torch::serialize::InputArchive model;
+    TORCH_CHECK(archive.try_read("model" + std::to_string(i), model), "amp: checkpoint '", path,
+                "' has no model", i, "; it holds fewer models than were passed.");
+    read_module(*models[i], model, "", copies);
+  }
+  std::vector<torch::serialize::InputArchive> optimizer_archives(optimizers.size());
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    TORCH_CHECK(archive.try_read("optimizer" + std::to_string(i), optimizer_archives[i]),
+                "amp: checkpoint '", path, "' has no optimizer", i, ".");
+  }
+  torch::serialize::InputArchive amp;
+  TORCH_CHECK(archive.try_read("amp", amp), "amp: checkpoint '", path, "' has no amp state.");
+
+  load_state(amp);  // validates fully before changing the scalers
+  for (size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->load(optimizer_archives[i]);
+  at::NoGradGuard no_grad;
+  for (const auto& c : copies) {
+    auto it = masters.find(c.target.unsafeGetTensorImpl());
+    if (it != masters.end()) it->second.copy_(c.value);
+    c.target.copy_(c.value);
+  }
+}
+
+}  // namespace amp

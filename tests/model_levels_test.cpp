@@ -1,0 +1,354 @@
+// initialize at O2/O3: model conversion, fp32 inputs, fp32 losses, master
+// weights, saving and resuming, and initialize's own errors.
+#include "test_util.h"
+
+#include <cstdio>
+#include <filesystem>
+
+namespace amp::testing {
+namespace {
+
+// Conv, affine and non-affine BatchNorm, a custom fp32 norm, a linear head,
+// and a tensor created inside forward (the classic Apex O2 failure).
+struct ScaleNormImpl : torch::nn::Module {
+  ScaleNormImpl() : gain(register_parameter("gain", torch::ones({8}))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x / (x.to(at::kFloat).pow(2).mean(-1, true) + 1e-5).sqrt() * gain;
+  }
+  torch::Tensor gain;
+};
+TORCH_MODULE(ScaleNorm);
+
+struct ConvNetImpl : torch::nn::Module {
+  ConvNetImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)))),
+        bn(register_module("bn", torch::nn::BatchNorm2d(4))),
+        plain_bn(register_module("plain_bn", torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(8).affine(false)))),
+        norm(register_module("norm", ScaleNorm())),
+        fc(register_module("fc", torch::nn::Linear(4 * 4 * 4, 8))),
+        head(register_module("head", torch::nn::Linear(8, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(bn(conv(x)));
+    h = torch::max_pool2d(h, 2).flatten(1);
+    h = fc(h + torch::full({1}, 0.5));  // an fp32 tensor made inside forward
+    return head(norm(plain_bn(h)));
+  }
+  torch::nn::Conv2d conv;
+  torch::nn::BatchNorm2d bn;
+  torch::nn::BatchNorm1d plain_bn;
+  ScaleNorm norm;
+  torch::nn::Linear fc, head;
+};
+TORCH_MODULE(ConvNet);
+
+Options o2_keep_norm_fp32(OptLevel level = O2) {
+  Options options = level;
+  options.verbosity = 0;
+  options.keep_fp32 = [](const torch::nn::Module& m) {
+    return dynamic_cast<const ScaleNormImpl*>(&m) != nullptr;
+  };
+  return options;
+}
+
+at::Tensor batch(int64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randn({4, 1, 8, 8});
+}
+at::Tensor labels(int64_t seed) { return torch::arange(4) .add(seed).remainder(3); }
+
+class ModelLevelsTest : public AmpTest {};
+
+TEST_F(ModelLevelsTest, O2ConvertsAllButAffineBatchNormAndKeptModules) {
+  ConvNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  EXPECT_EQ(model->conv->weight.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->fc->bias.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->head->weight.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->bn->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(model->bn->running_mean.scalar_type(), at::kFloat);
+  EXPECT_EQ(model->bn->num_batches_tracked.scalar_type(), at::kLong);
+  EXPECT_EQ(model->plain_bn->running_var.scalar_type(), at::kBFloat16);  // non-affine converts
+  EXPECT_EQ(model->norm->gain.scalar_type(), at::kFloat);                // kept by keep_fp32
+  for (const auto& p : master_params(*optimizer)) EXPECT_EQ(p.scalar_type(), at::kFloat);
+}
+
+TEST_F(ModelLevelsTest, O3ConvertsBatchNormUnlessKept) {
+  for (bool keep : {false, true}) {
+    ConvNet model;
+    Options options = quiet(O3);
+    options.cpu_dtype = at::kHalf;
+    if (keep) options.keep_batchnorm_fp32 = true;
+    Handle handle;
+    handle.initialize(model, options);
+    EXPECT_EQ(model->conv->weight.scalar_type(), at::kHalf);
+    EXPECT_EQ(model->bn->weight.scalar_type(), keep ? at::kFloat : at::kHalf);
+    EXPECT_EQ(properties().loss_scale.dynamic, false);
+    EXPECT_EQ(loss_scale(), 1.0);
+  }
+}
+
+TEST_F(ModelLevelsTest, Fp32InputsMeetALowPrecisionModelAndTheLossIsFp32) {
+  for (OptLevel level : {O2, O3}) {
+    ConvNet model;
+    Handle handle;
+    handle.initialize(model, o2_keep_norm_fp32(level));
+    const auto out = model->forward(batch(0));  // fp32 input, unchanged user code
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    const auto loss = torch::cross_entropy_loss(out, labels(0));
+    EXPECT_EQ(loss.scalar_type(), at::kFloat) << to_string(level);
+    EXPECT_EQ(torch::log_softmax(out, 1).scalar_type(), at::kBFloat16);  // CPU table: no fp32 softmax
+  }
+}
+
+TEST_F(ModelLevelsTest, KeptFp32ModulesComputeInFp32) {
+  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 2));
+  Options options = quiet(O2);
+  auto head = model[1];
+  options.keep_fp32 = [head](const torch::nn::Module& m) { return &m == head.get(); };
+  Handle handle;
+  handle.initialize(model, options);
+  const auto h = model[0]->as<torch::nn::Linear>()->forward(torch::randn({3, 4}));
+  EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model[1]->as<torch::nn::Linear>()->forward(h).scalar_type(), at::kFloat);
+}
+
+TEST_F(ModelLevelsTest, CastModelOutputsLowKeepsLossesInTheModelDtype) {
+  ConvNet model;
+  Options options = o2_keep_norm_fp32();
+  options.cast_model_outputs = at::kBFloat16;
+  Handle handle;
+  handle.initialize(model, options);
+  const auto out = model->forward(batch(0));
+  EXPECT_EQ(torch::mse_loss(out, torch::zeros_like(out)).scalar_type(), at::kBFloat16);
+}
+
+// One O2 training step with fp32 data; returns nothing, checks invariants.
+void train_step(ConvNet& model, OptimizerPtr& optimizer, int64_t seed, bool overflow = false) {
+  optimizer->zero_grad();
+  const auto loss = torch::cross_entropy_loss(model->forward(batch(seed)), labels(seed));
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+    if (overflow) model->fc->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+  }
+  optimizer->step();
+}
+
+TEST_F(ModelLevelsTest, MastersStepAndAreCopiedBackAfterEachStep) {
+  ConvNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  auto& amp_optimizer = dynamic_cast<MixedPrecisionOptimizer&>(*optimizer);
+  const auto fc_before = model->fc->weight.clone();
+  for (int step = 0; step < 3; ++step) {
+    train_step(model, optimizer, step);
+    for (const auto& pair : amp_optimizer.master_weights()) {
+      EXPECT_TRUE(BitEqual(pair.parameter, pair.master.to(pair.parameter.scalar_type())));
+      EXPECT_FALSE(pair.parameter.grad().defined());  // consumed into the master gradient
+    }
+  }
+  EXPECT_FALSE(torch::equal(fc_before, model->fc->weight));
+  // The optimizer state lives on the fp32 masters.
+  for (const auto& master : master_params(*optimizer)) {
+    auto it = optimizer->state().find(master.unsafeGetTensorImpl());
+    ASSERT_NE(it, optimizer->state().end());
+    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
+    EXPECT_EQ(adam.exp_avg().scalar_type(), at::kFloat);
+  }
+  optimizer->zero_grad();
+  EXPECT_FALSE(amp_optimizer.master_weights().empty());
+  for (const auto& pair : amp_optimizer.master_weights()) {
+    EXPECT_FALSE(pair.master.grad().defined());
+    EXPECT_FALSE(pair.parameter.grad().defined());
+  }
+}
+
+TEST_F(ModelLevelsTest, MastersStartFromTheExactFp32Weights) {
+  ConvNet model;
+  const auto original = model->fc->weight.detach().clone();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  bool found = false;
+  for (const auto& pair : dynamic_cast<MixedPrecisionOptimizer&>(*optimizer).master_weights()) {
+    if (pair.parameter.is_same(model->fc->weight)) {
+      EXPECT_TRUE(BitEqual(pair.master, original));
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST_F(ModelLevelsTest, SkippedO2StepLeavesMastersModelAndStateBitIdentical) {
+  ConvNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  train_step(model, optimizer, 0);
+  std::vector<at::Tensor> masters, params;
+  for (const auto& m : master_params(*optimizer)) masters.push_back(m.detach().clone());
+  for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+  std::stringstream state_before, state_after;
+  torch::save(*optimizer, state_before);
+  train_step(model, optimizer, 1, /*overflow=*/true);
+  torch::save(*optimizer, state_after);
+  EXPECT_EQ(state_before.str(), state_after.str());
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(BitEqual(master_params(*optimizer)[i], masters[i]));
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(BitEqual(model->parameters()[i], params[i]));
+}
+
+TEST_F(ModelLevelsTest, AddParamGroupAfterInitializeGetsMasters) {
+  ConvNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->conv->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  std::vector<at::Tensor> rest;
+  for (auto* m : {&model->fc, &model->head}) {
+    for (const auto& p : (*m)->parameters()) rest.push_back(p);
+  }
+  optimizer->add_param_group(torch::optim::OptimizerParamGroup(rest));
+  const auto head_before = model->head->weight.clone();
+  train_step(model, optimizer, 0);
+  EXPECT_FALSE(torch::equal(head_before, model->head->weight));
+  for (const auto& p : master_params(*optimizer)) EXPECT_EQ(p.scalar_type(), at::kFloat);
+  EXPECT_EQ(master_params(*optimizer).size(), 2u + rest.size());
+}
+
+// Trains `steps` O-level steps from a fixed model; with `resume_at`, saves a
+// checkpoint there, rebuilds everything and continues from the file.
+std::vector<at::Tensor> train_run(OptLevel level, int steps, std::optional<int> resume_at) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("amp_resume_" + std::string(to_string(level)) + ".pt")).string();
+  auto build = [&](Handle& handle, ConvNet& model, OptimizerPtr& optimizer) {
+    torch::manual_seed(42);
+    model = ConvNet();
+    optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32(level));
+  };
+  auto handle = std::make_unique<Handle>();
+  ConvNet model;
+  OptimizerPtr optimizer;
+  build(*handle, model, optimizer);
+  for (int step = 0; step < steps; ++step) {
+    if (resume_at && step == *resume_at) {
+      save_checkpoint(path, {model.ptr()}, {optimizer});
+      handle = std::make_unique<Handle>();  // deinitializes the old run
+      build(*handle, model, optimizer);     // fresh weights, fresh optimizer
+      load_checkpoint(path, {model.ptr()}, {optimizer});
+    }
+    train_step(model, optimizer, step, /*overflow=*/step == 1);
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+  for (const auto& m : master_params(*optimizer)) out.push_back(m.detach().clone());
+  out.push_back(torch::tensor(loss_scale()));
+  std::remove(path.c_str());
+  return out;
+}
+
+TEST_F(ModelLevelsTest, ResumingFromACheckpointIsBitIdentical) {
+  for (OptLevel level : {O1, O2}) {
+    const auto uninterrupted = train_run(level, 6, std::nullopt);
+    const auto resumed = train_run(level, 6, 3);
+    ASSERT_EQ(uninterrupted.size(), resumed.size());
+    for (size_t i = 0; i < resumed.size(); ++i) {
+      EXPECT_TRUE(BitEqual(resumed[i], uninterrupted[i])) << to_string(level) << " tensor " << i;
+    }
+  }
+}
+
+TEST_F(ModelLevelsTest, CheckpointHoldsFp32MasterWeightsLoadableIntoAnFp32Model) {
+  ConvNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, o2_keep_norm_fp32());
+  train_step(model, optimizer, 0);
+  const std::string path = (std::filesystem::temp_directory_path() / "amp_fp32_weights.pt").string();
+  save_checkpoint(path, {model.ptr()}, {optimizer});
+  ConvNet fp32;
+  torch::serialize::InputArchive file, weights;
+  file.load_from(path);
+  ASSERT_TRUE(file.try_read("model0", weights));
+  fp32->load(weights);
+  EXPECT_EQ(fp32->fc->weight.scalar_type(), at::kFloat);
+  for (const auto& pair : dynamic_cast<MixedPrecisionOptimizer&>(*optimizer).master_weights()) {
+    if (pair.parameter.is_same(model->fc->weight)) EXPECT_TRUE(BitEqual(fp32->fc->weight, pair.master));
+  }
+  // A truncated file fails cleanly and changes nothing.
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) / 2);
+  const auto before = model->fc->weight.clone();
+  EXPECT_AMP_ERROR(load_checkpoint(path, {model.ptr()}, {optimizer}), "truncated or corrupt");
+  EXPECT_TRUE(BitEqual(model->fc->weight, before));
+  std::remove(path.c_str());
+}
+
+TEST_F(ModelLevelsTest, AcceptsSharedPtrAndModuleHolderModelsAndInference) {
+  auto net = std::make_shared<TinyNetImpl>();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+  Handle handle;
+  std::shared_ptr<TinyNetImpl> same;
+  std::tie(same, optimizer) = handle.initialize(net, optimizer, quiet(O2));
+  EXPECT_EQ(same, net);
+  EXPECT_NE(dynamic_cast<MixedPrecisionOptimizer*>(optimizer.get()), nullptr);
+  handle.deinitialize();
+  TinyNet holder;
+  TinyNet returned = handle.initialize(holder, quiet(O3));  // inference: no optimizer
+  EXPECT_EQ(returned.ptr(), holder.ptr());
+  EXPECT_EQ(holder->fc1->weight.scalar_type(), at::kBFloat16);
+}
+
+struct DataParallelWrapperImpl : torch::nn::Module {
+  DataParallelWrapperImpl() { register_module("inner", TinyNet()); }
+};
+TORCH_MODULE(DataParallelWrapper);
+
+TEST_F(ModelLevelsTest, InitializeErrorsChangeNothing) {
+  Handle handle;
+  auto mixed = std::make_shared<torch::nn::Module>();
+  const auto on_cpu = mixed->register_parameter("on_cpu", torch::randn({2}));
+  mixed->register_parameter("on_meta", torch::zeros({2}, torch::kMeta));
+  EXPECT_AMP_ERROR(handle.initialize(mixed, quiet(O2)), "one device");
+  EXPECT_EQ(on_cpu.scalar_type(), at::kFloat);  // not converted
+  EXPECT_FALSE(is_initialized());
+
+  EXPECT_AMP_ERROR(handle.initialize(DataParallelWrapper(), quiet(O1)), "wrap it for data parallelism afterwards");
+  EXPECT_AMP_ERROR(handle.initialize(std::shared_ptr<TinyNetImpl>(), quiet(O1)), "null model");
+
+  TinyNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options bad = quiet(O1);
+  bad.num_losses = 0;
+  EXPECT_AMP_ERROR(handle.initialize(model, optimizer, bad), "num_losses must be >= 1");
+  bad = quiet(O1);
+  bad.verbosity = 3;
+  EXPECT_AMP_ERROR(handle.initialize(model, optimizer, bad), "verbosity must be 0, 1 or 2");
+  Options wrong = quiet(O1);
+  wrong.master_weights = true;
+  EXPECT_AMP_ERROR(handle.initialize(model, optimizer, wrong), "master_weights make no sense");
+  EXPECT_FALSE(is_initialized());
+
+  OptimizerPtr wrapped;
+  std::tie(model, wrapped) = handle.initialize(model, optimizer, quiet(O2));
+  handle.deinitialize();
+  TinyNet other;
+  EXPECT_AMP_ERROR(handle.initialize(other, optimizer, quiet(O1)), "already passed through amp::initialize");
+  EXPECT_AMP_ERROR(handle.initialize(other, wrapped, quiet(O1)), "already passed through amp::initialize");
+  EXPECT_AMP_ERROR(handle.initialize(model, quiet(O2)), "already converted");
+}
+
+TEST_F(ModelLevelsTest, WarnsWhenTheModelIsAlreadyLowPrecision) {
+  TinyNet model;
+  model->to(at::kBFloat16);
+  Handle handle;
+  Options options = O2;
+  ::testing::internal::CaptureStderr();
+  handle.initialize(model, options);
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              ::testing::HasSubstr("You do not need to convert the model before amp::initialize"));
+}
+
+}  // namespace
+}  // namespace amp::testing
