@@ -1,0 +1,65 @@
+#include "run_setup.h"
+
+#include <torch/cuda.h>
+
+#include <stdexcept>
+#include <unistd.h>
+
+namespace examples {
+
+c10::Device parse_device(const std::string& device) {
+  if (device == "cpu") return c10::Device(c10::kCPU);
+  if (device == "cuda") {
+    if (!torch::cuda::is_available()) {
+      throw std::invalid_argument("--device=cuda, but no CUDA GPU is available; use --device=cpu");
+    }
+    return c10::Device(c10::kCUDA, 0);
+  }
+  throw std::invalid_argument("--device must be cpu or cuda, got '" + device + "'");
+}
+
+amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
+                         c10::Device device, int verbosity) {
+  amp::Options options;
+  try {
+    options = amp::Options(opt_level);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("--opt_level: " + std::string(e.what()));
+  }
+  options.verbosity = verbosity;
+  if (dtype.empty()) return options;
+  c10::ScalarType low;
+  if (dtype == "fp16") {
+    low = c10::kHalf;
+  } else if (dtype == "bf16") {
+    low = c10::kBFloat16;
+  } else {
+    throw std::invalid_argument("--dtype must be fp16 or bf16, got '" + dtype + "'");
+  }
+  if (options.opt_level == amp::O4 || options.opt_level == amp::O5) {
+    if (low != c10::kBFloat16) throw std::invalid_argument("--opt_level O4/O5 are bf16 levels; drop --dtype=fp16");
+    return options;
+  }
+  (device.is_cuda() ? options.cuda_dtype : options.cpu_dtype) = low;
+  return options;
+}
+
+Progress::Progress(int every)
+    : terminal_(isatty(fileno(stdout)) != 0), every_(every), start_(std::chrono::steady_clock::now()) {}
+
+void Progress::update(int64_t step, double loss, double scale, int64_t samples) {
+  samples_ += samples;
+  if (!terminal_ && step % every_ != 0) return;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::printf("%sstep %6lld  loss %.4f  scale %-9g %8.0f samples/s%s", terminal_ ? "\r" : "",
+              static_cast<long long>(step), loss, scale, samples_ / std::max(seconds, 1e-9),
+              terminal_ ? "" : "\n");
+  std::fflush(stdout);
+}
+
+void Progress::finish() {
+  if (terminal_) std::printf("\n");
+}
+
+}  // namespace examples

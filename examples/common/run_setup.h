@@ -1,0 +1,35 @@
+// What every example shares: turning --opt_level/--dtype/--device flags into
+// amp::Options and a device, with clear errors, and a progress line.
+#pragma once
+
+#include <amp/options.h>
+
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace examples {
+
+// Throws std::invalid_argument with a message that names the flag.
+amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
+                         c10::Device device, int verbosity = 1);
+c10::Device parse_device(const std::string& device);
+
+// Prints "step N  loss L  scale S  X samples/s", rewritten in place on a
+// terminal, as plain lines every `every` steps otherwise.
+class Progress {
+ public:
+  explicit Progress(int every = 50);
+  void update(int64_t step, double loss, double scale, int64_t samples);
+  void finish();
+
+ private:
+  bool terminal_;
+  int every_;
+  int64_t samples_ = 0;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace examples

@@ -1,0 +1,168 @@
+// Trains a small CNN on Fashion-MNIST with amp.
+//
+//   fashion_mnist --opt_level=O2 --epochs=2
+//
+// The model and loop are plain LibTorch; amp adds two things: the
+// amp::initialize call and the amp::scale_loss guard around backward.
+#include <amp/amp.h>
+
+#include "common/fashion_mnist_data.h"
+#include "common/run_setup.h"
+
+#include <absl/flags/flag.h>
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0, O1, O2, O3, O4 (O1 bf16), O5 (O2 bf16)");
+ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16 (default: bf16 on CPU, fp16 on CUDA)");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
+ABSL_FLAG(int, epochs, 1, "training epochs");
+ABSL_FLAG(int, batch_size, 128, "batch size");
+ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
+ABSL_FLAG(int, seed, 0, "random seed (weights and batch order)");
+ABSL_FLAG(std::string, data_dir, examples::kDefaultFashionMnistDir, "directory of the idx .gz files");
+ABSL_FLAG(int64_t, train_limit, 0, "use only the first N training images (0: all 60000)");
+ABSL_FLAG(int64_t, test_limit, 0, "use only the first N test images (0: all 10000)");
+ABSL_FLAG(std::string, checkpoint, "", "write a checkpoint (model, optimizer, amp) here after training");
+ABSL_FLAG(std::string, resume, "", "resume from this checkpoint before training");
+ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
+ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)))),
+        bn1(register_module("bn1", torch::nn::BatchNorm2d(32))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)))),
+        bn2(register_module("bn2", torch::nn::BatchNorm2d(64))),
+        fc1(register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
+    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Net);
+
+double accuracy(Net& model, const examples::ImageDataset& test, c10::Device device, int batch_size) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  int64_t correct = 0;
+  for (int64_t start = 0; start < test.images.size(0); start += batch_size) {
+    const int64_t n = std::min<int64_t>(batch_size, test.images.size(0) - start);
+    const auto logits = model->forward(test.images.narrow(0, start, n).to(device));
+    correct += logits.argmax(1).eq(test.labels.narrow(0, start, n).to(device)).sum().item<int64_t>();
+  }
+  model->train();
+  return 100.0 * correct / test.images.size(0);
+}
+
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+int run() {
+  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
+  const amp::Options options = examples::amp_options(
+      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  const int batch_size = absl::GetFlag(FLAGS_batch_size);
+  const int epochs = absl::GetFlag(FLAGS_epochs);
+  if (batch_size < 1) throw std::invalid_argument("--batch_size must be >= 1");
+  if (epochs < 0) throw std::invalid_argument("--epochs must be >= 0");
+
+  const auto train = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
+                                                  absl::GetFlag(FLAGS_train_limit));
+  const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false,
+                                                 absl::GetFlag(FLAGS_test_limit));
+  torch::manual_seed(absl::GetFlag(FLAGS_seed));
+  Net model;
+  model->to(device);
+  std::shared_ptr<torch::optim::Optimizer> optimizer =
+      std::make_shared<torch::optim::Adam>(model->parameters(), absl::GetFlag(FLAGS_lr));
+
+  std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+
+  if (!absl::GetFlag(FLAGS_resume).empty()) {
+    amp::load_checkpoint(absl::GetFlag(FLAGS_resume), {model.ptr()}, {optimizer});
+    std::cout << "resumed from " << absl::GetFlag(FLAGS_resume) << "\n";
+  }
+  std::ofstream csv;
+  if (!absl::GetFlag(FLAGS_csv).empty()) {
+    csv.open(absl::GetFlag(FLAGS_csv));
+    if (!csv) throw std::invalid_argument("--csv: cannot write " + absl::GetFlag(FLAGS_csv));
+    csv << "step,loss,loss_scale\n";
+  }
+
+  const int64_t n = train.images.size(0);
+  int64_t step = 0;
+  double seconds = 0;
+  examples::Progress progress;
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto order = torch::randperm(n);
+    for (int64_t first = 0; first < n; first += batch_size) {
+      const auto index = order.narrow(0, first, std::min<int64_t>(batch_size, n - first));
+      const auto images = train.images.index_select(0, index).to(device);
+      const auto labels = train.labels.index_select(0, index).to(device);
+
+      optimizer->zero_grad();
+      const auto loss = torch::cross_entropy_loss(model->forward(images), labels);
+      {
+        amp::scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+
+      ++step;
+      const double loss_value = loss.item<double>();
+      const double scale = amp::loss_scale();
+      progress.update(step, loss_value, scale, index.size(0));
+      if (csv) csv << step << "," << loss_value << "," << scale << "\n";
+    }
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  progress.finish();
+  if (!absl::GetFlag(FLAGS_checkpoint).empty()) {
+    amp::save_checkpoint(absl::GetFlag(FLAGS_checkpoint), {model.ptr()}, {optimizer});
+  }
+  const auto& amp_optimizer = dynamic_cast<const amp::MixedPrecisionOptimizer&>(*optimizer);
+  std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  skipped steps %lld  peak RSS %.0f MiB\n",
+              amp::to_string(options.opt_level), accuracy(model, test, device, 512),
+              epochs > 0 ? seconds / epochs : 0.0,
+              static_cast<long long>(amp_optimizer.skipped_steps()), peak_rss_mib());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Trains a CNN on Fashion-MNIST with amp mixed precision.");
+  absl::ParseCommandLine(argc, argv);
+  try {
+    return run();
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "fashion_mnist: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fashion_mnist: " << e.what() << "\n";
+    return 1;
+  }
+}
