@@ -7,6 +7,7 @@
 #include <amp/amp.h>
 
 #include "common/fashion_mnist_data.h"
+#include "common/fashion_mnist_net.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -37,28 +38,7 @@ ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped 
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)))),
-        bn1(register_module("bn1", torch::nn::BatchNorm2d(32))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)))),
-        bn2(register_module("bn2", torch::nn::BatchNorm2d(64))),
-        fc1(register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128))),
-        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
-
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
-    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
-    return fc2(torch::relu(fc1(x.flatten(1))));
-  }
-
-  torch::nn::Conv2d conv1;
-  torch::nn::BatchNorm2d bn1;
-  torch::nn::Conv2d conv2;
-  torch::nn::BatchNorm2d bn2;
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Net);
+using Net = examples::FashionNet;
 
 double accuracy(Net& model, const examples::ImageDataset& test, c10::Device device, int batch_size) {
   torch::NoGradGuard no_grad;

@@ -1,0 +1,118 @@
+// CUDA behaviour: representative ops of every CUDA policy against native
+// autocast on the GPU, the banned op, and O1/O2 training steps on CUDA.
+// Each test skips, saying so, when no CUDA device is present.
+#include "test_util.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
+
+namespace amp::testing {
+namespace {
+
+class CudaTest : public AmpTest {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  }
+  at::Tensor r(at::IntArrayRef shape, at::ScalarType dtype = at::kFloat) {
+    return torch::randn(shape, torch::device(torch::kCUDA)).to(dtype);
+  }
+};
+
+TEST_F(CudaTest, RepresentativeOpsMatchNativeAutocastBitForBit) {
+  std::vector<std::pair<std::string, std::function<at::Tensor()>>> cases;
+  const auto x = r({8, 16}), w = r({4, 16}), b = r({4});
+  const auto half = r({8, 16}, at::kHalf);
+  const auto img = r({2, 3, 8, 8}), kernel = r({4, 3, 3, 3});
+  const auto h = r({2, 5}), c = r({2, 5}), wi = r({20, 3}), wh = r({20, 5}), in = r({2, 3});
+  cases = {
+      {"mm", [&] { return at::mm(x, x.t()); }},
+      {"linear", [&] { return at::linear(x, w, b); }},
+      {"conv2d", [&] { return at::conv2d(img, kernel); }},
+      {"lstm_cell", [&] { return std::get<0>(at::lstm_cell(in, {h, c}, wi, wh)); }},
+      {"exp", [&] { return at::exp(half); }},
+      {"layer_norm", [&] { return at::layer_norm(half, {16}); }},
+      {"mse_loss", [&] { return at::mse_loss(half, half.flip(0)); }},
+      {"softmax", [&] { return at::softmax(half, 1); }},
+      {"sum", [&] { return at::sum(half); }},
+      {"norm.Scalar", [&] { return at::norm(half, 2); }},
+      {"addcmul", [&] { return at::addcmul(half, x, half); }},
+      {"cat (native promotes)", [&] { return at::cat({half, x}); }},
+  };
+  for (auto& [name, call] : cases) {
+    SCOPED_TRACE(name);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    const auto native = call();
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    Handle handle;
+    handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+    const auto ours = call();
+    handle.deinitialize();
+    EXPECT_TRUE(BitEqual(ours, native));
+  }
+}
+
+TEST_F(CudaTest, BinaryCrossEntropyIsBannedWithTheFix) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  const auto p = torch::rand({4}, torch::kCUDA) * 0.9 + 0.05, t = torch::rand({4}, torch::kCUDA);
+  EXPECT_AMP_ERROR(torch::binary_cross_entropy(p, t), "binary_cross_entropy_with_logits");
+  handle.deinitialize();
+  Options allow = quiet(O1);
+  allow.allow_banned = true;
+  handle.initialize(std::vector<ModulePtr>{}, {}, allow);
+  EXPECT_EQ(torch::binary_cross_entropy(p.to(at::kHalf), t.to(at::kHalf)).scalar_type(), at::kFloat);
+}
+
+TEST_F(CudaTest, TrainingStepsAtO1AndO2WithFp16AndBf16) {
+  for (OptLevel level : {O1, O2, O4, O5}) {
+    SCOPED_TRACE(to_string(level));
+    auto model = TinyNet();
+    model->to(torch::kCUDA);
+    OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
+    Handle handle;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(level));
+    const at::ScalarType low = (level == O4 || level == O5) ? at::kBFloat16 : at::kHalf;
+    for (int step = 0; step < 3; ++step) {
+      optimizer->zero_grad();
+      const auto out = model->forward(torch::randn({16, 8}, torch::kCUDA));
+      EXPECT_EQ(out.scalar_type(), low);
+      const auto loss = torch::mse_loss(out, torch::zeros_like(out));
+      EXPECT_EQ(loss.scalar_type(), at::kFloat);
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+      EXPECT_TRUE(loss_scaler().scale_tensor(torch::kCUDA).is_cuda());
+    }
+    if (level == O2 || level == O5) {
+      for (const auto& m : master_params(*optimizer)) EXPECT_EQ(m.scalar_type(), at::kFloat);
+      EXPECT_EQ(model->fc1->weight.scalar_type(), low);
+    }
+  }
+}
+
+TEST_F(CudaTest, OverflowInFp16GradientsSkipsTheStep) {
+  auto model = TinyNet();
+  model->to(torch::kCUDA);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options options = quiet(O3);
+  options.loss_scale = LossScale::Dynamic();
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const auto before = model->fc1->weight.clone();
+  {
+    scale_loss scaled(model->forward(torch::randn({4, 8}, torch::kCUDA)).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+    EXPECT_EQ(model->fc1->weight.grad().scalar_type(), at::kHalf);
+    model->fc1->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+  }
+  optimizer->step();
+  EXPECT_TRUE(BitEqual(model->fc1->weight, before));
+  EXPECT_EQ(loss_scale(), 32768.0);
+}
+
+}  // namespace
+}  // namespace amp::testing

@@ -1,0 +1,365 @@
+// amp's CPU benchmarks, each a table of figures measured side by side in one
+// run (medians of repeated measurements, interleaved so drift hits every
+// column alike):
+//   1. dispatch overhead per op: no autocast vs native at::autocast vs amp O1;
+//   2. loss-scaler step cost, 200 parameter tensors: amp vs the same ATen
+//      sequence by hand vs a naive per-tensor loop with a host sync each;
+//   3. O2 master-weight step cost: amp vs the same fused ATen sequence by hand,
+//      with the number of foreach/_amp_ calls per step;
+//   4. peak memory of one Fashion-MNIST CNN training step at O0-O3.
+#include <amp/amp.h>
+
+#include "bench_util.h"
+#include "common/fashion_mnist_net.h"
+
+#include <absl/flags/flag.h>
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <map>
+#include <unordered_map>
+#include <mutex>
+
+ABSL_FLAG(int, repetitions, 15, "repetitions per measurement (the median is reported)");
+ABSL_FLAG(int, calls, 20000, "op calls per dispatch measurement");
+ABSL_FLAG(int, scaler_params, 200, "parameter tensors in the scaler benchmarks");
+ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory");
+
+namespace {
+
+using bench::median;
+
+amp::Options quiet(amp::OptLevel level) {
+  amp::Options o = level;
+  o.verbosity = 0;
+  return o;
+}
+
+// --- 1. Dispatch overhead -------------------------------------------------------
+
+struct OpCase {
+  std::string name;
+  std::string policy;
+  std::function<void()> call;
+};
+
+void dispatch_overhead() {
+  const int calls = absl::GetFlag(FLAGS_calls), reps = absl::GetFlag(FLAGS_repetitions);
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  const auto a_low = a.to(at::kBFloat16), b_low = b.to(at::kBFloat16);
+  const auto weight = torch::randn({4, 4}, torch::requires_grad()), bias = torch::randn({4}, torch::requires_grad());
+  torch::NoGradGuard no_grad;  // measure dispatch, not graph building
+  std::vector<OpCase> cases = {
+      {"mm fp32 (casts)", "lower_precision", [&] { at::mm(a, b); }},
+      {"mm bf16 (no cast)", "lower_precision", [&] { at::mm(a_low, b_low); }},
+      {"linear, cached weight", "lower_precision", [&] { at::linear(a, weight, bias); }},
+      {"cat bf16+fp32", "promote", [&] { at::cat({a_low, b}); }},
+      {"softmax", "not intercepted on CPU", [&] { at::softmax(a, 1); }},
+      {"relu", "not intercepted", [&] { at::relu(a); }},
+  };
+  enum Mode { kPlain, kNative, kAmp, kModes };
+  std::vector<std::vector<std::vector<double>>> t(cases.size(), std::vector<std::vector<double>>(kModes));
+  for (int r = 0; r < reps; ++r) {
+    for (int mode = 0; mode < kModes; ++mode) {
+      std::unique_ptr<amp::Handle> handle;
+      if (mode == kNative) at::autocast::set_autocast_enabled(at::kCPU, true);
+      if (mode == kAmp) {
+        handle = std::make_unique<amp::Handle>();
+        handle->initialize(std::vector<amp::ModulePtr>{}, {}, quiet(amp::O1));
+      }
+      for (size_t c = 0; c < cases.size(); ++c) {
+        cases[c].call();  // warm: caches filled
+        t[c][mode].push_back(bench::ns_per_call(cases[c].call, calls));
+      }
+      if (mode == kNative) at::autocast::set_autocast_enabled(at::kCPU, false);
+    }
+  }
+  std::printf("\n1. Dispatch overhead per call, 4x4 CPU tensors, no_grad (median of %d x %d calls)\n", reps, calls);
+  std::printf("| op | amp policy | no autocast ns | native autocast ns | amp O1 ns | amp / native | amp added / native added |\n");
+  std::printf("|---|---|---:|---:|---:|---:|---:|\n");
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const double plain = median(t[c][kPlain]), native = median(t[c][kNative]), ours = median(t[c][kAmp]);
+    const double added_native = native - plain, added_amp = ours - plain;
+    char added[32] = "-";
+    if (added_native > 20) std::snprintf(added, sizeof(added), "%.2f", added_amp / added_native);
+    std::printf("| %s | %s | %.0f | %.0f | %.0f | %.2f | %s |\n", cases[c].name.c_str(),
+                cases[c].policy.c_str(), plain, native, ours, ours / native, added);
+  }
+  // The boxed path: an op registered by name (users' own ops take it).
+  std::vector<double> boxed, typed_or_plain;
+  amp::register_half_function("aten::relu");
+  for (int r = 0; r < reps; ++r) {
+    typed_or_plain.push_back(bench::ns_per_call([&] { at::relu(a_low); }, calls));
+    amp::Handle handle;
+    handle.initialize(std::vector<amp::ModulePtr>{}, {}, quiet(amp::O1));
+    boxed.push_back(bench::ns_per_call([&] { at::relu(a_low); }, calls));
+  }
+  amp::reset_user_registrations();
+  std::printf("| relu bf16, registered by name (boxed kernel) | lower_precision | %.0f | - | %.0f | - | - |\n",
+              median(typed_or_plain), median(boxed));
+}
+
+// --- 2. Loss scaler step cost -----------------------------------------------
+
+std::vector<at::Tensor> make_params(int n, at::ScalarType dtype = at::kFloat) {
+  std::vector<at::Tensor> params;
+  for (int i = 0; i < n; ++i) params.push_back(torch::randn({64, 64}).to(dtype).requires_grad_());
+  return params;
+}
+
+void assign_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+  for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i].clone();
+}
+
+void scaler_cost() {
+  const int n = absl::GetFlag(FLAGS_scaler_params), reps = absl::GetFlag(FLAGS_repetitions) * 40;
+  auto params = make_params(n);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(torch::randn_like(p) * 1e-3);
+  const auto loss = torch::tensor(1.0f);
+  // Every variant ends with the same plain SGD update (lr 0), so differences
+  // to the baseline are the scaler's own cost. Gradient copies are untimed.
+  torch::optim::SGD plain(params, 0.0);
+  std::vector<double> base, amp_t, hand, naive;
+  int64_t amp_syncs = 0;
+  {
+    amp::Handle handle;
+    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
+    auto [models, optimizers] = handle.initialize({}, {optimizer}, quiet(amp::O1));
+    optimizer = optimizers[0];
+    const int64_t syncs_before = amp::host_syncs();
+    for (int r = 0; r < reps; ++r) {
+      base.push_back(bench::ns_once([&] { plain.zero_grad(); }, [&] {
+        assign_grads(params, grads);
+        plain.step();
+      }));
+      amp_t.push_back(bench::ns_once([&] { optimizer->zero_grad(); }, [&] {
+        {
+          amp::scale_loss scaled(loss, optimizer);
+          assign_grads(params, grads);  // stands in for backward
+        }
+        optimizer->step();
+      }));
+    }
+    amp_syncs = amp::host_syncs() - syncs_before;
+  }
+  at::Tensor scale = torch::full({1}, 65536.0f), tracker = torch::zeros({1}, at::kInt);
+  for (int r = 0; r < reps; ++r) {
+    hand.push_back(bench::ns_once([&] { plain.zero_grad(); }, [&] {
+      const auto scaled = loss * scale;
+      assign_grads(params, grads);
+      auto found_inf = torch::zeros({1});
+      const auto inv_scale = scale.to(at::kDouble).reciprocal().to(at::kFloat);
+      std::vector<at::Tensor> g;
+      for (const auto& p : params) g.push_back(p.grad());
+      at::_amp_foreach_non_finite_check_and_unscale_(g, found_inf, inv_scale);
+      at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
+      if (found_inf.item<float>() == 0) plain.step();
+    }));
+    naive.push_back(bench::ns_once([&] { plain.zero_grad(); }, [&] {
+      const double s = scale.item<double>();
+      const auto scaled = loss * s;
+      assign_grads(params, grads);
+      bool overflow = false;
+      for (const auto& p : params) {
+        p.grad().mul_(1.0 / s);
+        overflow = overflow || !p.grad().isfinite().all().item<bool>();  // a host sync per tensor
+      }
+      if (!overflow) plain.step();
+    }));
+  }
+  const double b = median(base);
+  std::printf("\n2. Loss-scaler cost per step, %d fp32 tensors of 64x64 (median of %d steps, baseline %.0f us removed)\n",
+              n, reps, b / 1e3);
+  std::printf("| variant | scaler us/step | ratio to hand-written | host syncs/step |\n|---|---:|---:|---:|\n");
+  const double h = median(hand) - b;
+  std::printf("| amp scale_loss + step | %.1f | %.2f | %.0f |\n", (median(amp_t) - b) / 1e3,
+              (median(amp_t) - b) / h, static_cast<double>(amp_syncs) / reps);
+  std::printf("| hand-written ATen sequence | %.1f | 1.00 | 1 |\n", h / 1e3);
+  std::printf("| naive per-tensor loop | %.1f | %.2f | %d |\n", (median(naive) - b) / 1e3, (median(naive) - b) / h, n + 1);
+}
+
+// --- 3. O2 master-weight step ---------------------------------------------------
+
+void master_cost() {
+  const int n = absl::GetFlag(FLAGS_scaler_params), reps = absl::GetFlag(FLAGS_repetitions) * 40;
+  auto params = make_params(n, at::kBFloat16);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back((torch::randn(p.sizes()) * 1e-3).to(at::kBFloat16));
+  const auto loss = torch::tensor(1.0f);
+  std::vector<double> amp_t, hand;
+  int64_t amp_calls = 0, hand_calls = 0;
+  std::vector<at::Tensor> masters;
+  for (const auto& p : params) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
+  torch::optim::SGD master_sgd(masters, 0.0);
+  at::Tensor scale = torch::full({1}, 65536.0f), tracker = torch::zeros({1}, at::kInt);
+  auto hand_step = [&] {
+    std::vector<at::Tensor> model_grads, master_grads;
+    for (size_t i = 0; i < params.size(); ++i) {
+      model_grads.push_back(params[i].grad());
+      masters[i].mutable_grad() = at::empty_like(masters[i]);
+      master_grads.push_back(masters[i].grad());
+    }
+    at::_foreach_copy_(master_grads, model_grads);
+    auto found_inf = torch::zeros({1});
+    at::_amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf,
+                                                   scale.to(at::kDouble).reciprocal().to(at::kFloat));
+    at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    if (found_inf.item<float>() == 0) {
+      master_sgd.step();
+      torch::NoGradGuard no_grad;
+      at::_foreach_copy_(params, masters);
+    }
+  };
+  {
+    amp::Handle handle;
+    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
+    amp::Options options = quiet(amp::O2);
+    auto [models, optimizers] = handle.initialize({}, {optimizer}, options);
+    optimizer = optimizers[0];
+    for (int r = 0; r < reps; ++r) {
+      amp_t.push_back(bench::ns_once([&] { optimizer->zero_grad(); }, [&] {
+        {
+          amp::scale_loss scaled(loss, optimizer);
+          assign_grads(params, grads);
+        }
+        optimizer->step();
+      }));
+      hand.push_back(bench::ns_once([&] { master_sgd.zero_grad(); }, [&] {
+        const auto scaled = loss * scale;
+        assign_grads(params, grads);
+        hand_step();
+      }));
+    }
+    bench::OpCounter amp_counter({"aten::_foreach", "aten::_amp"});
+    optimizer->zero_grad();
+    {
+      amp::scale_loss scaled(loss, optimizer);
+      assign_grads(params, grads);
+    }
+    optimizer->step();
+    amp_calls = amp_counter.count();
+  }
+  {
+    bench::OpCounter hand_counter({"aten::_foreach", "aten::_amp"});
+    assign_grads(params, grads);
+    hand_step();
+    hand_calls = hand_counter.count();
+  }
+  std::printf("\n3. O2 master-weight step, %d bf16 tensors of 64x64 with fp32 masters, SGD (median of %d steps)\n", n, reps);
+  std::printf("| variant | us/step | ratio to hand-written | foreach/_amp_ ATen calls per step |\n|---|---:|---:|---:|\n");
+  std::printf("| amp O2 (scale_loss exit + step) | %.1f | %.2f | %lld |\n", median(amp_t) / 1e3,
+              median(amp_t) / median(hand), static_cast<long long>(amp_calls));
+  std::printf("| hand-written fused sequence | %.1f | 1.00 | %lld |\n", median(hand) / 1e3,
+              static_cast<long long>(hand_calls));
+}
+
+// --- 4. Peak memory of a training step -----------------------------------------
+
+// Wraps LibTorch's CPU allocator to track live and peak bytes. Keeps its
+// pointers "simple" (data == context), as oneDNN's raw allocations require.
+class TrackingAllocator final : public c10::Allocator {
+ public:
+  explicit TrackingAllocator(c10::Allocator* base) : base_(base), base_free_(base->raw_deleter()) {
+    instance_ = this;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base_->allocate(n);
+    const c10::Device device = inner.device();
+    void* data = inner.release_context();  // now ours to free, via base_free_
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = n;
+      live_ += static_cast<int64_t>(n);
+      peak_ = std::max(peak_, live_);
+    }
+    return {data, data, &TrackingAllocator::release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &TrackingAllocator::release; }
+  void copy_data(void* dest, const void* src, size_t count) const override { base_->copy_data(dest, src, count); }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peak_ = live_;
+  }
+  int64_t peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+
+ private:
+  static void release(void* data) {
+    TrackingAllocator* self = instance_;
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->sizes_.find(data);
+      if (it != self->sizes_.end()) {
+        self->live_ -= static_cast<int64_t>(it->second);
+        self->sizes_.erase(it);
+      }
+    }
+    self->base_free_(data);
+  }
+  static inline TrackingAllocator* instance_ = nullptr;
+  c10::Allocator* base_;
+  c10::DeleterFnPtr base_free_;
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
+  int64_t live_ = 0, peak_ = 0;
+};
+
+TrackingAllocator* g_tracker = nullptr;
+
+void peak_memory() {
+  std::printf("\n4. Fashion-MNIST CNN, one training step at batch 128 on CPU (bf16), Adam: bytes allocated\n");
+  std::printf("| level | weights + optimizer state MiB | peak during a step MiB | peak / O0 |\n|---|---:|---:|---:|\n");
+  double o0 = 0;
+  for (amp::OptLevel level : {amp::O0, amp::O1, amp::O2, amp::O3}) {
+    torch::manual_seed(0);
+    const auto x = torch::randn({128, 1, 28, 28});
+    const auto y = torch::randint(0, 10, {128});
+    examples::FashionNet model;
+    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
+    amp::Handle handle;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(level));
+    auto step = [&] {
+      optimizer->zero_grad();
+      const auto loss = torch::cross_entropy_loss(model->forward(x), y);
+      {
+        amp::scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+    };
+    step();  // creates the optimizer state
+    optimizer->zero_grad();
+    g_tracker->reset_peak();
+    const int64_t resident = g_tracker->peak();
+    step();
+    const double peak = (g_tracker->peak() - resident) / 1048576.0;
+    if (level == amp::O0) o0 = peak;
+    std::printf("| %s | %.1f | %.1f | %.2f |\n", amp::to_string(level), resident / 1048576.0, peak, peak / o0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("amp CPU benchmarks: dispatch overhead, scaler cost, O2 step, memory.");
+  absl::ParseCommandLine(argc, argv);
+  static TrackingAllocator tracker(c10::GetDefaultCPUAllocator());
+  g_tracker = &tracker;
+  c10::SetCPUAllocator(&tracker, /*priority=*/100);
+  torch::set_num_threads(1);  // steadier timings on a shared 2-core machine
+  const std::string only = absl::GetFlag(FLAGS_only);
+  std::printf("amp CPU benchmarks - LibTorch %s, %d intra-op thread(s)\n", TORCH_VERSION, torch::get_num_threads());
+  if (only.empty() || only == "dispatch") dispatch_overhead();
+  if (only.empty() || only == "scaler") scaler_cost();
+  if (only.empty() || only == "master") master_cost();
+  if (only.empty() || only == "memory") peak_memory();
+  return 0;
+}
