@@ -1,0 +1,61 @@
+#include "char_transformer.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace examples {
+
+BlockImpl::BlockImpl(const TransformerConfig& c) : heads(c.heads) {
+  norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+  norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+  qkv = register_module("qkv", torch::nn::Linear(c.width, 3 * c.width));
+  proj = register_module("proj", torch::nn::Linear(c.width, c.width));
+  up = register_module("up", torch::nn::Linear(c.width, 4 * c.width));
+  down = register_module("down", torch::nn::Linear(4 * c.width, c.width));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2);
+  auto split = qkv(norm1(x)).view({batch, time, 3, heads, width / heads}).permute({2, 0, 3, 1, 4});
+  auto attended = at::scaled_dot_product_attention(split[0], split[1], split[2], {}, 0.0, /*is_causal=*/true);
+  auto h = x + proj(attended.transpose(1, 2).reshape({batch, time, width}));
+  return h + down(at::gelu(up(norm2(h))));
+}
+
+CharTransformerImpl::CharTransformerImpl(const TransformerConfig& c) : config(c) {
+  token = register_module("token", torch::nn::Embedding(c.vocab, c.width));
+  position = register_module("position", torch::nn::Embedding(c.context, c.width));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c));
+  norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+  head = register_module("head", torch::nn::Linear(c.width, c.vocab));
+}
+
+torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
+  auto x = token(tokens) + position(at::arange(tokens.size(1), tokens.options()));
+  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+  return head(norm(x));
+}
+
+std::string read_license_corpus(const std::string& dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    if (entry.is_regular_file() && !entry.is_symlink()) files.push_back(entry.path());
+  }
+  if (files.empty()) {
+    throw std::runtime_error("no text files in " + dir +
+                             " (Debian's base-files package provides /usr/share/common-licenses)");
+  }
+  std::sort(files.begin(), files.end());
+  std::ostringstream text;
+  for (const auto& f : files) text << std::ifstream(f).rdbuf() << "\n";
+  return text.str();
+}
+
+}  // namespace examples

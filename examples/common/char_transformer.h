@@ -1,0 +1,50 @@
+// A small character-level transformer language model (GPT-style): token and
+// position embeddings, pre-norm blocks of causal multi-head attention
+// (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
+// linear head.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+namespace examples {
+
+struct TransformerConfig {
+  int64_t vocab = 256;
+  int64_t context = 64;
+  int64_t width = 64;
+  int64_t heads = 4;
+  int64_t layers = 2;
+};
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const TransformerConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t heads;
+  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct CharTransformerImpl : torch::nn::Module {
+  explicit CharTransformerImpl(const TransformerConfig& c = {});
+  // tokens [batch, time] int64 -> logits [batch, time, vocab]
+  torch::Tensor forward(const torch::Tensor& tokens);
+  TransformerConfig config;
+  torch::nn::Embedding token{nullptr}, position{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(CharTransformer);
+
+// Reads every regular file of Debian's /usr/share/common-licenses (package
+// base-files, present on every Debian system) as one byte string, or the
+// files under `dir` when given.
+std::string read_license_corpus(const std::string& dir = "/usr/share/common-licenses");
+
+}  // namespace examples

@@ -1,0 +1,113 @@
+// A DCGAN on Fashion-MNIST: Apex's multi-model example. Two models, two
+// optimizers and three losses, each loss with its own loss scaler
+// (num_losses=3, loss_id 0..2).
+//
+//   gan --opt_level=O1 --steps=300
+#include <amp/amp.h>
+
+#include "common/dcgan.h"
+#include "common/fashion_mnist_data.h"
+#include "common/run_setup.h"
+
+#include <absl/flags/flag.h>
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+#include <torch/torch.h>
+
+#include <iostream>
+
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5");
+ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
+ABSL_FLAG(int, steps, 300, "training steps (one batch of real images each)");
+ABSL_FLAG(int, batch_size, 64, "batch size");
+ABSL_FLAG(double, lr, 2e-4, "Adam learning rate of both models");
+ABSL_FLAG(int, seed, 0, "random seed");
+ABSL_FLAG(std::string, data_dir, examples::kDefaultFashionMnistDir, "directory of the idx .gz files");
+ABSL_FLAG(int, verbosity, 1, "amp verbosity");
+
+namespace {
+
+int run() {
+  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
+  amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
+                                               device, absl::GetFlag(FLAGS_verbosity));
+  options.num_losses = 3;
+  const int steps = absl::GetFlag(FLAGS_steps), batch = absl::GetFlag(FLAGS_batch_size);
+  if (steps < 0 || batch < 1) throw std::invalid_argument("--steps must be >= 0 and --batch_size >= 1");
+  const auto data = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true, int64_t(steps) * batch);
+  const auto real_images = (data.images * 0.3530 + 0.2860) * 2 - 1;  // back to [-1, 1]
+
+  torch::manual_seed(absl::GetFlag(FLAGS_seed));
+  examples::Generator generator;
+  examples::Discriminator discriminator;
+  generator->to(device);
+  discriminator->to(device);
+  const auto adam = torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)).betas({0.5, 0.999});
+  std::shared_ptr<torch::optim::Optimizer> opt_g = std::make_shared<torch::optim::Adam>(generator->parameters(), adam);
+  std::shared_ptr<torch::optim::Optimizer> opt_d = std::make_shared<torch::optim::Adam>(discriminator->parameters(), adam);
+
+  auto [models, optimizers] = amp::initialize({generator.ptr(), discriminator.ptr()}, {opt_g, opt_d}, options);
+  opt_g = optimizers[0];
+  opt_d = optimizers[1];
+
+  examples::Progress progress(50);
+  const auto ones = torch::ones({batch}, device), zeros = torch::zeros({batch}, device);
+  double loss_d = 0, loss_g = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto real = real_images.narrow(0, int64_t(step) * batch % real_images.size(0), batch).to(device);
+    const auto noise = torch::randn({batch, examples::kLatent}, device);
+    const auto fake = generator->forward(noise);
+
+    // Discriminator: real and fake batches, two losses with their own scalers.
+    opt_d->zero_grad();
+    const auto err_real = torch::binary_cross_entropy_with_logits(discriminator->forward(real), ones);
+    {
+      amp::scale_loss scaled(err_real, opt_d, {/*loss_id=*/0});
+      scaled.backward();
+    }
+    const auto err_fake = torch::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()), zeros);
+    {
+      amp::scale_loss scaled(err_fake, opt_d, {/*loss_id=*/1});
+      scaled.backward();
+    }
+    opt_d->step();
+
+    // Generator: fool the discriminator.
+    opt_g->zero_grad();
+    const auto err_g = torch::binary_cross_entropy_with_logits(discriminator->forward(fake), ones);
+    {
+      amp::scale_loss scaled(err_g, opt_g, {/*loss_id=*/2});
+      scaled.backward();
+    }
+    opt_g->step();
+
+    loss_d = (err_real + err_fake).item<double>();
+    loss_g = err_g.item<double>();
+    progress.update(step + 1, loss_d, amp::loss_scale(2), batch);
+  }
+  progress.finish();
+  auto skipped = [](const std::shared_ptr<torch::optim::Optimizer>& o) {
+    return static_cast<long long>(dynamic_cast<const amp::MixedPrecisionOptimizer&>(*o).skipped_steps());
+  };
+  std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld\n",
+              amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scale(0), amp::loss_scale(1),
+              amp::loss_scale(2), skipped(opt_d), skipped(opt_g));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Trains a DCGAN on Fashion-MNIST with amp: 2 models, 2 optimizers, 3 losses.");
+  absl::ParseCommandLine(argc, argv);
+  try {
+    return run();
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "gan: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "gan: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,113 @@
+// A character-level transformer language model trained with amp on the
+// license texts of Debian's base-files package (/usr/share/common-licenses),
+// then sampled.
+//
+//   transformer_lm --opt_level=O2 --steps=500
+#include <amp/amp.h>
+
+#include "common/char_transformer.h"
+#include "common/run_setup.h"
+
+#include <absl/flags/flag.h>
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+#include <torch/torch.h>
+
+#include <iostream>
+
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5");
+ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16");
+ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
+ABSL_FLAG(int, steps, 500, "training steps");
+ABSL_FLAG(int, batch_size, 32, "sequences per batch");
+ABSL_FLAG(int, context, 64, "characters per sequence");
+ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
+ABSL_FLAG(int, seed, 0, "random seed");
+ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
+ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
+ABSL_FLAG(int, verbosity, 1, "amp verbosity");
+
+namespace {
+
+std::string sample(examples::CharTransformer& model, c10::Device device, const std::string& prompt, int count) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  std::string text = prompt;
+  const int64_t context = model->config.context;
+  for (int i = 0; i < count; ++i) {
+    const std::string window = text.substr(text.size() > size_t(context) ? text.size() - context : 0);
+    auto tokens = torch::empty({1, int64_t(window.size())}, torch::kLong);
+    for (size_t j = 0; j < window.size(); ++j) tokens[0][j] = static_cast<uint8_t>(window[j]);
+    const auto logits = model->forward(tokens.to(device)).select(1, -1).to(torch::kFloat);
+    const auto next = torch::multinomial(torch::softmax(logits / 0.8, -1), 1).item<int64_t>();
+    text.push_back(static_cast<char>(next));
+  }
+  model->train();
+  return text;
+}
+
+int run() {
+  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
+  const amp::Options options = examples::amp_options(
+      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  const int steps = absl::GetFlag(FLAGS_steps), batch = absl::GetFlag(FLAGS_batch_size);
+  examples::TransformerConfig config;
+  config.context = absl::GetFlag(FLAGS_context);
+  if (steps < 0 || batch < 1 || config.context < 2) {
+    throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2");
+  }
+  const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
+  auto bytes = torch::empty({int64_t(corpus.size())}, torch::kLong);
+  for (size_t i = 0; i < corpus.size(); ++i) bytes[i] = static_cast<uint8_t>(corpus[i]);
+
+  torch::manual_seed(absl::GetFlag(FLAGS_seed));
+  examples::CharTransformer model(config);
+  model->to(device);
+  std::shared_ptr<torch::optim::Optimizer> optimizer =
+      std::make_shared<torch::optim::AdamW>(model->parameters(), absl::GetFlag(FLAGS_lr));
+  std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+
+  examples::Progress progress(50);
+  double last_loss = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto starts = torch::randint(0, bytes.size(0) - config.context - 1, {batch});
+    const auto offsets = torch::arange(config.context + 1);
+    const auto windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);
+    const auto inputs = windows.narrow(1, 0, config.context), targets = windows.narrow(1, 1, config.context);
+
+    optimizer->zero_grad();
+    const auto logits = model->forward(inputs);
+    const auto loss = torch::cross_entropy_loss(logits.reshape({-1, config.vocab}), targets.reshape({-1}));
+    {
+      amp::scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    torch::nn::utils::clip_grad_norm_(amp::master_params(*optimizer), 1.0);
+    optimizer->step();
+    last_loss = loss.item<double>();
+    progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
+  }
+  progress.finish();
+  const auto& amp_optimizer = dynamic_cast<const amp::MixedPrecisionOptimizer&>(*optimizer);
+  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  skipped steps %lld\n",
+              amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
+              static_cast<long long>(amp_optimizer.skipped_steps()));
+  std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Trains a character-level transformer on Debian's license texts with amp.");
+  absl::ParseCommandLine(argc, argv);
+  try {
+    return run();
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "transformer_lm: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "transformer_lm: " << e.what() << "\n";
+    return 1;
+  }
+}
