@@ -1,5 +1,7 @@
 #include <amp/optimizer.h>
 
+#include <amp/casting_scope.h>
+
 #include "context.h"
 #include "log.h"
 #include "optimizer_grad_state.h"
@@ -206,6 +208,9 @@ at::Tensor MixedPrecisionOptimizer::step(LossClosure closure) {
   TORCH_CHECK(!s.scaled_by, "amp: step() while gradients are still scaled by delay_unscale "
               "(loss_id ", s.scaled_by.value_or(0), "); the last micro-batch's scale_loss must "
               "use delay_unscale=false so the accumulated gradients are unscaled and checked.");
+  // The optimizer's math runs on fp32 masters or the model's own dtypes: no
+  // per-op casting (Apex disables casts around step too).
+  disable_casts no_casts;
   s.refresh(*this);
   if (detail::resolve_pending(s.pending)) {
     ++s.skipped_steps;

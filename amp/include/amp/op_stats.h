@@ -47,4 +47,9 @@ class OpStatsRecorder {
   void reset();
 };
 
+// The rows as a Markdown table: op, device, policy, input dtypes, output
+// dtype, calls, casts, cache hits, bytes cast (what tools/precision_report
+// prints).
+std::string format_op_stats(const std::vector<OpStats>& rows);
+
 }  // namespace amp
