@@ -31,6 +31,29 @@ inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor
   return ::testing::AssertionSuccess();
 }
 
+// The optimizer's state as tensors, in parameter order: SGD momentum buffers,
+// Adam step counts and moments. Comparable across optimizer instances
+// (serialized bytes are not: they name state by tensor address).
+inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
+        out.push_back(sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {
+        out.push_back(torch::tensor(adam->step()));
+        out.push_back(adam->exp_avg());
+        out.push_back(adam->exp_avg_sq());
+      } else {
+        ADD_FAILURE() << "optimizer_state_tensors: unsupported optimizer state type";
+      }
+    }
+  }
+  return out;
+}
+
 // Deinitializes amp and drops user registrations after every test, so tests
 // are independent even when one fails half-way.
 class AmpTest : public ::testing::Test {

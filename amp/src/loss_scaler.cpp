@@ -102,6 +102,11 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
                 " with ", t.numel(), " values");
     return t;
   };
+  for (const std::string& key : archive.keys()) {
+    TORCH_CHECK(key == "scale" || key == "growth_tracker" || key == "hysteresis_tracker" ||
+                    key == "dynamic",
+                "amp: unexpected entry '", key, "' in loss scaler ", loss_id_, "'s state.");
+  }
   const at::Tensor scale = read("scale", at::kFloat);
   const at::Tensor growth = read("growth_tracker", at::kInt);
   const at::Tensor hysteresis = read("hysteresis_tracker", at::kInt);

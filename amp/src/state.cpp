@@ -46,6 +46,12 @@ void load_state(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(num_losses == context->num_losses(), "amp: the state holds ", num_losses,
               " loss scaler(s) but amp was initialized with num_losses=", context->num_losses(),
               "; initialize with num_losses=", num_losses, ".");
+  for (const std::string& key : archive.keys()) {
+    const bool known = key == "opt_level" || key == "num_losses" ||
+                       (key.rfind("loss_scaler", 0) == 0 && key.size() > 11);
+    TORCH_CHECK(known, "amp: unexpected entry '", key, "' in amp's state; was the archive written by "
+                "amp::save_state?");
+  }
   // Load into copies first, so a bad entry leaves every live scaler untouched.
   std::vector<LossScaler> loaded;
   for (int i = 0; i < context->num_losses(); ++i) {
