@@ -13,7 +13,7 @@ build_dir=${AMP_BUILD_DIR:-$root/build}
 torch_version=2.11.0
 
 packages=(cmake g++ ninja-build python3-venv libabsl-dev googletest libgtest-dev
-          libbenchmark-dev dataset-fashion-mnist gnuplot-nox)
+          libbenchmark-dev libgloo-dev zlib1g-dev dataset-fashion-mnist gnuplot-nox)
 missing=()
 for package in "${packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -43,6 +43,7 @@ Context::Context(const Properties& properties, const Options& options)
         std::make_unique<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
   }
   skip_logs_.resize(scalers_.size());
+  overflow_reducer_ = options.reduce_overflow;
   if (!casting_.empty()) {
     interceptor_ = std::make_unique<Interceptor>(casting_);
     set_live_interceptor(interceptor_.get());

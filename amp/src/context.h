@@ -55,9 +55,6 @@ class Context {
   void reduce_overflow(at::Tensor& found_inf) const {
     if (overflow_reducer_) overflow_reducer_(found_inf);
   }
-  void set_overflow_reducer(std::function<void(at::Tensor&)> reducer) {
-    overflow_reducer_ = std::move(reducer);
-  }
 
  private:
   void teardown();

@@ -25,6 +25,7 @@
 
 #include <amp/cast_cache.h>
 #include <amp/checkpoint.h>
+#include <amp/distributed.h>
 #include <amp/cast_policy.h>
 #include <amp/casting_scope.h>
 #include <amp/initialize.h>

@@ -15,6 +15,9 @@
 #include <functional>
 #include <string>
 
+namespace at {
+class Tensor;
+}
 namespace torch::nn {
 class Module;
 }
@@ -40,6 +43,11 @@ struct Options : PropertyOverrides {
   // and buffers in float32 (like affine BatchNorm), e.g. a custom norm layer:
   //   options.keep_fp32 = [](const torch::nn::Module& m) { return m.name() == "RMSNorm"; };
   std::function<bool(const torch::nn::Module&)> keep_fp32;
+  // Distributed training: combines every rank's overflow flag (a 1-element
+  // float tensor, > 0 on overflow) before the scale update, so all ranks skip
+  // together. Set it with amp::overflow_all_reduce(process_group)
+  // (distributed.h).
+  std::function<void(at::Tensor& found_inf)> reduce_overflow;
 };
 
 }  // namespace amp
