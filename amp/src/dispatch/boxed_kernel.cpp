@@ -41,6 +41,7 @@ class BoxedKernel final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
     CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
+    // Boxed calls are slow anyway: decide backward up front.
     const bool backward = policy != CastPolicy::kPassthrough && in_backward();
     if (backward) policy = CastPolicy::kPassthrough;
     const size_t num_args = op.schema().arguments().size();

@@ -20,7 +20,8 @@ inline bool is_castable(const at::Tensor& t, c10::DeviceType device) {
 }
 
 // The cast itself: through the cast cache when `t` is an fp32 leaf weight
-// going to low precision, counted either way.
+// going to low precision, counted either way. During a backward pass it
+// returns `t` unchanged.
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to);
 
 inline at::Tensor cast_arg(at::ScalarType to, c10::DeviceType device, const at::Tensor& t) {

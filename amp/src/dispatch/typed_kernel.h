@@ -33,20 +33,23 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
 
   Ret operator()(Args... args) const {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
-    CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
-    const bool backward = policy != CastPolicy::kPassthrough && in_backward();
-    if (backward) policy = CastPolicy::kPassthrough;
+    const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     if (C10_UNLIKELY(recording())) {
-      CallRecord record(*binding_, policy, describe_args(args...));
+      // Reports show backward calls as pass-through; the check costs a call.
+      const bool backward = policy != CastPolicy::kPassthrough && in_backward();
+      CallRecord record(*binding_, backward ? CastPolicy::kPassthrough : policy, describe_args(args...));
       record.set_in_backward(backward);
-      Ret result = apply(policy, args...);
+      Ret result = apply(backward ? CastPolicy::kPassthrough : policy, args...);
       record.finish(describe_result(result));
       return result;
     }
     return apply(policy, args...);
   }
 
- private:
+  // Casting policies need no backward check here: the cast itself refuses
+  // during backward (cast_uncached_or_cached), so the common no-cast call
+  // pays nothing for it. Policies that change arguments other than by a
+  // cast check explicitly.
   Ret apply(CastPolicy policy, Args... args) const {
     const DeviceCasting& c = *binding_->casting;
     switch (policy) {
@@ -58,11 +61,11 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
       case CastPolicy::kFp32:
         return Op::call(cast_arg(at::kFloat, c.device, args)...);
       case CastPolicy::kFp32SetOptDtype:
-        if (first_arg_castable(c.device, args...)) return Op::call(set_opt_dtype(args)...);
+        if (first_arg_castable(c.device, args...) && !in_backward()) return Op::call(set_opt_dtype(args)...);
         return Op::call(args...);
       case CastPolicy::kFp32AppendDtype:
         if constexpr (!std::is_void_v<AppendTarget>) {
-          const bool to_fp32 = first_arg_castable(c.device, args...);
+          const bool to_fp32 = first_arg_castable(c.device, args...) && !in_backward();
           return AppendTarget::call(args..., to_fp32 ? at::kFloat : first_dtype(args...));
         }
         break;  // unreachable: bindings accept kFp32AppendDtype only with a target
@@ -71,7 +74,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
         return Op::call(cast_arg(to, c.device, args)...);
       }
       case CastPolicy::kBanned:
-        throw_banned(*binding_);
+        if (!in_backward()) throw_banned(*binding_);
+        break;
       case CastPolicy::kPassthrough:
         break;
     }

@@ -1,0 +1,252 @@
+// amp's GPU benchmark: training-step time and peak memory of a ResNet-18 at
+// batch 256 on 3x224x224 inputs and of a GPT-2-small-shaped transformer
+// (12 layers, width 768, 12 heads, sequence 1024, batch 8), each at
+//   FP32 (TF32 off) | native LibTorch autocast + hand-written GradScaler loop |
+//   amp O1 | amp O2 | amp O3
+// in float16 and bfloat16, measured side by side in one run. Prints Markdown
+// tables: median step time over the timed steps (CUDA events), speedup over
+// FP32, ratio to native autocast, peak allocated memory, and the
+// transformer's model FLOP utilisation against the card's measured bf16
+// matmul throughput.
+//
+//   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
+#include <amp/amp.h>
+
+#include "common/char_transformer.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+// --- Models -------------------------------------------------------------------------
+
+struct BasicBlockImpl : torch::nn::Module {
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(out));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(out));
+    if (stride != 1 || in != out) {
+      down = register_module("down", torch::nn::Sequential(
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)), torch::nn::BatchNorm2d(out)));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = bn2(conv2(torch::relu(bn1(conv1(x)))));
+    return torch::relu(y + (down ? down->forward(x) : x));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Sequential down{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+struct ResNet18Impl : torch::nn::Module {
+  ResNet18Impl() {
+    stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(64));
+    blocks = register_module("blocks", torch::nn::Sequential());
+    int64_t in = 64;
+    for (int64_t width : {64, 128, 256, 512}) {
+      blocks->push_back(BasicBlock(in, width, width == 64 ? 1 : 2));
+      blocks->push_back(BasicBlock(width, width, 1));
+      in = width;
+    }
+    fc = register_module("fc", torch::nn::Linear(512, 1000));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::max_pool2d(torch::relu(bn(stem(x))), 3, 2, 1);
+    h = blocks->forward(h);
+    return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
+  }
+  torch::nn::Conv2d stem{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Sequential blocks{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ResNet18);
+
+// --- Harness ---------------------------------------------------------------------------
+
+enum class Mode { kFp32, kNative, kO1, kO2, kO3 };
+const char* name(Mode m) {
+  switch (m) {
+    case Mode::kFp32: return "FP32 (TF32 off)";
+    case Mode::kNative: return "native autocast + GradScaler loop";
+    case Mode::kO1: return "amp O1";
+    case Mode::kO2: return "amp O2";
+    case Mode::kO3: return "amp O3";
+  }
+  return "?";
+}
+
+struct Workload {
+  std::string name;
+  std::function<std::shared_ptr<torch::nn::Module>()> make;
+  std::function<at::Tensor(torch::nn::Module&, int64_t step)> loss;  // forward + loss
+  double flops_per_step = 0;  // 0: not reported
+};
+
+struct Result {
+  double ms = 0;
+  double peak_gib = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The anchor: LibTorch's own autocast around forward and a GradScaler written
+// by hand with the same ATen kernels GradScaler uses.
+struct NativeScaler {
+  at::Tensor scale = torch::full({1}, 65536.0f, torch::kCUDA);
+  at::Tensor tracker = torch::zeros({1}, torch::TensorOptions(torch::kCUDA).dtype(torch::kInt));
+  void step(torch::optim::Optimizer& optimizer, const at::Tensor& loss) {
+    (loss.to(at::kFloat) * scale).backward();
+    auto found_inf = torch::zeros({1}, torch::kCUDA);
+    const auto inv = scale.to(at::kDouble).reciprocal().to(at::kFloat);
+    std::map<int, std::vector<at::Tensor>> by_dtype;
+    for (const auto& g : optimizer.param_groups()) {
+      for (const auto& p : g.params()) {
+        if (p.grad().defined()) by_dtype[static_cast<int>(p.grad().scalar_type())].push_back(p.grad());
+      }
+    }
+    for (auto& [dtype, grads] : by_dtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv);
+    if (found_inf.item<float>() == 0) optimizer.step();
+    at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
+  }
+};
+
+Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int timed) {
+  torch::manual_seed(0);
+  auto model = w.make();
+  model->to(torch::kCUDA);
+  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-4);
+  amp::Handle handle;
+  if (mode == Mode::kO1 || mode == Mode::kO2 || mode == Mode::kO3) {
+    amp::Options options = mode == Mode::kO1 ? amp::O1 : mode == Mode::kO2 ? amp::O2 : amp::O3;
+    options.verbosity = 0;
+    options.cuda_dtype = low;
+    if (mode == Mode::kO3) options.loss_scale = amp::LossScale::Dynamic();
+    auto [models, optimizers] = handle.initialize({model}, {optimizer}, options);
+    optimizer = optimizers[0];
+  }
+  NativeScaler native;
+  auto step = [&](int64_t i) {
+    optimizer->zero_grad();
+    if (mode == Mode::kNative) {
+      at::autocast::set_autocast_dtype(at::kCUDA, low);
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+      const auto loss = w.loss(*model, i);
+      at::autocast::set_autocast_enabled(at::kCUDA, false);
+      at::autocast::clear_cache();
+      native.step(*optimizer, loss);
+    } else if (mode == Mode::kFp32) {
+      w.loss(*model, i).backward();
+      optimizer->step();
+    } else {
+      const auto loss = w.loss(*model, i);
+      {
+        amp::scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+    }
+  };
+  for (int i = 0; i < warmup; ++i) step(i);
+  torch::cuda::synchronize();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  std::vector<double> times;
+  for (int i = 0; i < timed; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    step(warmup + i);
+    stop.record();
+    stop.synchronize();
+    times.push_back(start.elapsed_time(stop));
+  }
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  return {median(times), stats.allocated_bytes[0].peak / double(1 << 30)};
+}
+
+double bf16_matmul_tflops() {
+  const auto a = torch::randn({8192, 8192}, torch::TensorOptions(torch::kCUDA).dtype(torch::kBFloat16));
+  for (int i = 0; i < 3; ++i) torch::mm(a, a);
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < 20; ++i) torch::mm(a, a);
+  stop.record();
+  stop.synchronize();
+  return 20 * 2.0 * 8192.0 * 8192.0 * 8192.0 / (start.elapsed_time(stop) / 1e3) / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "gpu_benchmarks: no CUDA device\n");
+    return 2;
+  }
+  const int warmup = argc > 1 ? std::stoi(argv[1]) : 10, timed = argc > 2 ? std::stoi(argv[2]) : 50;
+  const std::string models = argc > 3 ? argv[3] : "resnet,gpt";
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+  at::globalContext().setBenchmarkCuDNN(true);
+
+  examples::TransformerConfig gpt{50257, 1024, 768, 12, 12};
+  const double gpt_params = 12 * 12.0 * 768 * 768 + 50257.0 * 768 * 2 + 1024.0 * 768;
+  const double gpt_tokens = 8 * 1024.0;
+  std::vector<Workload> workloads;
+  if (models.find("resnet") != std::string::npos) {
+    workloads.push_back({"ResNet-18, batch 256, 3x224x224", [] { return std::make_shared<ResNet18Impl>(); },
+                         [](torch::nn::Module& m, int64_t) {
+                           const auto x = torch::randn({256, 3, 224, 224}, torch::kCUDA);
+                           const auto y = torch::randint(0, 1000, {256}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
+                           return torch::cross_entropy_loss(static_cast<ResNet18Impl&>(m).forward(x), y);
+                         }});
+  }
+  if (models.find("gpt") != std::string::npos) {
+    workloads.push_back({"GPT-2-small shape (12 x 768, 12 heads), seq 1024, batch 8",
+                         [gpt] { return std::make_shared<examples::CharTransformerImpl>(gpt); },
+                         [gpt](torch::nn::Module& m, int64_t) {
+                           const auto tokens = torch::randint(0, gpt.vocab, {8, 1025}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
+                           const auto logits = static_cast<examples::CharTransformerImpl&>(m).forward(tokens.narrow(1, 0, 1024));
+                           return torch::cross_entropy_loss(logits.reshape({-1, gpt.vocab}), tokens.narrow(1, 1, 1024).reshape({-1}));
+                         },
+                         6 * gpt_params * gpt_tokens + 12.0 * 12 * 768 * 1024 * gpt_tokens});
+  }
+  const double ceiling = bf16_matmul_tflops();
+  std::printf("amp GPU benchmarks - %s, LibTorch %s; measured bf16 matmul ceiling %.0f TFLOP/s; "
+              "median of %d steps after %d warm-up steps\n",
+              at::cuda::getCurrentDeviceProperties()->name, TORCH_VERSION, ceiling, timed, warmup);
+  for (const auto& w : workloads) {
+    for (at::ScalarType low : {at::kHalf, at::kBFloat16}) {
+      std::printf("\n%s, low precision %s\n", w.name.c_str(), c10::toString(low));
+      std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 |%s\n",
+                  w.flops_per_step ? " MFU |" : "");
+      std::printf("|---|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
+      std::map<Mode, Result> r;
+      for (Mode mode : {Mode::kFp32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3}) {
+        r[mode] = measure(w, mode, low, warmup, timed);
+      }
+      for (const auto& [mode, res] : r) {
+        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f |", name(mode), res.ms, r[Mode::kFp32].ms / res.ms,
+                    res.ms / r[Mode::kNative].ms, res.peak_gib, res.peak_gib / r[Mode::kFp32].peak_gib);
+        if (w.flops_per_step) std::printf(" %.1f%% |", 100 * w.flops_per_step / (res.ms / 1e3) / 1e12 / ceiling);
+        std::printf("\n");
+      }
+    }
+  }
+  return 0;
+}
