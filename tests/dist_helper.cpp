@@ -1,7 +1,9 @@
 // One rank of distributed_test: data-parallel training over ProcessGroupGloo
-// on loopback, with rank 1 alone seeing an overflow at step 2.
+// on loopback, with rank 1 alone seeing an overflow at step 2. Gradients are
+// averaged either inside the scale_loss guard (the model's scaled gradients,
+// as DDP's hooks do) or after it (the unscaled master gradients).
 //
-//   dist_helper <rank> <world_size> <store_file> <O1|O2> <output_file>
+//   dist_helper <rank> <world_size> <store_file> <O1|O2> <inside|after> <output_file>
 //
 // Writes one tensor per step (every parameter flattened, in fp32, after the
 // step) and, last, the number of skipped steps.
@@ -15,6 +17,14 @@
 
 namespace {
 
+void average_gradients(const std::vector<at::Tensor>& params, c10d::Backend& group, int world) {
+  for (const auto& p : params) {
+    std::vector<at::Tensor> grad{p.grad()};
+    group.allreduce(grad)->wait();
+    p.grad().div_(world);
+  }
+}
+
 at::Tensor flat_params(torch::nn::Module& model) {
   std::vector<at::Tensor> parts;
   for (const auto& p : model.parameters()) parts.push_back(p.detach().to(at::kFloat).flatten());
@@ -24,10 +34,11 @@ at::Tensor flat_params(torch::nn::Module& model) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <level> <output_file>\n";
+  if (argc != 7) {
+    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <level> <inside|after> <output_file>\n";
     return 2;
   }
+  const bool reduce_inside_guard = std::string(argv[5]) == "inside";
   const int rank = std::stoi(argv[1]), world = std::stoi(argv[2]);
   auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create();
@@ -56,17 +67,14 @@ int main(int argc, char** argv) {
       if (rank == 1 && step == 2) {
         model->parameters()[0].grad()[0][0] = std::numeric_limits<float>::infinity();
       }
+      if (reduce_inside_guard) average_gradients(model->parameters(), *group, world);
     }
-    for (const auto& p : amp::master_params(*optimizer)) {  // the data-parallel gradient mean
-      std::vector<at::Tensor> grad{p.grad()};
-      group->allreduce(grad)->wait();
-      p.grad().div_(world);
-    }
+    if (!reduce_inside_guard) average_gradients(amp::master_params(*optimizer), *group, world);
     optimizer->step();
     trace.push_back(flat_params(*model));
   }
   trace.push_back(torch::tensor(dynamic_cast<amp::MixedPrecisionOptimizer&>(*optimizer).skipped_steps()));
   trace.push_back(torch::tensor(amp::loss_scale()));
-  torch::save(trace, argv[5]);
+  torch::save(trace, argv[6]);
   return 0;
 }

@@ -1,7 +1,8 @@
 // Two processes, data-parallel over ProcessGroupGloo on loopback, at O1 and
 // O2: an overflow on rank 1 alone makes both ranks skip; the replicas stay
 // bit-identical after every step and match a single-process fp32 reference
-// on the concatenated batch.
+// on the concatenated batch; with gradients averaged inside the guard and
+// after it.
 #include "test_util.h"
 
 #include <cstdio>
@@ -9,17 +10,20 @@
 namespace amp::testing {
 namespace {
 
-class DistributedTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {};
+// (opt level, where gradients are averaged: "inside" or "after" the guard)
+class DistributedTest : public AmpTest,
+                        public ::testing::WithParamInterface<std::tuple<OptLevel, const char*>> {};
 
 TEST_P(DistributedTest, EveryRankSkipsTogetherAndReplicasStayIdentical) {
-  const std::string level = to_string(GetParam());
-  const std::string dir = ::testing::TempDir(), store = dir + "amp_dist_store_" + level,
-                    out0 = dir + "amp_dist_rank0_" + level, out1 = dir + "amp_dist_rank1_" + level;
+  const std::string level = to_string(std::get<0>(GetParam())), where = std::get<1>(GetParam());
+  const std::string run = level + "_" + where, dir = ::testing::TempDir();
+  const std::string store = dir + "amp_dist_store_" + run, out0 = dir + "amp_dist_rank0_" + run,
+                    out1 = dir + "amp_dist_rank1_" + run;
   std::remove(store.c_str());
   const std::string helper = AMP_DIST_HELPER;
-  const std::string command = "sh -c '" + helper + " 1 2 " + store + " " + level + " " + out1 + " & " +
-                              helper + " 0 2 " + store + " " + level + " " + out0 + "; r0=$?; wait $!; r1=$?; "
-                              "exit $((r0 + r1))'";
+  const std::string args = " 2 " + store + " " + level + " " + where + " ";
+  const std::string command = "sh -c '" + helper + " 1" + args + out1 + " & " + helper + " 0" + args + out0 +
+                              "; r0=$?; wait $!; r1=$?; exit $((r0 + r1))'";
   ASSERT_EQ(std::system(command.c_str()), 0);
   std::vector<at::Tensor> rank0, rank1;
   torch::load(rank0, out0);
@@ -47,8 +51,12 @@ TEST_P(DistributedTest, EveryRankSkipsTogetherAndReplicasStayIdentical) {
   for (const auto& f : {store, out0, out1}) std::remove(f.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, DistributedTest, ::testing::Values(O1, O2),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(LevelsAndPlacements, DistributedTest,
+                         ::testing::Combine(::testing::Values(O1, O2), ::testing::Values("inside", "after")),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) + "_grads_reduced_" +
+                                  std::get<1>(info.param) + "_guard";
+                         });
 
 }  // namespace
 }  // namespace amp::testing

@@ -411,5 +411,29 @@ TEST_F(ModelLevelsTest, WarnsWhenTheModelIsAlreadyLowPrecision) {
               ::testing::HasSubstr("You do not need to convert the model before amp::initialize"));
 }
 
+TEST_F(ModelLevelsTest, WarnsWhenOptimizerEpsVanishesWithoutMasterWeights) {
+  enum class Opt { kAdam, kAdamEps1e4, kSgd };
+  auto initialize_and_log = [](OptLevel level, Opt which) {
+    TinyNet model;
+    OptimizerPtr optimizer;
+    if (which == Opt::kSgd) optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+    if (which == Opt::kAdam) optimizer = std::make_shared<torch::optim::Adam>(model->parameters());
+    if (which == Opt::kAdamEps1e4) {
+      optimizer = std::make_shared<torch::optim::Adam>(model->parameters(),
+                                                       torch::optim::AdamOptions().eps(1e-4));
+    }
+    Handle handle;
+    Options options = level;
+    options.cpu_dtype = at::kHalf;
+    ::testing::internal::CaptureStderr();
+    handle.initialize(model, optimizer, options);
+    return ::testing::internal::GetCapturedStderr();
+  };
+  EXPECT_THAT(initialize_and_log(O3, Opt::kAdam), ::testing::HasSubstr("eps 1e-08 is 0 in Half"));
+  EXPECT_THAT(initialize_and_log(O2, Opt::kAdam), ::testing::Not(::testing::HasSubstr("eps")));
+  EXPECT_THAT(initialize_and_log(O3, Opt::kAdamEps1e4), ::testing::Not(::testing::HasSubstr("eps")));
+  EXPECT_THAT(initialize_and_log(O3, Opt::kSgd), ::testing::Not(::testing::HasSubstr("eps")));
+}
+
 }  // namespace
 }  // namespace amp::testing

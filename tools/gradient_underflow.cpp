@@ -149,15 +149,15 @@ int run() {
                         << "set xlabel 'log2 |gradient|'\nset ylabel 'values'\n"
                         << "set title 'Fashion-MNIST CNN gradients of one iteration (fp32); fp16 limits; amp scale " << scale << "'\n"
                         << "set arrow from -24, graph 0 to -24, graph 1 nohead dt 2 lc rgb 'red'\n"
-                        << "set label 'fp16 smallest subnormal 2^-24' at -23.5, graph 0.04 tc rgb 'red'\n"
+                        << "set label 'fp16 smallest subnormal 2^-24' at -24.6, graph 0.03 rotate by 90 tc rgb 'red'\n"
                         << "set arrow from -14, graph 0 to -14, graph 1 nohead dt 3 lc rgb 'orange'\n"
-                        << "set label 'smallest normal 2^-14' at -13.5, graph 0.1 tc rgb 'orange'\n"
+                        << "set label 'fp16 smallest normal 2^-14' at -14.6, graph 0.03 rotate by 90 tc rgb 'orange'\n"
                         << "set arrow from 15.999, graph 0 to 15.999, graph 1 nohead dt 2 lc rgb 'red'\n"
-                        << "set label '65504' at 16.5, graph 0.04 tc rgb 'red'\n"
+                        << "set label 'fp16 max 65504' at 15.4, graph 0.03 rotate by 90 tc rgb 'red'\n"
                         << "set arrow from " << -24 - std::log2(scale) << ", graph 0 to " << -24 - std::log2(scale)
                         << ", graph 1 nohead lc rgb 'dark-green'\n"
-                        << "set label 'flush threshold at amp scale' at " << -23.5 - std::log2(scale)
-                        << ", graph 0.04 tc rgb 'dark-green'\n"
+                        << "set label 'flush threshold at amp scale' at " << -24.6 - std::log2(scale)
+                        << ", graph 0.03 rotate by 90 tc rgb 'dark-green'\n"
                         << "plot '" << (out / "gradient_histogram.csv").string()
                         << "' using 1:($2>0?$2:1/0) skip 1 with steps lw 2 title 'activation gradients', '' using 1:($3>0?$3:1/0) skip 1 with steps lw 2 title 'weight gradients'\n";
   const int rc = std::system(("gnuplot " + script.string()).c_str());

@@ -7,7 +7,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <torch/optim.h>
+
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 namespace amp {
@@ -74,6 +77,38 @@ void warn_about_dtypes(const std::vector<ModulePtr>& models, const Properties& p
   }
 }
 
+// Without fp32 masters the optimizer updates low-precision parameters, and an
+// epsilon that rounds to zero in their dtype turns zero gradients into 0/0
+// (Adam's eps=1e-8 in float16: O3 with Adam is NaN after one step).
+std::optional<double> optimizer_eps(const torch::optim::OptimizerOptions& o) {
+  if (auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return adam->eps();
+  if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return adamw->eps();
+  if (auto* rms = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) return rms->eps();
+  if (auto* adagrad = dynamic_cast<const torch::optim::AdagradOptions*>(&o)) return adagrad->eps();
+  return std::nullopt;
+}
+
+void warn_about_optimizer_eps(const std::vector<OptimizerPtr>& optimizers, const Properties& p,
+                              int verbosity) {
+  if (verbosity < 1 || p.master_weights || !p.cast_model_type ||
+      *p.cast_model_type == c10::kFloat) {
+    return;
+  }
+  const c10::ScalarType dtype = *p.cast_model_type;
+  for (const auto& optimizer : optimizers) {
+    for (const auto& group : optimizer->param_groups()) {
+      const std::optional<double> eps = optimizer_eps(group.options());
+      if (!eps || *eps == 0 || at::scalar_tensor(*eps, dtype).item<double>() != 0) continue;
+      std::ostringstream line;
+      line << "warning: the optimizer's eps " << *eps << " is 0 in " << c10::toString(dtype)
+           << ", the dtype it updates without fp32 master weights; expect NaN parameters. "
+           << "Use master_weights (O2), or an eps representable in " << c10::toString(dtype) << ".";
+      detail::log_line(line.str());
+      return;
+    }
+  }
+}
+
 void shut_down_live(const std::shared_ptr<detail::Context>& context) {
   context->shutdown();
   detail::set_live_context(nullptr);
@@ -112,6 +147,7 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   const c10::Device device = common_device(models, optimizers);
   const Properties properties = resolve_properties(options.opt_level, options, device.type());
   warn_about_dtypes(models, properties, options.verbosity);
+  warn_about_optimizer_eps(optimizers, properties, options.verbosity);
 
   // Everything is validated; from here on amp changes state.
   std::vector<std::pair<at::Tensor, at::Tensor>> fp32_originals;

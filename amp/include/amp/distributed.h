@@ -15,8 +15,10 @@
 //   all_reduce_mean(grads_of(amp::master_params(*optimizer)));  // your DDP code, as usual
 //   optimizer->step();
 //
-// Order: reduce gradients after the guard (they are then unscaled, and at
-// O2 they are the fp32 master gradients) and before step(). amp only reduces
+// Where to reduce gradients: after the guard and before step() (unscaled;
+// at O2 the fp32 master gradients), or inside the guard after backward()
+// (the model's scaled gradients, as DDP's hooks do; the guard then unscales
+// and checks the reduced ones). Both keep ranks identical. amp only reduces
 // the one-element overflow flag; it never touches the gradients' traffic.
 // With NCCL the flag is a CUDA tensor, with Gloo a CPU (or CUDA) tensor.
 //

@@ -28,7 +28,9 @@
 //   - a model already converted by amp;
 //   - parameters on more than one device.
 // Warnings (stderr, verbosity >= 1): a model that is already low precision
-// when initialize converts it, or not float32 at O0.
+// when initialize converts it, or not float32 at O0; an optimizer (Adam,
+// AdamW, RMSprop, Adagrad) whose eps is 0 in the dtype it would update
+// without master weights (O3 float16 with eps=1e-8: NaN after one step).
 #pragma once
 
 #include <amp/loss_scaler.h>
