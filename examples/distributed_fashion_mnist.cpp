@@ -14,8 +14,6 @@
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
@@ -117,9 +115,7 @@ int train(int rank, int world, const std::string& store_path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Data-parallel Fashion-MNIST training with amp on several local processes.");
-  absl::ParseCommandLine(argc, argv);
-  try {
+  return examples::run_main(argc, argv, "Data-parallel Fashion-MNIST training with amp on several local processes.", [&] {
     const int world = absl::GetFlag(FLAGS_world_size);
     if (world < 1 || absl::GetFlag(FLAGS_batch_size) % world != 0) {
       throw std::invalid_argument("--world_size must be >= 1 and divide --batch_size");
@@ -141,11 +137,5 @@ int main(int argc, char** argv) {
     }
     if (rank == 0) unlink(store.c_str());
     return rc;
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "distributed_fashion_mnist: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "distributed_fashion_mnist: " << e.what() << "\n";
-    return 1;
-  }
+  });
 }

@@ -11,8 +11,6 @@
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/torch.h>
 
 #include <sys/resource.h>
@@ -134,15 +132,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Trains a CNN on Fashion-MNIST with amp mixed precision.");
-  absl::ParseCommandLine(argc, argv);
-  try {
-    return run();
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "fashion_mnist: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "fashion_mnist: " << e.what() << "\n";
-    return 1;
-  }
+  return examples::run_main(argc, argv, "Trains a CNN on Fashion-MNIST with amp mixed precision.", run);
 }

@@ -10,8 +10,6 @@
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -99,15 +97,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Trains a DCGAN on Fashion-MNIST with amp: 2 models, 2 optimizers, 3 losses.");
-  absl::ParseCommandLine(argc, argv);
-  try {
-    return run();
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "gan: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "gan: " << e.what() << "\n";
-    return 1;
-  }
+  return examples::run_main(argc, argv, "Trains a DCGAN on Fashion-MNIST with amp: 2 models, 2 optimizers, 3 losses.", run);
 }

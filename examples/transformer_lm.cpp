@@ -9,8 +9,6 @@
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -99,15 +97,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Trains a character-level transformer on Debian's license texts with amp.");
-  absl::ParseCommandLine(argc, argv);
-  try {
-    return run();
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "transformer_lm: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "transformer_lm: " << e.what() << "\n";
-    return 1;
-  }
+  return examples::run_main(argc, argv, "Trains a character-level transformer on Debian's license texts with amp.", run);
 }

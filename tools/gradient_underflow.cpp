@@ -12,10 +12,9 @@
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
+#include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -169,12 +168,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Histogram of gradient magnitudes against fp16's range, at scale 1 and amp's scale.");
-  absl::ParseCommandLine(argc, argv);
-  try {
-    return run();
-  } catch (const std::exception& e) {
-    std::cerr << "gradient_underflow: " << e.what() << "\n";
-    return 1;
-  }
+  return examples::run_main(argc, argv, "Histogram of gradient magnitudes against fp16's range, at scale 1 and amp's scale.", run);
 }

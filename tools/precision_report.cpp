@@ -12,8 +12,6 @@
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
-#include <absl/flags/usage.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -94,15 +92,5 @@ int run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Prints amp's per-op precision table for one training iteration of an example model.");
-  absl::ParseCommandLine(argc, argv);
-  try {
-    return run();
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "precision_report: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "precision_report: " << e.what() << "\n";
-    return 1;
-  }
+  return examples::run_main(argc, argv, "Prints amp's per-op precision table for one training iteration of an example model.", run);
 }

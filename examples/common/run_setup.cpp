@@ -1,11 +1,34 @@
 #include "run_setup.h"
 
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+#include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include <filesystem>
+#include <iostream>
 #include <stdexcept>
 #include <unistd.h>
 
 namespace examples {
+
+int run_main(int argc, char** argv, const char* usage, const std::function<int()>& run) {
+  absl::SetProgramUsageMessage(usage);
+  absl::ParseCommandLine(argc, argv);
+  const std::string program = std::filesystem::path(argv[0]).filename().string();
+  try {
+    return run();
+  } catch (const std::invalid_argument& e) {
+    std::cerr << program << ": " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {  // amp's and LibTorch's errors: the message, not C++ frames
+    std::cerr << program << ": " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << program << ": " << e.what() << "\n";
+    return 1;
+  }
+}
 
 c10::Device parse_device(const std::string& device) {
   if (device == "cpu") return c10::Device(c10::kCPU);
@@ -23,8 +46,8 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
   amp::Options options;
   try {
     options = amp::Options(opt_level);
-  } catch (const std::exception& e) {
-    throw std::invalid_argument("--opt_level: " + std::string(e.what()));
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument("--opt_level: " + std::string(e.what_without_backtrace()));
   }
   options.verbosity = verbosity;
   if (dtype.empty()) return options;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <string>
 
 namespace examples {
@@ -16,6 +17,11 @@ namespace examples {
 amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
                          c10::Device device, int verbosity = 1);
 c10::Device parse_device(const std::string& device);
+
+// A program's main: parses the Abseil flags, runs `run` and turns exceptions
+// into "<program>: <message>" on stderr (c10::Error without its C++
+// frames), exit code 2 for bad flags (std::invalid_argument), 1 otherwise.
+int run_main(int argc, char** argv, const char* usage, const std::function<int()>& run);
 
 // Prints "step N  loss L  scale S  X samples/s", rewritten in place on a
 // terminal, as plain lines every `every` steps otherwise.
