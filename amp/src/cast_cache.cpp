@@ -122,7 +122,6 @@ at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
 }
 
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
-  if (in_backward()) return t;  // backward runs in the dtypes forward recorded
   if (is_cacheable(t, to)) return cached_cast(t, to);
   at::Tensor copy = t.to(to);
   g_casts.fetch_add(1, std::memory_order_relaxed);

@@ -20,12 +20,35 @@ inline bool is_castable(const at::Tensor& t, c10::DeviceType device) {
 }
 
 // The cast itself: through the cast cache when `t` is an fp32 leaf weight
-// going to low precision, counted either way. During a backward pass it
-// returns `t` unchanged.
+// going to low precision, counted either way.
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to);
 
+// Whether cast_arg(to, device, arg) would cast anything.
+inline bool needs_cast(at::ScalarType to, c10::DeviceType device, const at::Tensor& t) {
+  return is_castable(t, device) && t.scalar_type() != to;
+}
+inline bool needs_cast(at::ScalarType to, c10::DeviceType device, const std::optional<at::Tensor>& t) {
+  return t.has_value() && needs_cast(to, device, *t);
+}
+inline bool needs_cast(at::ScalarType to, c10::DeviceType device, at::TensorList list) {
+  for (const auto& t : list) {
+    if (needs_cast(to, device, t)) return true;
+  }
+  return false;
+}
+inline bool needs_cast(at::ScalarType to, c10::DeviceType device, const at::ITensorListRef& list) {
+  for (const auto& t : list) {
+    if (needs_cast(to, device, t)) return true;
+  }
+  return false;
+}
+template <class T>
+inline bool needs_cast(at::ScalarType, c10::DeviceType, const T&) {
+  return false;
+}
+
 inline at::Tensor cast_arg(at::ScalarType to, c10::DeviceType device, const at::Tensor& t) {
-  if (!is_castable(t, device) || t.scalar_type() == to) return t;
+  if (!needs_cast(to, device, t)) return t;
   return cast_uncached_or_cached(t, to);
 }
 inline std::optional<at::Tensor> cast_arg(at::ScalarType to, c10::DeviceType device,

@@ -46,20 +46,19 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     return apply(policy, args...);
   }
 
-  // Casting policies need no backward check here: the cast itself refuses
-  // during backward (cast_uncached_or_cached), so the common no-cast call
-  // pays nothing for it. Policies that change arguments other than by a
-  // cast check explicitly.
+  // Backward never casts (it runs in the dtypes forward recorded). The
+  // check costs a call into autograd, so it is made only where this call
+  // would change its arguments.
   Ret apply(CastPolicy policy, Args... args) const {
     const DeviceCasting& c = *binding_->casting;
     switch (policy) {
       case CastPolicy::kLowerPrecision: {
         const at::ScalarType to =
             c.weights_decide ? weights_dtype(c.low_dtype, c.device, args...) : c.low_dtype;
-        return Op::call(cast_arg(to, c.device, args)...);
+        return call_cast(to, c.device, args...);
       }
       case CastPolicy::kFp32:
-        return Op::call(cast_arg(at::kFloat, c.device, args)...);
+        return call_cast(at::kFloat, c.device, args...);
       case CastPolicy::kFp32SetOptDtype:
         if (first_arg_castable(c.device, args...) && !in_backward()) return Op::call(set_opt_dtype(args)...);
         return Op::call(args...);
@@ -69,10 +68,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
           return AppendTarget::call(args..., to_fp32 ? at::kFloat : first_dtype(args...));
         }
         break;  // unreachable: bindings accept kFp32AppendDtype only with a target
-      case CastPolicy::kPromote: {
-        const at::ScalarType to = promote_type(c.low_dtype, c.device, args...);
-        return Op::call(cast_arg(to, c.device, args)...);
-      }
+      case CastPolicy::kPromote:
+        return call_cast(promote_type(c.low_dtype, c.device, args...), c.device, args...);
       case CastPolicy::kBanned:
         if (!in_backward()) throw_banned(*binding_);
         break;
@@ -80,6 +77,11 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
         break;
     }
     return Op::call(args...);
+  }
+
+  static Ret call_cast(at::ScalarType to, c10::DeviceType device, Args... args) {
+    if (!(needs_cast(to, device, args) || ...) || in_backward()) return Op::call(args...);
+    return Op::call(cast_arg(to, device, args)...);
   }
 
   template <class... Rest>
