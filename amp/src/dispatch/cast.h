@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -31,16 +32,10 @@ inline bool needs_cast(at::ScalarType to, c10::DeviceType device, const std::opt
   return t.has_value() && needs_cast(to, device, *t);
 }
 inline bool needs_cast(at::ScalarType to, c10::DeviceType device, at::TensorList list) {
-  for (const auto& t : list) {
-    if (needs_cast(to, device, t)) return true;
-  }
-  return false;
+  return std::any_of(list.begin(), list.end(), [&](const at::Tensor& t) { return needs_cast(to, device, t); });
 }
 inline bool needs_cast(at::ScalarType to, c10::DeviceType device, const at::ITensorListRef& list) {
-  for (const auto& t : list) {
-    if (needs_cast(to, device, t)) return true;
-  }
-  return false;
+  return std::any_of(list.begin(), list.end(), [&](const at::Tensor& t) { return needs_cast(to, device, t); });
 }
 template <class T>
 inline bool needs_cast(at::ScalarType, c10::DeviceType, const T&) {

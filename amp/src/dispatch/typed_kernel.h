@@ -46,6 +46,7 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     return apply(policy, args...);
   }
 
+ private:
   // Backward never casts (it runs in the dtypes forward recorded). The
   // check costs a call into autograd, so it is made only where this call
   // would change its arguments.
