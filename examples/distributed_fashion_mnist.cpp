@@ -108,7 +108,7 @@ int train(int rank, int world, const std::string& store_path) {
   const auto correct = model->forward(test.images).argmax(1).eq(test.labels).sum().item<int64_t>();
   std::printf("world_size %d  opt_level %s  test accuracy %.2f%%  skipped steps %lld\n", world,
               amp::to_string(options.opt_level), 100.0 * correct / test.images.size(0),
-              static_cast<long long>(dynamic_cast<const amp::MixedPrecisionOptimizer&>(*optimizer).skipped_steps()));
+              static_cast<long long>(amp::skipped_steps(*optimizer)));
   return 0;
 }
 

@@ -121,11 +121,10 @@ int run() {
   if (!absl::GetFlag(FLAGS_checkpoint).empty()) {
     amp::save_checkpoint(absl::GetFlag(FLAGS_checkpoint), {model.ptr()}, {optimizer});
   }
-  const auto& amp_optimizer = dynamic_cast<const amp::MixedPrecisionOptimizer&>(*optimizer);
   std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  skipped steps %lld  peak RSS %.0f MiB\n",
               amp::to_string(options.opt_level), accuracy(model, test, device, 512),
               epochs > 0 ? seconds / epochs : 0.0,
-              static_cast<long long>(amp_optimizer.skipped_steps()), peak_rss_mib());
+              static_cast<long long>(amp::skipped_steps(*optimizer)), peak_rss_mib());
   return 0;
 }
 

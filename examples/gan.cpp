@@ -86,7 +86,7 @@ int run() {
   }
   progress.finish();
   auto skipped = [](const std::shared_ptr<torch::optim::Optimizer>& o) {
-    return static_cast<long long>(dynamic_cast<const amp::MixedPrecisionOptimizer&>(*o).skipped_steps());
+    return static_cast<long long>(amp::skipped_steps(*o));
   };
   std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld\n",
               amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scale(0), amp::loss_scale(1),

@@ -86,10 +86,9 @@ int run() {
     progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
   }
   progress.finish();
-  const auto& amp_optimizer = dynamic_cast<const amp::MixedPrecisionOptimizer&>(*optimizer);
   std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  skipped steps %lld\n",
               amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
-              static_cast<long long>(amp_optimizer.skipped_steps()));
+              static_cast<long long>(amp::skipped_steps(*optimizer)));
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
   return 0;
 }

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
     optimizer->step();
     trace.push_back(flat_params(*model));
   }
-  trace.push_back(torch::tensor(dynamic_cast<amp::MixedPrecisionOptimizer&>(*optimizer).skipped_steps()));
+  trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scale()));
   torch::save(trace, argv[6]);
   return 0;

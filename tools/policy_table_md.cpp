@@ -23,6 +23,14 @@ int main() {
       std::cout << " |\n";
     }
   }
+  std::cout << "\n## Levels that cast the model (O2, O3, O5), every device\n\n"
+               "Ops that take module parameters, bound beyond the device's table (where the\n"
+               "device's table lists an op, its row wins): float32 activations meeting\n"
+               "low-precision parameters are cast to the parameters' dtype.\n\n| policy | ops |\n|---|---|\n";
+  const auto model_rows = amp::model_policy_table();
+  std::cout << "| " << amp::to_string(amp::CastPolicy::kMatchParameters) << " (" << model_rows.size() << ") | ";
+  for (size_t i = 0; i < model_rows.size(); ++i) std::cout << (i ? ", " : "") << "`" << model_rows[i].op.substr(6) << "`";
+  std::cout << " |\n";
   std::cout << "\nOps not listed run untouched. The op names are `aten::` operators; `name.overload`\n"
                "selects one overload.\n";
   return 0;

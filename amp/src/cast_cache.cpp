@@ -5,6 +5,7 @@
 #include "dispatch/call_record.h"
 #include "dispatch/cast.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/flat_hash_map.h>
@@ -136,7 +137,12 @@ CastCounts cast_counts() {
           detail::g_cache_hits.load(std::memory_order_relaxed)};
 }
 
-void clear_cast_cache() { detail::cache().clear(); }
+void clear_cast_cache() {
+  detail::cache().clear();
+  // Native autocast kernels that amp leaves in place (aten::_cudnn_rnn on
+  // CUDA) cache their weight casts in LibTorch's own cache.
+  at::autocast::clear_cache();
+}
 
 size_t cast_cache_size() { return detail::cache().size(); }
 

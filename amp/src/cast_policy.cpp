@@ -61,6 +61,7 @@ const char* to_string(CastPolicy policy) {
     case CastPolicy::kPromote: return "promote";
     case CastPolicy::kBanned: return "banned";
     case CastPolicy::kPassthrough: return "passthrough";
+    case CastPolicy::kMatchParameters: return "match_parameters";
   }
   return "?";
 }
@@ -75,6 +76,15 @@ std::vector<OpPolicy> policy_table(c10::DeviceType device) {
   }
   std::vector<OpPolicy> out;
   for (const auto& [op, policy] : merged) out.push_back({op, policy});
+  return out;
+}
+
+std::vector<OpPolicy> model_policy_table() {
+  std::vector<OpPolicy> out;
+  for (const auto& e : detail::model_policy_table()) {
+    out.push_back({detail::to_string(c10::OperatorName(e.name, e.overload)), e.policy});
+  }
+  std::sort(out.begin(), out.end(), [](const OpPolicy& a, const OpPolicy& b) { return a.op < b.op; });
   return out;
 }
 

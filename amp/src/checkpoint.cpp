@@ -2,7 +2,7 @@
 
 #include <amp/state.h>
 
-#include "optimizer_grad_state.h"
+#include "gradient_lifecycle.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -17,11 +17,10 @@ using MasterMap = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
 MasterMap masters_of(const std::vector<OptimizerPtr>& optimizers) {
   MasterMap masters;
   for (const auto& optimizer : optimizers) {
-    auto* amp_optimizer = dynamic_cast<MixedPrecisionOptimizer*>(optimizer.get());
-    TORCH_CHECK(amp_optimizer != nullptr, "amp: checkpoints take the optimizers returned by "
-                "amp::initialize.");
-    for (const auto& pair : amp_optimizer->grad_state().params) {
-      if (pair.has_master()) masters[pair.model.unsafeGetTensorImpl()] = pair.master;
+    TORCH_CHECK(optimizer != nullptr, "amp: checkpoints take the optimizers returned by "
+                "amp::initialize, got a null one.");
+    for (const auto& slot : detail::lifecycle_of(*optimizer).slots()) {
+      if (slot.has_master()) masters[slot.model.unsafeGetTensorImpl()] = slot.master;
     }
   }
   return masters;

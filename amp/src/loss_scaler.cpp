@@ -35,9 +35,18 @@ double LossScaler::floor() const {
 
 void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
   if (grads.empty()) return;
-  const c10::Device home = scale_.device();
   // GradScaler computes 1/scale in double, then rounds once to float.
-  const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  check_and_unscale(grads, found_inf, scale_.to(at::kDouble).reciprocal().to(at::kFloat));
+}
+
+void LossScaler::check_finite(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
+  if (grads.empty()) return;
+  check_and_unscale(grads, found_inf, at::ones_like(scale_));  // x * 1 is exact
+}
+
+void LossScaler::check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                                   const at::Tensor& inv_scale) {
+  const c10::Device home = scale_.device();
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;  // (device, index, dtype)
   for (const auto& g : grads) {
     groups[{static_cast<int>(g.device().type()), g.device().index(),
@@ -53,6 +62,16 @@ void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found
       found_inf.add_(found_here.to(home));
     }
   }
+}
+
+LossScaler::State LossScaler::state() const {
+  return {scale_.clone(), growth_tracker_.clone(), hysteresis_tracker_.clone()};
+}
+
+void LossScaler::restore(const State& state) {
+  scale_.copy_(state.scale);
+  growth_tracker_.copy_(state.growth_tracker);
+  hysteresis_tracker_.copy_(state.hysteresis_tracker);
 }
 
 at::Tensor LossScaler::update(const at::Tensor& found_inf) {

@@ -56,6 +56,12 @@ enum class CastPolicy : uint8_t {
   kBanned,
   // Run exactly as without amp.
   kPassthrough,
+  // Ops taking module parameters (norms, RNNs): when float32 activations
+  // meet low-precision parameters, cast the float32 arguments to the
+  // parameters' dtype; when an argument is a float32 parameter (a module kept
+  // fp32), run as given. Bound at the levels that cast the model (O2, O3,
+  // O5), so existing code feeding float32 batches keeps working.
+  kMatchParameters,
 };
 
 const char* to_string(CastPolicy policy);
@@ -68,6 +74,10 @@ struct OpPolicy {
 // The effective table of `device` (kCPU or kCUDA): defaults plus user
 // registrations, sorted by op name.
 std::vector<OpPolicy> policy_table(c10::DeviceType device);
+
+// The ops amp binds, beyond the device's table, at the levels that cast the
+// model (O2, O3, O5): kMatchParameters rows, sorted by op name.
+std::vector<OpPolicy> model_policy_table();
 
 // The effective policy of `op` on `device`; nullopt when amp leaves it alone.
 std::optional<CastPolicy> policy_for(std::string_view op, c10::DeviceType device);

@@ -2,9 +2,8 @@
 // optimizer. Existing code keeps calling optimizer->step(), zero_grad(),
 // param_groups(), add_param_group() and torch::save/load on it.
 //
-// It takes over the wrapped optimizer's parameter groups and state (they move
-// into this object, so step the returned optimizer, not the original one) and
-// runs the wrapped optimizer's own algorithm on them. On top it
+// It takes over the wrapped optimizer's parameter groups and state and runs
+// the wrapped optimizer's own algorithm on them. On top it
 //   - skips step() after a gradient overflow (parameters and optimizer state
 //     stay bit-identical), deciding with one host read per step;
 //   - with master weights (O2/O5), keeps a float32 master for every
@@ -13,8 +12,29 @@
 //     model with fused multi-tensor ops. Clip gradients on
 //     amp::master_params(optimizer), which are what is stepped.
 //
-// Errors: step(closure) (closures re-run forward and backward inside step,
-// which amp's scale_loss guard cannot wrap; step without one).
+// Gradients at O2/O5 (the full lifecycle table is in the guide): the model's
+// low-precision .grad is scratch that each scale_loss guard moves into the
+// fp32 master's .grad, summing over guards (several losses). step() uses the
+// master gradients and then clears them, taken or skipped, as Apex does -
+// model->zero_grad() cannot reach the masters, so loops that zero through the
+// model, through the optimizer, or not at all train alike. Accumulate across
+// steps with delay_unscale instead.
+//
+// Learning rates: LR schedulers work whether they were made on the original
+// optimizer before amp::initialize (the usual order when adding amp to
+// existing code) or on the returned one: at each step() a learning rate
+// changed on either side is applied to the other. Other options and new
+// parameter groups belong on the returned optimizer.
+//
+// Errors (c10::Error; nothing is changed):
+//   - step(closure): closures re-run forward and backward inside step, which
+//     amp's scale_loss guard cannot wrap; step without one;
+//   - step() inside a live scale_loss guard, or while delay_unscale
+//     accumulation is unfinished;
+//   - step() with master weights when gradients exist only on the model's
+//     low-precision parameters (backward ran outside amp::scale_loss);
+//   - step() after a parameter group was added to the original optimizer
+//     after initialize (add it to the returned optimizer).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -26,8 +46,9 @@
 namespace amp {
 
 namespace detail {
-struct OptimizerGradState;
 class Context;
+class GradientLifecycle;
+GradientLifecycle& lifecycle_of(const torch::optim::Optimizer& optimizer);
 }  // namespace detail
 
 // A low-precision model parameter and the float32 master the optimizer steps.
@@ -38,9 +59,10 @@ struct MasterWeight {
 
 class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
  public:
-  // `fp32_originals` maps converted model parameters to their float32 values
-  // (from convert_model); with `master_weights`, those become the masters and
-  // every other low-precision parameter gets a float32 copy.
+  // Made by amp::initialize. `fp32_originals` pairs converted model
+  // parameters with their float32 values (from convert_model); with
+  // `master_weights`, those become the masters and every other low-precision
+  // parameter gets a float32 copy.
   MixedPrecisionOptimizer(std::shared_ptr<torch::optim::Optimizer> wrapped, bool master_weights,
                           const std::vector<std::pair<at::Tensor, at::Tensor>>& fp32_originals,
                           std::shared_ptr<detail::Context> context);
@@ -50,28 +72,40 @@ class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  // The optimizer whose algorithm runs (its groups are empty between steps).
+  // The optimizer whose algorithm runs. Between steps its groups mirror this
+  // optimizer's (for schedulers made before initialize) and its state is
+  // empty.
   torch::optim::Optimizer& wrapped() const { return *wrapped_; }
   bool has_master_weights() const;
   // Every parameter that has a float32 master (empty without master weights).
   std::vector<MasterWeight> master_weights() const;
-  // Steps skipped after overflows so far.
-  int64_t skipped_steps() const;
-
-  // amp-internal: the gradient bookkeeping scale_loss drives.
-  detail::OptimizerGradState& grad_state() const { return *grad_state_; }
 
  private:
+  friend detail::GradientLifecycle& detail::lifecycle_of(const torch::optim::Optimizer&);
   template <class Fn>
   void run_wrapped(Fn&& fn) const;
+  void sync_learning_rates();
 
   std::shared_ptr<torch::optim::Optimizer> wrapped_;
-  std::unique_ptr<detail::OptimizerGradState> grad_state_;
+  std::unique_ptr<detail::GradientLifecycle> lifecycle_;
+  // Each group's learning rate when last synced; empty when the options
+  // have no learning rate (OptimizerOptions::get_lr not implemented).
+  std::vector<double> synced_lrs_;
+  size_t shadow_groups_ = 0;  // groups mirrored into the wrapped optimizer
 };
 
 // The tensors `optimizer` steps: float32 masters at O2/O5, the model's own
 // parameters otherwise. Clip these (Apex's amp.master_params). Errors: an
 // optimizer not returned by amp::initialize.
 std::vector<at::Tensor> master_params(const torch::optim::Optimizer& optimizer);
+
+// Steps of `optimizer` skipped after gradient overflows so far.
+int64_t skipped_steps(const torch::optim::Optimizer& optimizer);
+
+// Whether the latest step() of `optimizer` was skipped after an overflow.
+// Advance an LR scheduler only when it was not:
+//   optimizer->step();
+//   if (!amp::last_step_skipped(*optimizer)) scheduler.step();
+bool last_step_skipped(const torch::optim::Optimizer& optimizer);
 
 }  // namespace amp

@@ -8,34 +8,54 @@
 //   }                               // unscale, overflow check, scale update
 //   optimizer->step();              // skipped after an overflow
 //
-// While the guard lives, amp's per-op casting is off on this thread. On exit
-// it unscales the gradients this backward produced (fp32 master gradients at
-// O2), checks them for inf/NaN, updates the loss scaler of `loss_id`, arranges
-// for the next step() of every optimizer passed in to be skipped after an
-// overflow, and clears the cast cache (one iteration ends).
+// While the guard lives, amp's per-op casting is off on this thread. When it
+// ends it unscales the gradients this backward produced (into the fp32 master
+// gradients at O2/O5), checks them for inf/NaN, updates the loss scaler of
+// `loss_id`, arranges for the next step() of every optimizer passed in to be
+// skipped after an overflow, and clears the cast caches (amp's and LibTorch's
+// native autocast cache: one iteration ends).
 //
-// Several losses: gradients already present when a guard starts are kept
+// A guard is a transaction over gradients and the loss scaler: it commits
+// when it ends normally and unwinds when an exception leaves its scope -
+// from backward, or from user code after unscale() (a clipping routine that
+// rejects non-finite gradients). Unwinding restores every gradient and the
+// loss scaler exactly as they were before the guard and queues no skip; the
+// next iteration trains normally.
+//
+// Several losses: gradients already accumulated when a guard opens are kept
 // aside and added back after unscaling, so losses with different scales
-// (num_losses > 1, loss_id) combine correctly. Gradient accumulation:
-// delay_unscale=true leaves the micro-batch's gradients scaled and unchecked;
-// the last micro-batch's guard (delay_unscale=false) unscales and checks the
-// sum. Clipping: gradients are true values after the guard; inside it call
-// unscale() first. Gradient penalty: loss_scale() is the current scale.
+// (num_losses > 1, loss_id) combine correctly. With master weights, the
+// model's low-precision gradients are scratch: whatever a backward outside
+// this optimizer's guards left there (a GAN's generator loss through the
+// discriminator) is discarded when the guard opens. Gradient accumulation:
+// delay_unscale=true leaves the micro-batch's gradients scaled and
+// unchecked; the last micro-batch's guard (delay_unscale=false) unscales and
+// checks the sum. Clipping: gradients are true values after the guard;
+// inside it call unscale() first. Gradient penalty: loss_scale() is the
+// current scale.
 //
-// If backward throws, the guard restores the gradients present before it,
-// leaves the scaler untouched and rethrows nothing itself; the next iteration
-// trains normally.
+// finish() ends the guard explicitly, where its errors are expected; the
+// destructor then does nothing. Without finish(), the destructor ends the
+// guard (and may throw its errors: it is noexcept(false)), or unwinds if an
+// exception is leaving the scope.
 //
-// Errors (c10::Error, thrown by the constructor; nothing is changed):
+// Errors (c10::Error). The constructor (nothing is changed):
 //   - amp is not initialized;
 //   - the loss is undefined, not floating point, or has more than one element;
 //   - loss_id outside [0, num_losses);
-//   - an optimizer that was not returned by amp::initialize;
-//   - accumulation (delay_unscale) pending from another loss_id on an optimizer.
-// unscale(): called twice, or with delay_unscale.
+//   - an optimizer that was not returned by the live amp::initialize;
+//   - an optimizer already inside another live guard;
+//   - accumulation (delay_unscale) pending from another loss_id, or
+//     delay_unscale=true over gradients that hold unscaled values.
+// unscale(): called twice, after finish(), or with delay_unscale.
+// finish() and the destructor: with distributed training, errors of the
+// overflow all-reduce; an overflow at the floor with AtFloor::kRaise is
+// reported by the next step(). The guard unwinds before an error leaves it.
+// finish(): called twice.
 #pragma once
 
 #include <amp/casting_scope.h>
+#include <amp/loss_scaler.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -45,6 +65,12 @@
 #include <vector>
 
 namespace amp {
+
+namespace detail {
+class Context;
+class GradientLifecycle;
+struct OverflowVerdict;
+}  // namespace detail
 
 struct ScaleLossOptions {
   int loss_id = 0;
@@ -69,18 +95,22 @@ class [[nodiscard]] scale_loss {
   at::Tensor loss_scale() const;
   // Unscale and check now (before clipping inside the guard); at most once.
   void unscale();
+  // Ends the guard: unscale (unless done), update the scaler, commit.
+  void finish();
 
  private:
-  void unscale_and_update();
-  void finish();
-  void abandon() noexcept;
+  enum class Stage { kOpen, kUnscaled, kFinished };
+  void unscale_gradients();
+  void unwind() noexcept;
 
-  std::shared_ptr<void> context_;  // keeps amp's live context alive
-  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
+  std::shared_ptr<detail::Context> context_;
+  std::vector<detail::GradientLifecycle*> lifecycles_;  // of the optimizers passed in
   ScaleLossOptions options_;
   at::Tensor scaled_loss_;
   bool passthrough_ = false;  // static scale 1 without masters: no multiply, no unscale
-  bool unscaled_ = false;
+  Stage stage_ = Stage::kOpen;
+  std::optional<LossScaler::State> scaler_before_;  // set by unscale(): to unwind its update
+  std::shared_ptr<detail::OverflowVerdict> verdict_;
   int uncaught_at_entry_;
   disable_casts no_casts_;
 };

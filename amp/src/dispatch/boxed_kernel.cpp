@@ -105,6 +105,14 @@ class BoxedKernel final : public c10::OperatorKernel {
         cast_all(to);
         break;
       }
+      case CastPolicy::kMatchParameters: {
+        ParameterMix mix;
+        for (auto it = first; it != stack->end(); ++it) {
+          for_each_tensor(*it, [&](const at::Tensor& t, auto) { mix.see(c.device, t); });
+        }
+        if (const auto to = mix.target()) cast_all(*to);
+        break;
+      }
       case CastPolicy::kBanned:
         throw_banned(*binding_);
       case CastPolicy::kFp32AppendDtype:  // rejected for boxed bindings

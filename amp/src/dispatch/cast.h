@@ -116,6 +116,47 @@ inline at::ScalarType weights_dtype(at::ScalarType low, c10::DeviceType device, 
   return found.value_or(low);
 }
 
+// kMatchParameters: what the floating arguments hold, folded over them.
+struct ParameterMix {
+  std::optional<at::ScalarType> low;  // the first low-precision dtype seen
+  bool fp32 = false;                  // some float32 argument
+  bool fp32_parameter = false;        // some float32 leaf that requires grad
+
+  void see(c10::DeviceType device, const at::Tensor& t) {
+    if (!is_castable(t, device)) return;
+    if (t.scalar_type() == at::kFloat) {
+      fp32 = true;
+      fp32_parameter = fp32_parameter || (t.requires_grad() && t.is_leaf());
+    } else if (!low) {
+      low = t.scalar_type();
+    }
+  }
+  void see(c10::DeviceType device, const std::optional<at::Tensor>& t) {
+    if (t) see(device, *t);
+  }
+  void see(c10::DeviceType device, at::TensorList list) {
+    for (const auto& t : list) see(device, t);
+  }
+  void see(c10::DeviceType device, const at::ITensorListRef& list) {
+    for (const auto& t : list) see(device, t);
+  }
+  template <class T>
+  void see(c10::DeviceType, const T&) {}
+
+  // The dtype to cast float32 arguments to: the parameters' low dtype when
+  // float32 activations meet them, nullopt when the call runs as given.
+  std::optional<at::ScalarType> target() const {
+    return low && fp32 && !fp32_parameter ? low : std::nullopt;
+  }
+};
+
+template <class... Args>
+inline std::optional<at::ScalarType> parameter_dtype(c10::DeviceType device, const Args&... args) {
+  ParameterMix mix;
+  (mix.see(device, args), ...);
+  return mix.target();
+}
+
 // kFp32SetOptDtype: keep a dtype the caller chose, else ask for float32.
 inline std::optional<at::ScalarType> set_opt_dtype(const std::optional<at::ScalarType>& dtype) {
   return dtype.has_value() ? dtype : at::kFloat;

@@ -73,7 +73,7 @@ void check_policy_fits(const c10::OperatorName& op, CastPolicy policy) {
 KernelFactory kernel_factory_for(const c10::OperatorName& op) {
   static const auto catalog = [] {
     std::unordered_map<c10::OperatorName, KernelFactory> factories;
-    for (const auto* table : {&cpu_policy_table(), &cuda_policy_table()}) {
+    for (const auto* table : {&cpu_policy_table(), &cuda_policy_table(), &model_policy_table()}) {
       for (const TableEntry& e : *table) {
         if (e.policy == CastPolicy::kFp32AppendDtype) continue;  // redirecting kernels
         factories.emplace(c10::OperatorName(e.name, e.overload), e.make_kernel);
@@ -86,6 +86,7 @@ KernelFactory kernel_factory_for(const c10::OperatorName& op) {
 }
 
 Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
+  static const std::vector<TableEntry> no_entries;
   DropOverrideWarning filter(c10::WarningUtils::get_warning_handler());
   c10::WarningUtils::WarningHandlerGuard guard(&filter);
   for (const DeviceCasting& device : devices) {
@@ -95,6 +96,10 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
                                                                 : cpu_policy_table();
     for (const TableEntry& e : table) {
       bind(c10::OperatorName(e.name, e.overload), casting, e.policy, e.make_kernel);
+    }
+    for (const TableEntry& e : casting.weights_decide ? model_policy_table() : no_entries) {
+      const c10::OperatorName op(e.name, e.overload);
+      if (!bindings_.count({to_string(op), casting.device})) bind(op, casting, e.policy, e.make_kernel);
     }
     for (const auto& [op, policy] : user_registrations(casting.device)) {
       bind(op, casting, policy, kernel_factory_for(op));

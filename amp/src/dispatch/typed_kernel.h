@@ -71,6 +71,9 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
         break;  // unreachable: bindings accept kFp32AppendDtype only with a target
       case CastPolicy::kPromote:
         return call_cast(promote_type(c.low_dtype, c.device, args...), c.device, args...);
+      case CastPolicy::kMatchParameters:
+        if (const auto to = parameter_dtype(c.device, args...)) return call_cast(*to, c.device, args...);
+        break;
       case CastPolicy::kBanned:
         if (!in_backward()) throw_banned(*binding_);
         break;

@@ -28,6 +28,8 @@ TableEntry table_entry(CastPolicy policy) {
 // The default tables, mirroring LibTorch 2.11's autocast_mode.cpp per device.
 const std::vector<TableEntry>& cpu_policy_table();
 const std::vector<TableEntry>& cuda_policy_table();
+// Ops taking module parameters, bound at the levels that cast the model.
+const std::vector<TableEntry>& model_policy_table();
 
 }  // namespace amp::detail
 

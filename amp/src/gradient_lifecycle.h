@@ -1,0 +1,129 @@
+// Private: the gradient lifecycle of one optimizer returned by
+// amp::initialize - which tensor holds which gradient, and every transition
+// between scale_loss guards and steps. scale_loss, MixedPrecisionOptimizer
+// and checkpoints change gradient state only through this class.
+//
+// Per parameter the optimizer steps (a "slot"):
+//   accumulator  the gradient step() uses: the fp32 master's .grad with master
+//                weights (O2/O5), otherwise the parameter's own .grad. It
+//                holds true (unscaled) values, except during delay_unscale
+//                accumulation, when it holds values scaled by that loss's
+//                scaler.
+//   scratch      master weights only: the low-precision model parameter's
+//                .grad. Autograd writes it during a guard's backward; the
+//                guard moves it into the accumulator and frees it.
+//
+//   event                  accumulator                     scratch     queued verdicts
+//   ---------------------  ------------------------------  ----------  ---------------------
+//   guard opens            set aside, restorable           discarded   dropped when nothing
+//                                                          (1)         is accumulated (2)
+//   backward               -                               written     -
+//   unscale (unscale() or  fresh/scale + aside (3)         freed       -
+//     guard end)
+//   guard commits          aside dropped                   -           its verdict queued
+//   guard unwinds          aside restored, as before the   discarded   unchanged; the loss
+//     (exception)          guard                                       scaler is restored
+//   optimizer->zero_grad() cleared (LibTorch)              -           dropped at the next
+//                                                                      guard or step (2)
+//   step()                 stepped, or kept unchanged      -           read (one host sync),
+//                          after an overflow verdict;                  then cleared
+//                          with master weights then
+//                          cleared either way (4)
+//
+// (1) As in Apex: low-precision gradients that a backward this optimizer's
+//     guard did not run left on the model (a GAN's generator loss through the
+//     discriminator) carry another loss's scale; they are never used.
+// (2) A verdict judges the gradients that were accumulated when it was made;
+//     once they are cleared (optimizer->zero_grad(), or model->zero_grad()
+//     without master weights) it no longer applies to anything.
+// (3) delay_unscale: fresh + aside, still scaled. The guard that ends an
+//     accumulation unscales the whole sum. Asides holding true values are
+//     checked for inf/NaN too, so a step never uses a non-finite gradient.
+// (4) As in Apex: model->zero_grad() cannot reach fp32 masters, so step()
+//     consumes the gradients it used (taken or skipped). Loops that zero
+//     through the model, through the optimizer, or forget to zero therefore
+//     all train alike. Unlike fp32 training, forgetting zero_grad at O2/O5
+//     does not accumulate across steps; accumulate with delay_unscale.
+#pragma once
+
+#include "overflow_verdict.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace amp::detail {
+
+class Context;
+class UnscalePlan;
+
+struct ParamSlot {
+  at::Tensor model;   // the model's parameter
+  at::Tensor master;  // its fp32 master, or `model` itself without one
+  at::Tensor aside;   // the accumulator while a guard is open
+
+  bool has_master() const { return !model.is_same(master); }
+  at::Tensor& accumulator() const { return master.mutable_grad(); }
+  at::Tensor& scratch() const { return model.mutable_grad(); }
+};
+
+// Float32 values of converted parameters before conversion, by TensorImpl.
+using Fp32Originals = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+
+class GradientLifecycle {
+ public:
+  GradientLifecycle(std::weak_ptr<Context> context, bool master_weights);
+
+  // Makes slots for the parameters of `optimizer`'s groups not seen before.
+  // With master weights each low-precision one gets an fp32 master (its exact
+  // value before conversion when `originals` has it), which takes its place
+  // in the group; optimizer state made for it moves onto the master. The
+  // optimizer's constructor and add_param_group both come through here.
+  void adopt(torch::optim::Optimizer& optimizer, const Fp32Originals& originals = {});
+
+  // The initialization that made the optimizer; null once deinitialized.
+  std::shared_ptr<Context> context() const { return context_.lock(); }
+  bool master_weights() const { return master_weights_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  int64_t skipped_steps() const { return skipped_steps_; }
+  bool last_step_skipped() const { return last_step_skipped_; }
+
+  // --- scale_loss guards -----------------------------------------------------
+  // Throws, changing nothing, when a guard for `loss_id` cannot open now.
+  void check_can_open(int loss_id, bool delay_unscale) const;
+  void open();
+  // Adds every slot to the guard's unscale plan.
+  void plan_unscale(UnscalePlan& plan);
+  // The guard ended well: `verdict` (null for static scales or delay_unscale)
+  // decides the next step; `scaled_by` is the loss whose scale the
+  // accumulators still carry (delay_unscale), if any.
+  void commit(std::shared_ptr<OverflowVerdict> verdict, std::optional<int> scaled_by);
+  // The guard ended by an exception: everything as before open().
+  void unwind() noexcept;
+
+  // --- step() -----------------------------------------------------------------
+  // Checks and reads the verdicts; true when the step must be skipped.
+  bool begin_step(torch::optim::Optimizer& optimizer);
+  // After the wrapped optimizer stepped (or not): copies masters into the
+  // model, and with master weights consumes the gradients.
+  void end_step(bool skipped);
+
+ private:
+  bool holds_accumulated() const;
+
+  std::weak_ptr<Context> context_;
+  bool master_weights_;
+  std::vector<ParamSlot> slots_;
+  size_t adopted_count_ = 0;
+  bool in_guard_ = false;
+  std::optional<int> scaled_by_;  // delay_unscale accumulation in progress
+  Verdicts verdicts_;
+  int64_t skipped_steps_ = 0;
+  bool last_step_skipped_ = false;
+};
+
+}  // namespace amp::detail

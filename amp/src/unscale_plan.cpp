@@ -1,0 +1,71 @@
+#include "unscale_plan.h"
+
+#include <ATen/ATen.h>
+
+namespace amp::detail {
+namespace {
+
+// dst[i] += src[i] for the items `pick` selects, as one foreach call.
+template <class Items, class Pick>
+void add_asides(Items& items, Pick pick) {
+  std::vector<at::Tensor> dst, src;
+  for (auto& item : items) {
+    if (!pick(item)) continue;
+    dst.push_back(item.result);
+    src.push_back(item.slot->aside);
+  }
+  if (!dst.empty()) at::_foreach_add_(dst, src);
+}
+
+}  // namespace
+
+void UnscalePlan::add(ParamSlot& slot, bool aside_scaled) {
+  at::Tensor fresh = slot.has_master() ? slot.scratch() : slot.accumulator();
+  if (!fresh.defined() && !slot.aside.defined()) return;  // no gradient at all
+  items_.push_back({&slot, std::move(fresh), {}, aside_scaled});
+}
+
+void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
+  // 1. Results from fresh gradients: fp32 copies of scratch gradients with
+  //    master weights, the new .grad itself otherwise; asides alone stand in
+  //    for slots without one (copied when they will be unscaled in place).
+  std::vector<at::Tensor> copy_dst, copy_src;
+  for (Item& item : items_) {
+    const ParamSlot& s = *item.slot;
+    if (!item.fresh.defined()) {
+      item.result = scaler && item.aside_scaled ? s.aside.clone() : s.aside;
+    } else if (s.has_master()) {
+      item.result = at::empty_like(s.master, at::MemoryFormat::Preserve);
+      copy_dst.push_back(item.result);
+      copy_src.push_back(item.fresh);
+    } else {
+      item.result = item.fresh;
+    }
+  }
+  if (!copy_dst.empty()) at::_foreach_copy_(copy_dst, copy_src);
+
+  auto joins = [](const Item& item, bool scaled) {
+    return item.fresh.defined() && item.slot->aside.defined() && item.aside_scaled == scaled;
+  };
+  // 2. Asides still scaled join before unscaling.
+  add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/true); });
+  // 3. Unscale scaled results; check true-valued asides (x * 1 is exact).
+  if (scaler) {
+    std::vector<at::Tensor> scaled, true_asides;
+    for (const Item& item : items_) {
+      if (item.fresh.defined() || item.aside_scaled) scaled.push_back(item.result);
+      if (item.slot->aside.defined() && !item.aside_scaled) true_asides.push_back(item.slot->aside);
+    }
+    scaler->unscale(scaled, found_inf);
+    scaler->check_finite(true_asides, found_inf);
+  }
+  // 4. Asides holding true values join after unscaling.
+  add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/false); });
+
+  for (Item& item : items_) {
+    item.slot->accumulator() = item.result;
+    if (item.slot->has_master()) item.slot->scratch() = at::Tensor();
+  }
+}
+
+}  // namespace amp::detail
