@@ -142,8 +142,8 @@ bool GradientLifecycle::begin_step(torch::optim::Optimizer& optimizer) {
 void GradientLifecycle::end_step(bool skipped) {
   last_step_skipped_ = skipped;
   if (skipped) ++skipped_steps_;
-  if (!master_weights_) return;
-  if (!skipped) {  // masters into the model, one fused copy per model dtype
+  if (!master_weights_ && !skipped) return;
+  if (master_weights_ && !skipped) {  // masters into the model, one fused copy per model dtype
     std::map<at::ScalarType, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_dtype;
     for (const ParamSlot& s : slots_) {
       if (!s.has_master()) continue;

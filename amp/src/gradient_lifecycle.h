@@ -27,8 +27,8 @@
 //                                                                      guard or step (2)
 //   step()                 stepped, or kept unchanged      -           read (one host sync),
 //                          after an overflow verdict;                  then cleared
-//                          with master weights then
-//                          cleared either way (4)
+//                          then cleared if skipped (4),
+//                          and with master weights (5)
 //
 // (1) As in Apex: low-precision gradients that a backward this optimizer's
 //     guard did not run left on the model (a GAN's generator loss through the
@@ -37,9 +37,12 @@
 //     once they are cleared (optimizer->zero_grad(), or model->zero_grad()
 //     without master weights) it no longer applies to anything.
 // (3) delay_unscale: fresh + aside, still scaled. The guard that ends an
-//     accumulation unscales the whole sum. Asides holding true values are
-//     checked for inf/NaN too, so a step never uses a non-finite gradient.
-// (4) As in Apex: model->zero_grad() cannot reach fp32 masters, so step()
+//     accumulation unscales the whole sum. Only this backward's values are
+//     checked (as in Apex): asides were judged by their own guard, and a
+//     guard over several optimizers must not skip those with clean gradients.
+// (4) A skipped step's gradients hold inf/NaN; they are discarded so that a
+//     loop that never zeroes cannot carry them into the next step.
+// (5) As in Apex: model->zero_grad() cannot reach fp32 masters, so step()
 //     consumes the gradients it used (taken or skipped). Loops that zero
 //     through the model, through the optimizer, or forget to zero therefore
 //     all train alike. Unlike fp32 training, forgetting zero_grad at O2/O5

@@ -35,18 +35,9 @@ double LossScaler::floor() const {
 
 void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
   if (grads.empty()) return;
-  // GradScaler computes 1/scale in double, then rounds once to float.
-  check_and_unscale(grads, found_inf, scale_.to(at::kDouble).reciprocal().to(at::kFloat));
-}
-
-void LossScaler::check_finite(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
-  if (grads.empty()) return;
-  check_and_unscale(grads, found_inf, at::ones_like(scale_));  // x * 1 is exact
-}
-
-void LossScaler::check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
-                                   const at::Tensor& inv_scale) {
   const c10::Device home = scale_.device();
+  // GradScaler computes 1/scale in double, then rounds once to float.
+  const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;  // (device, index, dtype)
   for (const auto& g : grads) {
     groups[{static_cast<int>(g.device().type()), g.device().index(),

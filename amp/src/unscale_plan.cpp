@@ -49,15 +49,15 @@ void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
   };
   // 2. Asides still scaled join before unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/true); });
-  // 3. Unscale scaled results; check true-valued asides (x * 1 is exact).
+  // 3. Unscale (and check) what is scaled. Asides holding true values were
+  //    judged by their own guard's verdict; checking them again would make
+  //    a guard over several optimizers skip the ones whose gradients are clean.
   if (scaler) {
-    std::vector<at::Tensor> scaled, true_asides;
+    std::vector<at::Tensor> scaled;
     for (const Item& item : items_) {
       if (item.fresh.defined() || item.aside_scaled) scaled.push_back(item.result);
-      if (item.slot->aside.defined() && !item.aside_scaled) true_asides.push_back(item.slot->aside);
     }
     scaler->unscale(scaled, found_inf);
-    scaler->check_finite(true_asides, found_inf);
   }
   // 4. Asides holding true values join after unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/false); });

@@ -8,8 +8,9 @@
 //   (fresh + aside)/scale        (aside still scaled: an accumulation ends)
 //   fresh + aside, kept scaled   (delay_unscale)
 // computed by a fixed sequence of ATen foreach calls, one per kind of work,
-// with the inf/NaN check fused into the unscale. Asides stay untouched, so
-// the guard can still unwind to them.
+// with the inf/NaN check fused into the unscale (of this backward's values:
+// asides were judged by their own guard). Asides stay untouched, so the guard
+// can still unwind to them.
 #pragma once
 
 #include "gradient_lifecycle.h"
@@ -28,8 +29,8 @@ class UnscalePlan {
 
   // Computes the new accumulators and installs them, freeing scratch
   // gradients. With `scaler`, unscales them and sets `found_inf` (a
-  // 1-element float32 tensor on the scale's device) when any value that
-  // step() would use is inf or NaN; without (delay_unscale, or a static
+  // 1-element float32 tensor on the scale's device) when any scaled value
+  // is inf or NaN; without (delay_unscale, or a static
   // scale of 1 without masters), leaves values as they are.
   void run(LossScaler* scaler, at::Tensor& found_inf);
 

@@ -52,9 +52,6 @@ class LossScaler {
   // as GradScaler does) and sets `found_inf` (a 1-element float32 tensor on
   // the scale's device) to 1 if any of them holds an inf or NaN.
   void unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
-  // Sets `found_inf` to 1 if any of `grads` holds an inf or NaN, leaving the
-  // values unchanged (gradients that are already unscaled).
-  void check_finite(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
 
   // Updates the scale from `found_inf` without a host sync. Returns a
   // 3-element float32 snapshot [found_inf, scale before, scale after] for the
@@ -81,8 +78,6 @@ class LossScaler {
 
  private:
   void update_with_hysteresis(const at::Tensor& found_inf);
-  void check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
-                         const at::Tensor& inv_scale);
 
   int loss_id_;
   bool dynamic_;
