@@ -1,0 +1,145 @@
+// amp's loss scaling against a real peer: PyTorch's own torch.amp (autocast
+// + GradScaler), run by the project's .venv Python (tests/peer/
+// grad_scaler_peer.py) on the same model, data and injected inf/NaN
+// gradients. amp at O1 must give the same loss scale after every step, the
+// same skipped steps and bit-identical parameters, with SGD (momentum) and
+// with Adam.
+#include "test_util.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace amp::testing {
+namespace {
+
+constexpr int kSteps = 24;
+constexpr double kInitScale = 1024;
+constexpr int kGrowthInterval = 3;
+const std::vector<std::pair<int, float>>& faults() {
+  static const std::vector<std::pair<int, float>> f = {{2, std::numeric_limits<float>::infinity()},
+                                                        {9, std::numeric_limits<float>::quiet_NaN()},
+                                                        {10, std::numeric_limits<float>::infinity()},
+                                                        {17, -std::numeric_limits<float>::infinity()}};
+  return f;
+}
+
+void write_raw(const std::string& path, const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  std::ofstream(path, std::ios::binary).write(static_cast<const char*>(c.data_ptr()), c.nbytes());
+}
+
+at::Tensor read_raw(const std::string& path, int64_t n) {
+  at::Tensor t = torch::empty({n}, torch::kFloat);
+  std::ifstream in(path, std::ios::binary);
+  in.read(static_cast<char*>(t.data_ptr()), t.nbytes());
+  EXPECT_EQ(in.gcount(), static_cast<std::streamsize>(t.nbytes())) << path;
+  return t;
+}
+
+struct PeerModelImpl : torch::nn::Module {
+  explicit PeerModelImpl(const std::vector<at::Tensor>& init)
+      : w1(register_parameter("w1", init[0].clone())),
+        b1(register_parameter("b1", init[1].clone())),
+        w2(register_parameter("w2", init[2].clone())),
+        b2(register_parameter("b2", init[3].clone())) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::linear(torch::relu(torch::linear(x, w1, b1)), w2, b2);
+  }
+  torch::Tensor w1, b1, w2, b2;
+};
+TORCH_MODULE(PeerModel);
+
+class GradScalerPeerTest : public AmpTest, public ::testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override {
+    if (std::system((std::string(AMP_PEER_PYTHON) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+      GTEST_SKIP() << "no Python with torch at " << AMP_PEER_PYTHON
+                   << " (tools/setup.sh installs it into .venv); the peer comparison needs it";
+    }
+    threads_ = at::get_num_threads();
+    at::set_num_threads(1);  // the peer runs single-threaded too: same reduction order
+    char dir[] = "/tmp/amp_peer_XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override {
+    if (!dir_.empty()) {
+      for (const char* name : {"w1", "b1", "w2", "b2", "x", "t", "peer_scales", "peer_skipped", "peer_params"}) {
+        std::remove((dir_ + "/" + name).c_str());
+      }
+      rmdir(dir_.c_str());
+      at::set_num_threads(threads_);
+    }
+    AmpTest::TearDown();
+  }
+  std::string dir_;
+  int threads_ = 1;
+};
+
+TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
+  const std::string optimizer_name = GetParam();
+  torch::manual_seed(7);
+  const std::vector<at::Tensor> init = {torch::randn({16, 8}) * 0.3, torch::randn({16}) * 0.1,
+                                        torch::randn({4, 16}) * 0.3, torch::randn({4}) * 0.1};
+  const auto x = torch::randn({kSteps, 32, 8});
+  const auto t = torch::randn({kSteps, 32, 4});
+  for (auto [name, tensor] : {std::pair{"w1", init[0]}, {"b1", init[1]}, {"w2", init[2]}, {"b2", init[3]},
+                              {"x", x}, {"t", t}}) {
+    write_raw(dir_ + "/" + name, tensor);
+  }
+  std::ostringstream fault_list;
+  for (const auto& [step, value] : faults()) {
+    fault_list << (fault_list.tellp() > 0 ? "," : "") << step << ":" << value;
+  }
+  std::ostringstream command;
+  command << AMP_PEER_PYTHON << " -W ignore " << AMP_PEER_SCRIPT << " " << dir_ << " " << optimizer_name << " " << kSteps
+          << " " << kInitScale << " " << kGrowthInterval << " " << fault_list.str();
+  ASSERT_EQ(std::system(command.str().c_str()), 0) << command.str();
+
+  PeerModel model(init);
+  OptimizerPtr optimizer;
+  if (optimizer_name == "sgd") {
+    optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  } else {
+    optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  }
+  Options options = quiet(O1);
+  options.loss_scale = LossScale::Dynamic(kInitScale);
+  options.dynamic_scaling.growth_interval = kGrowthInterval;
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  std::vector<float> scales, skipped;
+  for (int step = 0; step < kSteps; ++step) {
+    optimizer->zero_grad();
+    const auto loss = (model->forward(x[step]).to(at::kFloat) - t[step]).pow(2).mean();
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+      for (const auto& [fault_step, value] : faults()) {
+        if (fault_step == step) model->w1.grad()[0][0].fill_(value);
+      }
+    }
+    optimizer->step();
+    scales.push_back(static_cast<float>(loss_scale()));
+    skipped.push_back(last_step_skipped(*optimizer) ? 1.0f : 0.0f);
+  }
+
+  EXPECT_TRUE(BitEqual(torch::tensor(scales), read_raw(dir_ + "/peer_scales", kSteps)))
+      << "amp's scales " << torch::tensor(scales) << "\ntorch.amp's " << read_raw(dir_ + "/peer_scales", kSteps);
+  EXPECT_TRUE(BitEqual(torch::tensor(skipped), read_raw(dir_ + "/peer_skipped", kSteps)));
+  EXPECT_EQ(torch::tensor(skipped).sum().item<float>(), 4.0f) << "every injected fault skips its step";
+  std::vector<at::Tensor> flat;
+  for (const auto& p : model->parameters()) flat.push_back(p.detach().flatten());
+  const auto params = torch::cat(flat);
+  EXPECT_TRUE(BitEqual(params, read_raw(dir_ + "/peer_params", params.numel())));
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, GradScalerPeerTest, ::testing::Values("sgd", "adam"));
+
+}  // namespace
+}  // namespace amp::testing
