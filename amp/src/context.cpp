@@ -1,6 +1,7 @@
 #include "context.h"
 
 #include <amp/cast_cache.h>
+#include <amp/hardware.h>
 
 #include "casting_scope_internal.h"
 #include "dispatch/interceptor.h"
@@ -25,7 +26,7 @@ std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o) {
   const bool fp32_ops = p.patch_torch_functions || p.cast_model_outputs == c10::kFloat;
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
-       o.allow_banned},
+       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype)},
       {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
        fp32_ops, o.allow_banned},
   };

@@ -1,5 +1,6 @@
 #include <amp/initialize.h>
 
+#include <amp/hardware.h>
 #include <amp/model_conversion.h>
 
 #include "context.h"
@@ -109,6 +110,13 @@ void warn_about_optimizer_eps(const std::vector<OptimizerPtr>& optimizers, const
   }
 }
 
+// Says once, at initialize, when the CPU will compute in a dtype it emulates.
+void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbosity) {
+  if (verbosity < 1 || !device.is_cpu() || !p.intercepts_ops()) return;
+  const std::string note = describe(cpu_precision(), p.cpu_dtype);
+  if (!note.empty()) detail::log_line("note: " + note);
+}
+
 void shut_down_live(const std::shared_ptr<detail::Context>& context) {
   context->shutdown();
   detail::set_live_context(nullptr);
@@ -148,6 +156,7 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   const Properties properties = resolve_properties(options.opt_level, options, device.type());
   warn_about_dtypes(models, properties, options.verbosity);
   warn_about_optimizer_eps(optimizers, properties, options.verbosity);
+  warn_about_cpu_precision(properties, device, options.verbosity);
 
   // Everything is validated; from here on amp changes state.
   std::vector<std::pair<at::Tensor, at::Tensor>> fp32_originals;

@@ -19,7 +19,7 @@
 // opt_levels.h (O0-O5 and overrides), scale_loss.h (the backward guard),
 // optimizer.h (what initialize returns), cast_policy.h (op tables and user
 // registration), casting_scope.h (disable_casts / enable_casts),
-// cast_cache.h, loss_scaler.h, model_conversion.h, op_stats.h, state.h and
+// cast_cache.h, hardware.h (what the CPU computes natively), loss_scaler.h, model_conversion.h, op_stats.h, state.h and
 // checkpoint.h (saving and resuming).
 #pragma once
 
@@ -28,6 +28,7 @@
 #include <amp/distributed.h>
 #include <amp/cast_policy.h>
 #include <amp/casting_scope.h>
+#include <amp/hardware.h>
 #include <amp/initialize.h>
 #include <amp/loss_scaler.h>
 #include <amp/model_conversion.h>

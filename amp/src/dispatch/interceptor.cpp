@@ -95,7 +95,9 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
     const auto& table = casting.device == c10::DeviceType::CUDA ? cuda_policy_table()
                                                                 : cpu_policy_table();
     for (const TableEntry& e : table) {
-      bind(c10::OperatorName(e.name, e.overload), casting, e.policy, e.make_kernel);
+      const bool runs_here = !e.needs_onednn_low_precision || casting.onednn_low_precision;
+      bind(c10::OperatorName(e.name, e.overload), casting, runs_here ? e.policy : CastPolicy::kFp32,
+           e.make_kernel);
     }
     for (const TableEntry& e : casting.weights_decide ? model_policy_table() : no_entries) {
       const c10::OperatorName op(e.name, e.overload);

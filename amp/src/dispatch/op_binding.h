@@ -24,6 +24,9 @@ struct DeviceCasting {
   // leave their ops alone.
   bool fp32_ops = true;
   bool allow_banned = false;
+  // oneDNN runs its low-precision primitives in low_dtype on this device
+  // (always true on CUDA); rows that need them run in float32 otherwise.
+  bool onednn_low_precision = true;
 };
 
 // One intercepted (operator, device) pair. Its address is stable for the

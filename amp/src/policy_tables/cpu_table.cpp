@@ -29,7 +29,7 @@ const std::vector<TableEntry>& cpu_policy_table() {
       AMP_OP_OVERLOAD(_convolution, deprecated, kLowerPrecision),
       AMP_OP(matmul, kLowerPrecision),
       AMP_OP(conv_tbc, kLowerPrecision),
-      AMP_OP(mkldnn_rnn_layer, kLowerPrecision),
+      AMP_OP_ONEDNN(mkldnn_rnn_layer),  // float32 where oneDNN has no bf16/fp16 RNN
       AMP_OP(conv_transpose1d, kLowerPrecision),
       AMP_OP_OVERLOAD(conv_transpose2d, input, kLowerPrecision),
       AMP_OP_OVERLOAD(conv_transpose3d, input, kLowerPrecision),

@@ -18,11 +18,15 @@ struct TableEntry {
   const char* overload;  // "padding", or "" for the default overload
   CastPolicy policy;
   KernelFactory make_kernel;
+  // The op's low-precision kernel is oneDNN's alone: on a CPU where oneDNN
+  // cannot run the low dtype (see hardware.h), the row runs in float32.
+  bool needs_onednn_low_precision = false;
 };
 
 template <class Op, class AppendTarget = void>
-TableEntry table_entry(CastPolicy policy) {
-  return {Op::name, Op::overload_name, policy, &make_typed_kernel<Op, AppendTarget>};
+TableEntry table_entry(CastPolicy policy, bool needs_onednn_low_precision = false) {
+  return {Op::name, Op::overload_name, policy, &make_typed_kernel<Op, AppendTarget>,
+          needs_onednn_low_precision};
 }
 
 // The default tables, mirroring LibTorch 2.11's autocast_mode.cpp per device.
@@ -34,6 +38,9 @@ const std::vector<TableEntry>& model_policy_table();
 }  // namespace amp::detail
 
 #define AMP_OP(op, policy) ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::policy)
+// A lower-precision row whose only low-precision kernel is oneDNN's.
+#define AMP_OP_ONEDNN(op) \
+  ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::kLowerPrecision, /*needs_onednn_low_precision=*/true)
 #define AMP_OP_OVERLOAD(op, overload, policy) \
   ::amp::detail::table_entry<::at::_ops::op##_##overload>(::amp::CastPolicy::policy)
 // Registered as `op.overload`, redirected to `op.target` with a trailing dtype.

@@ -1,0 +1,55 @@
+// What this machine's CPU does with amp's low-precision dtypes.
+//
+// Mixed precision pays on a CPU only where the CPU has low-precision
+// arithmetic: AVX-512-BF16 or AMX-BF16 for bfloat16 (Intel Xeon since Cooper
+// Lake and Sapphire Rapids, AMD since Zen 4), AVX-512-FP16 or AMX-FP16 for
+// float16. Elsewhere - AVX2-only CPUs: most laptops, many AMD EPYC servers -
+// LibTorch emulates them, and O1 runs several times SLOWER than float32, as
+// Python's torch.autocast does on such a CPU. amp::initialize says so once at
+// verbosity >= 1 when a level computes on the CPU in an emulated dtype;
+// programs read the same facts here:
+//
+//   const amp::CpuPrecision cpu = amp::cpu_precision();
+//   if (!cpu.runs_natively(at::kBFloat16)) std::cerr << amp::describe(cpu, at::kBFloat16) << "\n";
+//
+// Beyond native autocast: table rows whose low-precision kernels exist only
+// in oneDNN for AVX-512 (aten::mkldnn_rnn_layer, behind nn::LSTM/GRU on CPU)
+// run in float32 under amp on CPUs without them, instead of failing with
+// oneDNN's "could not create a primitive descriptor".
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string>
+
+namespace amp {
+
+struct CpuPrecision {
+  std::string name;              // the CPU's name, e.g. "AMD EPYC"
+  bool bf16_arithmetic = false;  // AVX-512-BF16 or AMX-BF16
+  bool fp16_arithmetic = false;  // AVX-512-FP16 or AMX-FP16
+  // oneDNN runs its low-precision primitives (ATen's rule: AVX-512 BW, VL
+  // and DQ, or AVX-NE-CONVERT for bfloat16; AVX-512-FP16 or AVX-NE-CONVERT
+  // for float16).
+  bool onednn_bf16 = false;
+  bool onednn_fp16 = false;
+
+  // Whether `dtype` is computed in hardware (float32 and float64 are).
+  bool runs_natively(c10::ScalarType dtype) const;
+  // Whether oneDNN's low-precision primitives run `dtype` on this CPU.
+  bool onednn_supports(c10::ScalarType dtype) const;
+};
+
+// This machine's CPU, as ATen detects it (at::cpu::get_cpu_capabilities).
+CpuPrecision cpu_precision();
+
+// One paragraph for users of a CPU that emulates `dtype`: what it costs and
+// the choices. Empty when the CPU computes `dtype` natively.
+std::string describe(const CpuPrecision& cpu, c10::ScalarType dtype);
+
+// Tests: makes cpu_precision() report `cpu` (nullopt: the real CPU again).
+// Takes effect at the next amp::initialize.
+void set_cpu_precision_for_testing(std::optional<CpuPrecision> cpu);
+
+}  // namespace amp
