@@ -68,7 +68,7 @@ int run() {
     }
   };
 
-  examples::Progress progress(50);
+  examples::Progress progress(50, steps);
   const auto ones = torch::ones({batch}, device), zeros = torch::zeros({batch}, device);
   double loss_d = 0, loss_g = 0;
   for (int step = 0; step < steps; ++step) {

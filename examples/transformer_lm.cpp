@@ -11,6 +11,7 @@
 #include <absl/flags/flag.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <iostream>
 
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5");
@@ -65,8 +66,9 @@ int run() {
       std::make_shared<torch::optim::AdamW>(model->parameters(), absl::GetFlag(FLAGS_lr));
   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
 
-  examples::Progress progress(50);
+  examples::Progress progress(50, steps);
   double last_loss = 0;
+  const auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < steps; ++step) {
     const auto starts = torch::randint(0, bytes.size(0) - config.context - 1, {batch});
     const auto offsets = torch::arange(config.context + 1);
@@ -85,10 +87,12 @@ int run() {
     last_loss = loss.item<double>();
     progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
   }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   progress.finish();
-  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  skipped steps %lld\n",
+  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB\n",
               amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
-              static_cast<long long>(amp::skipped_steps(*optimizer)));
+              steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(*optimizer)),
+              examples::peak_rss_mib());
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
   return 0;
 }

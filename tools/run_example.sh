@@ -4,5 +4,5 @@
 # e.g. tools/run_example.sh --opt_level=O2 --epochs=3 (see --help).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-"$root/tools/setup.sh"
+AMP_BUILD_TARGETS=fashion_mnist "$root/tools/setup.sh"
 exec "${AMP_BUILD_DIR:-$root/build}/examples/fashion_mnist" "$@"

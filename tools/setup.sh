@@ -4,8 +4,10 @@
 # Idempotent and quick when everything is present: Debian packages are
 # installed only when missing, LibTorch 2.11.0 comes from the PyPI torch wheel
 # in the project-local virtual environment .venv/, and the CMake build lives in
-# build/ (override with AMP_BUILD_DIR). Extra arguments are passed to CMake's
-# configure step, e.g. tools/setup.sh -DAMP_SANITIZE=ON.
+# build/ (override with AMP_BUILD_DIR). AMP_BUILD_TARGETS names the targets to
+# build (default: all; tools/run_example.sh builds only the example). Extra
+# arguments are passed to CMake's configure step, e.g.
+# tools/setup.sh -DAMP_SANITIZE=ON.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,4 +44,7 @@ if [ ! -f "$build_dir/CMakeCache.txt" ] || (($#)); then
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 "$@" \
     > "$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
 fi
-cmake --build "$build_dir" -j"$(nproc)"
+targets=()
+for target in ${AMP_BUILD_TARGETS:-}; do targets+=(--target "$target"); done
+echo "setup: building ${AMP_BUILD_TARGETS:-everything} in $build_dir"
+cmake --build "$build_dir" -j"$(nproc)" "${targets[@]}"

@@ -1,5 +1,9 @@
 #include "run_setup.h"
 
+#include <string>
+
+#include <sys/resource.h>
+
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
 #include <c10/util/Exception.h>
@@ -67,17 +71,34 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
   return options;
 }
 
-Progress::Progress(int every)
-    : terminal_(isatty(fileno(stdout)) != 0), every_(every), start_(std::chrono::steady_clock::now()) {}
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+Progress::Progress(int every, int64_t total_steps)
+    : terminal_(isatty(fileno(stdout)) != 0),
+      every_(every),
+      total_steps_(total_steps),
+      start_(std::chrono::steady_clock::now()) {}
 
 void Progress::update(int64_t step, double loss, double scale, int64_t samples) {
   samples_ += samples;
   if (!terminal_ && step % every_ != 0) return;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  std::printf("%sstep %6lld  loss %.4f  scale %-9g %8.0f samples/s%s", terminal_ ? "\r" : "",
-              static_cast<long long>(step), loss, scale, samples_ / std::max(seconds, 1e-9),
-              terminal_ ? "" : "\n");
+  std::string of_total, eta;
+  if (total_steps_ > 0) {
+    of_total = "/" + std::to_string(total_steps_);
+    const int left = static_cast<int>(seconds / step * static_cast<double>(total_steps_ - step) + 0.5);
+    char text[32];
+    std::snprintf(text, sizeof text, "  ETA %d:%02d", left / 60, left % 60);
+    eta = text;
+  }
+  std::printf("%sstep %6lld%s  loss %.4f  scale %-9g %8.0f samples/s%s%s", terminal_ ? "\r" : "",
+              static_cast<long long>(step), of_total.c_str(), loss, scale,
+              samples_ / std::max(seconds, 1e-9), eta.c_str(), terminal_ ? "" : "\n");
   std::fflush(stdout);
 }
 

@@ -23,17 +23,22 @@ c10::Device parse_device(const std::string& device);
 // frames), exit code 2 for bad flags (std::invalid_argument), 1 otherwise.
 int run_main(int argc, char** argv, const char* usage, const std::function<int()>& run);
 
-// Prints "step N  loss L  scale S  X samples/s", rewritten in place on a
-// terminal, as plain lines every `every` steps otherwise.
+// The process's peak resident memory so far, in MiB.
+double peak_rss_mib();
+
+// Prints "step N/T  loss L  scale S  X samples/s  ETA m:ss", rewritten in
+// place on a terminal, as plain lines every `every` steps otherwise. The ETA
+// needs `total_steps` (0: unknown, no ETA).
 class Progress {
  public:
-  explicit Progress(int every = 50);
+  explicit Progress(int every = 50, int64_t total_steps = 0);
   void update(int64_t step, double loss, double scale, int64_t samples);
   void finish();
 
  private:
   bool terminal_;
   int every_;
+  int64_t total_steps_;
   int64_t samples_ = 0;
   std::chrono::steady_clock::time_point start_;
 };
