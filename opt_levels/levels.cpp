@@ -7,37 +7,48 @@
 #include <sstream>
 
 namespace amp {
-namespace {
 
-constexpr LevelDefaults kLevels[] = {
-    // level  model cast                patch  keep BN fp32   master weights  static scale  bf16 only
-    {O0, ModelCast::kFloat32,      false, std::nullopt, false,          1.0,          false},
-    {O1, ModelCast::kNone,         true,  std::nullopt, std::nullopt,   std::nullopt, false},
-    {O2, ModelCast::kLowPrecision, false, true,         true,           std::nullopt, false},
-    {O3, ModelCast::kLowPrecision, false, false,        false,          1.0,          false},
-    {O4, ModelCast::kNone,         true,  std::nullopt, std::nullopt,   1.0,          true},
-    {O5, ModelCast::kLowPrecision, false, true,         true,           1.0,          true},
-};
-
-constexpr const char* kNames[] = {"O0", "O1", "O2", "O3", "O4", "O5"};
-
-}  // namespace
+const std::vector<LevelDefaults>& level_table() {
+  static const std::vector<LevelDefaults> table = {
+      // level name  model cast                patch  keep BN fp32   masters       static scale  bf16  fp16 twin     note
+      {O0, "O0", ModelCast::kFloat32,      false, std::nullopt, false,        1.0,          false, std::nullopt, ""},
+      {O1, "O1", ModelCast::kNone,         true,  std::nullopt, std::nullopt, std::nullopt, false, std::nullopt, ""},
+      {O2, "O2", ModelCast::kLowPrecision, false, true,         true,         std::nullopt, false, std::nullopt, ""},
+      {O3, "O3", ModelCast::kLowPrecision, false, false,        false,        1.0,          false, std::nullopt, ""},
+      {O4, "O4", ModelCast::kNone,         true,  std::nullopt, std::nullopt, 1.0,          true,  O1,           "O1 in bfloat16"},
+      {O5, "O5", ModelCast::kLowPrecision, false, true,         true,         1.0,          true,  O2,           "O2 in bfloat16"},
+  };
+  return table;
+}
 
 const LevelDefaults& level_defaults(OptLevel level) {
-  return kLevels[static_cast<int>(level)];
+  for (const LevelDefaults& row : level_table()) {
+    if (row.level == level) return row;
+  }
+  TORCH_CHECK(false, "amp: opt level ", static_cast<int>(level), " has no row in the level table");
 }
 
-const char* to_string(OptLevel level) { return kNames[static_cast<int>(level)]; }
+const char* to_string(OptLevel level) { return level_defaults(level).name; }
+
+std::vector<OptLevel> all_opt_levels() {
+  std::vector<OptLevel> levels;
+  for (const LevelDefaults& row : level_table()) levels.push_back(row.level);
+  return levels;
+}
 
 OptLevel parse_opt_level(std::string_view name) {
-  for (int i = 0; i < static_cast<int>(std::size(kNames)); ++i) {
-    if (name == kNames[i]) return static_cast<OptLevel>(i);
+  std::ostringstream options;
+  for (const LevelDefaults& row : level_table()) {
+    if (name == row.name) return row.level;
+    options << (row.level == level_table().front().level ? "" : ", ") << "'" << row.name << "'";
+    if (*row.note) options << " (" << row.note << ")";
   }
-  TORCH_CHECK(false, "amp: unexpected optimization level '", name,
-              "'. Options are 'O0', 'O1', 'O2', 'O3', 'O4' (O1 in bfloat16) and "
-              "'O5' (O2 in bfloat16). Note that in 'O0', 'O1', etc., the prefix O is "
-              "the capital letter O, not the number zero.");
+  TORCH_CHECK(false, "amp: unexpected optimization level '", name, "'. Options are ", options.str(),
+              ". Note that in 'O0', 'O1', etc., the prefix O is the capital letter O, not the "
+              "number zero.");
 }
+
+bool is_low_precision(c10::ScalarType dtype) { return dtype == c10::kHalf || dtype == c10::kBFloat16; }
 
 std::string describe(const Properties& p) {
   auto dtype = [](const std::optional<c10::ScalarType>& t) {

@@ -1,27 +1,40 @@
-// Private: the per-level defaults table shared by levels.cpp and validate.cpp.
+// Private: the opt-level table - the single source of each level's name,
+// properties and hints, shared by levels.cpp and validate.cpp. Adding a level
+// is one enum value in opt_levels.h and one row here.
 #pragma once
 
 #include <amp/opt_levels.h>
+
+#include <optional>
+#include <vector>
 
 namespace amp {
 
 // What a level does to the model's floating parameters and buffers.
 enum class ModelCast : uint8_t {
-  kNone,          // untouched (O1): casts happen per op
+  kNone,          // untouched: casts happen per op (O1, O4)
   kFloat32,       // checked to be fp32 (O0)
-  kLowPrecision,  // converted to the device's low-precision dtype (O2, O3)
+  kLowPrecision,  // converted to the device's low-precision dtype (O2, O3, O5)
 };
 
 struct LevelDefaults {
   OptLevel level;
+  const char* name;  // "O1": what users write, and what amp's state saves
   ModelCast model_cast;
   bool patch_torch_functions;
   std::optional<bool> keep_batchnorm_fp32;
   std::optional<bool> master_weights;
   std::optional<double> static_loss_scale;  // nullopt: dynamic
-  bool bfloat16_only;                       // O4, O5
+  bool bfloat16_only;
+  // For a bfloat16-only level: the level that does the same in float16.
+  std::optional<OptLevel> float16_level;
+  const char* note;  // shown in the list of levels, e.g. "O1 in bfloat16"
+
+  // O1-style levels keep the model fp32 and cast per op.
+  bool casts_per_op() const { return model_cast == ModelCast::kNone; }
 };
 
 const LevelDefaults& level_defaults(OptLevel level);
+const std::vector<LevelDefaults>& level_table();
 
 }  // namespace amp

@@ -10,18 +10,14 @@
 namespace amp {
 namespace {
 
-bool is_low_precision(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
-
-bool is_o1_family(OptLevel level) { return level == O1 || level == O4; }
-
 void check_dtype(const char* name, const std::optional<c10::ScalarType>& dtype,
                  const LevelDefaults& level) {
   if (!dtype) return;
   TORCH_CHECK(is_low_precision(*dtype), "amp: ", name,
               " must be float16 (c10::kHalf) or bfloat16 (c10::kBFloat16), got ", *dtype);
-  TORCH_CHECK(!level.bfloat16_only || *dtype == c10::kBFloat16, "amp: ", to_string(level.level),
+  TORCH_CHECK(!level.bfloat16_only || *dtype == c10::kBFloat16, "amp: ", level.name,
               " is a bfloat16 level, so ", name, " cannot be ", *dtype, "; use ",
-              level.level == O4 ? "O1" : "O2", " for float16.");
+              level.float16_level ? to_string(*level.float16_level) : "another level", " for float16.");
 }
 
 void check_positive_finite(const char* name, double value) {
@@ -52,7 +48,7 @@ void check_dynamic_scaling(const DynamicScaling& d) {
 Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
                               c10::DeviceType model_device) {
   const LevelDefaults& defaults = level_defaults(level);
-  const char* name = to_string(level);
+  const char* name = defaults.name;
   check_dtype("cpu_dtype", o.cpu_dtype, defaults);
   check_dtype("cuda_dtype", o.cuda_dtype, defaults);
   check_dynamic_scaling(o.dynamic_scaling);
@@ -72,7 +68,7 @@ Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
     const c10::ScalarType t = *o.cast_model_type;
     TORCH_CHECK(t == c10::kFloat || is_low_precision(t),
                 "amp: cast_model_type must be float32, float16 or bfloat16, got ", t);
-    TORCH_CHECK(!is_o1_family(level) || t == c10::kFloat, "amp: ", name,
+    TORCH_CHECK(!defaults.casts_per_op() || t == c10::kFloat, "amp: ", name,
                 " inserts casts around LibTorch ops rather than casting model weights, so "
                 "the model weights themselves should remain float32. To cast the model to ",
                 t, ", use opt_level O2 or O3. cast_model_type was ", t);
@@ -81,19 +77,19 @@ Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
 
   p.patch_torch_functions = defaults.patch_torch_functions;
   if (o.patch_torch_functions) {
-    TORCH_CHECK(!*o.patch_torch_functions || is_o1_family(level), "amp: patch_torch_functions=true "
+    TORCH_CHECK(!*o.patch_torch_functions || defaults.casts_per_op(), "amp: patch_torch_functions=true "
                 "(per-op casting of fp32 weights) is what O1 does; select opt_level O1 instead "
                 "of ", name, " with this override.");
     p.patch_torch_functions = *o.patch_torch_functions;
   }
 
-  TORCH_CHECK(!o.keep_batchnorm_fp32 || !is_o1_family(level), "amp: with opt_level ", name,
+  TORCH_CHECK(!o.keep_batchnorm_fp32 || !defaults.casts_per_op(), "amp: with opt_level ", name,
               " the model stays float32 and batchnorm ops run in the dtype of their input, so "
               "keep_batchnorm_fp32 must be left unset. keep_batchnorm_fp32 was ",
               o.keep_batchnorm_fp32.value_or(false) ? "true" : "false");
   p.keep_batchnorm_fp32 = o.keep_batchnorm_fp32.value_or(defaults.keep_batchnorm_fp32.value_or(false));
 
-  TORCH_CHECK(!o.master_weights || !is_o1_family(level), "amp: master_weights make no sense "
+  TORCH_CHECK(!o.master_weights || !defaults.casts_per_op(), "amp: master_weights make no sense "
               "with opt_level ", name, ": the model weights themselves stay float32. Leave "
               "master_weights unset, or use O2.");
   p.master_weights = o.master_weights.value_or(defaults.master_weights.value_or(false));

@@ -110,15 +110,14 @@ INSTANTIATE_TEST_SUITE_P(Rows, OptLevelTable, ::testing::ValuesIn(rows()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(OptLevelNames, ParseAcceptsTheLevelsAndExplainsTheLetterO) {
-  for (int i = 0; i <= 5; ++i) {
-    const auto level = static_cast<OptLevel>(i);
-    EXPECT_EQ(parse_opt_level(to_string(level)), level);
-  }
+  ASSERT_EQ(all_opt_levels().size(), 6u);
+  for (OptLevel level : all_opt_levels()) EXPECT_EQ(parse_opt_level(to_string(level)), level);
   for (const char* bad : {"o1", "0O", "01", "O9", "", "O1 "}) {
     EXPECT_AMP_ERROR(parse_opt_level(bad), "the prefix O is the capital letter O, not the number zero");
     EXPECT_AMP_ERROR(parse_opt_level(bad), "'O0', 'O1', 'O2', 'O3'");
   }
   EXPECT_AMP_ERROR(Options("O7"), "unexpected optimization level 'O7'");
+  EXPECT_AMP_ERROR(parse_opt_level("O9"), "'O4' (O1 in bfloat16), 'O5' (O2 in bfloat16)");
 }
 
 TEST(OptLevelNames, DescribeListsTheResolvedProperties) {

@@ -292,12 +292,12 @@ std::vector<BadInput> bad_inputs() {
       {"StateMistypedEntry", [] {
          Live live;
          torch::serialize::OutputArchive out;
-         out.write("opt_level", torch::ones({1}));  // a float where an integer belongs
+         out.write("opt_level", torch::ones({1}));  // a float where a level name belongs
          out.write("num_losses", torch::ones({1}, at::kLong));
          std::ostringstream bytes;
          out.save_to(bytes);
          load_state_bytes(bytes.str());
-       }, "should hold one integer"},
+       }, "should hold a level name"},
       {"CheckpointFromAnotherOptLevel", [] {
          const std::string path = "/tmp/amp_bad_input_checkpoint.pt";
          {

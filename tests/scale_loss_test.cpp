@@ -445,6 +445,51 @@ TEST_F(ScaleLossTest, AmpStateRoundTripsEveryScaler) {
   EXPECT_EQ(loss_scale(0), 65536.0);
 }
 
+// An amp state archive with `level` stored as given (a name or, as
+// checkpoints written before names were, the enum's number).
+std::string state_bytes(const c10::IValue& level) {
+  torch::serialize::OutputArchive out;
+  out.write("opt_level", level);
+  out.write("num_losses", at::scalar_tensor(int64_t{1}, at::kLong));
+  torch::serialize::OutputArchive scaler(out.compilation_unit());
+  loss_scaler(0).save(scaler);
+  out.write("loss_scaler0", scaler);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  return bytes.str();
+}
+
+void load_state_bytes(const std::string& bytes) {
+  std::istringstream in_bytes(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  load_state(in);
+}
+
+TEST_F(ScaleLossTest, StateNamesItsLevelAndStillReadsNumberedCheckpoints) {
+  auto model = torch::nn::Linear(2, 1);
+  Handle handle;
+  model = handle.initialize(model, quiet(O2));
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  c10::IValue saved;
+  ASSERT_TRUE(in.try_read("opt_level", saved));
+  EXPECT_EQ(saved.toStringRef(), "O2");
+
+  load_state_bytes(state_bytes(at::scalar_tensor(int64_t{2}, at::kLong)));  // O2, numbered
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{1}, at::kLong))),
+                   "saved at opt_level O1 but amp runs at O2");
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{9}, at::kLong))),
+                   "holds 9, which names no opt level");
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(c10::IValue(std::string("O9")))),
+                   "unexpected optimization level 'O9'");
+}
+
 TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) {
   Options two = quiet(O1);
   two.num_losses = 2;

@@ -1,6 +1,7 @@
 #include "cast_cache.h"
 
 #include <amp/cast_cache.h>
+#include <amp/opt_levels.h>
 
 #include "dispatch/call_record.h"
 #include "dispatch/cast.h"
@@ -111,7 +112,7 @@ bool is_view_of_weight(const at::Tensor& t) {
 }  // namespace
 
 bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
-  return (to == at::kHalf || to == at::kBFloat16) && t.scalar_type() == at::kFloat &&
+  return is_low_precision(to) && t.scalar_type() == at::kFloat &&
          (is_weight(t) || is_view_of_weight(t)) && !c10::InferenceMode::is_enabled();
 }
 

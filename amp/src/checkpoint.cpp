@@ -1,5 +1,6 @@
 #include <amp/checkpoint.h>
 
+#include <amp/opt_levels.h>
 #include <amp/state.h>
 
 #include "gradient_lifecycle.h"
@@ -31,8 +32,7 @@ MasterMap masters_of(const std::vector<OptimizerPtr>& optimizers) {
 at::Tensor fp32_value(const at::Tensor& t, const MasterMap& masters) {
   auto it = masters.find(t.unsafeGetTensorImpl());
   if (it != masters.end()) return it->second.detach();
-  const bool low = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-  return low ? t.detach().to(at::kFloat) : t.detach();
+  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
 }
 
 // torch::nn::Module::save's layout, in float32, masters in place of their

@@ -2,6 +2,8 @@
 
 #include "unscale_plan.h"
 
+#include <amp/opt_levels.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -9,10 +11,6 @@
 
 namespace amp::detail {
 namespace {
-
-bool is_low_precision(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-}
 
 size_t count_params(const torch::optim::Optimizer& optimizer) {
   size_t n = 0;
@@ -38,7 +36,7 @@ void GradientLifecycle::adopt(torch::optim::Optimizer& optimizer, const Fp32Orig
         adopted.push_back(slots_[it->second]);
         continue;
       }
-      if (!master_weights_ || !is_low_precision(p)) {
+      if (!master_weights_ || !is_low_precision(p.scalar_type())) {
         adopted.push_back({p, p, {}});
         continue;
       }

@@ -1,5 +1,7 @@
 #include <amp/model_conversion.h>
 
+#include <amp/opt_levels.h>
+
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/batchnorm.h>
 
@@ -35,7 +37,7 @@ bool is_affine_batchnorm(const torch::nn::Module& module) {
 std::vector<ConvertedParameter> convert_model(
     torch::nn::Module& model, c10::ScalarType dtype, bool keep_batchnorm_fp32,
     const std::function<bool(const torch::nn::Module&)>& keep_fp32) {
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+  TORCH_CHECK(is_low_precision(dtype),
               "amp: convert_model converts to float16 or bfloat16, got ", dtype);
   at::NoGradGuard no_grad;
   std::vector<ConvertedParameter> converted;

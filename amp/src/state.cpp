@@ -2,6 +2,8 @@
 
 #include "context.h"
 
+#include <amp/opt_levels.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -20,12 +22,27 @@ int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
   return value.item<int64_t>();
 }
 
+// The level a checkpoint was saved at. amp saves its name; checkpoints
+// written before that hold the enum's number, read through this frozen map.
+OptLevel saved_opt_level(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read("opt_level", value), "amp: the archive has no 'opt_level' entry; "
+              "was it written by amp::save_state?");
+  if (value.isString()) return parse_opt_level(value.toStringRef());
+  constexpr OptLevel kNumbered[] = {O0, O1, O2, O3, O4, O5};  // never reorder: old checkpoints
+  TORCH_CHECK(value.isTensor() && value.toTensor().numel() == 1 && !value.toTensor().is_floating_point(),
+              "amp: entry 'opt_level' should hold a level name such as \"O2\", got ", value.tagKind());
+  const int64_t number = value.toTensor().item<int64_t>();
+  TORCH_CHECK(number >= 0 && number < static_cast<int64_t>(std::size(kNumbered)), "amp: entry "
+              "'opt_level' holds ", number, ", which names no opt level.");
+  return kNumbered[number];
+}
+
 }  // namespace
 
 void save_state(torch::serialize::OutputArchive& archive) {
   auto context = detail::require_live_context("amp::save_state");
-  archive.write("opt_level", at::scalar_tensor(static_cast<int64_t>(context->properties().opt_level),
-                                               at::kLong));
+  archive.write("opt_level", c10::IValue(std::string(to_string(context->properties().opt_level))));
   archive.write("num_losses", at::scalar_tensor(static_cast<int64_t>(context->num_losses()),
                                                 at::kLong));
   for (int i = 0; i < context->num_losses(); ++i) {
@@ -37,12 +54,11 @@ void save_state(torch::serialize::OutputArchive& archive) {
 
 void load_state(torch::serialize::InputArchive& archive) {
   auto context = detail::require_live_context("amp::load_state");
-  const int64_t level = read_int(archive, "opt_level");
+  const OptLevel level = saved_opt_level(archive);
   const int64_t num_losses = read_int(archive, "num_losses");
-  const char* live_level = to_string(context->properties().opt_level);
-  TORCH_CHECK(level == static_cast<int64_t>(context->properties().opt_level), "amp: the state was "
-              "saved at opt_level ", level >= 0 && level <= 5 ? to_string(static_cast<OptLevel>(level)) : "?",
-              " but amp runs at ", live_level, "; initialize with the checkpoint's opt_level.");
+  TORCH_CHECK(level == context->properties().opt_level, "amp: the state was saved at opt_level ",
+              to_string(level), " but amp runs at ", to_string(context->properties().opt_level),
+              "; initialize with the checkpoint's opt_level.");
   TORCH_CHECK(num_losses == context->num_losses(), "amp: the state holds ", num_losses,
               " loss scaler(s) but amp was initialized with num_losses=", context->num_losses(),
               "; initialize with num_losses=", num_losses, ".");

@@ -44,6 +44,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace amp {
 
@@ -59,6 +60,11 @@ inline constexpr OptLevel O5 = OptLevel::O5;  // O2 in bfloat16.
 // "O0".."O5". Anything else is an error listing the valid names.
 OptLevel parse_opt_level(std::string_view name);
 const char* to_string(OptLevel level);
+// Every level, in table order.
+std::vector<OptLevel> all_opt_levels();
+
+// float16 or bfloat16: the dtypes amp computes in.
+bool is_low_precision(c10::ScalarType dtype);
 
 // What the optimizer steps and how gradients are scaled.
 struct LossScale {
