@@ -91,6 +91,8 @@ TEST_F(UserRegistrationTest, BannedOpNamesTheSafeAlternativeAndAllowBannedRunsFp
   const auto p = torch::rand({4}) * 0.9 + 0.05, t = torch::rand({4});
   EXPECT_AMP_ERROR(torch::binary_cross_entropy(p.to(at::kBFloat16), t), "binary_cross_entropy_with_logits");
   EXPECT_AMP_ERROR(torch::binary_cross_entropy(p, t), "allow_banned");
+  register_op("amp_test::blend", CastPolicy::kBanned, c10::kCPU);  // no built-in row: a generic reason
+  EXPECT_AMP_ERROR(call_blend(torch::ones({2}), torch::ones({2})), "registered as banned");
   handle.deinitialize();
   Options allow = quiet(O1);
   allow.allow_banned = true;

@@ -70,6 +70,17 @@ void check_policy_fits(const c10::OperatorName& op, CastPolicy policy) {
   }
 }
 
+// The reason a built-in table row gives for banning `op`, on any device; a
+// user who bans a built-in op on another device gets the same advice.
+const char* built_in_banned_reason(const c10::OperatorName& op) {
+  for (const auto* table : {&cpu_policy_table(), &cuda_policy_table()}) {
+    for (const TableEntry& e : *table) {
+      if (e.banned_because != nullptr && c10::OperatorName(e.name, e.overload) == op) return e.banned_because;
+    }
+  }
+  return nullptr;
+}
+
 KernelFactory kernel_factory_for(const c10::OperatorName& op) {
   static const auto catalog = [] {
     std::unordered_map<c10::OperatorName, KernelFactory> factories;
@@ -97,14 +108,14 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
     for (const TableEntry& e : table) {
       const bool runs_here = !e.needs_onednn_low_precision || casting.onednn_low_precision;
       bind(c10::OperatorName(e.name, e.overload), casting, runs_here ? e.policy : CastPolicy::kFp32,
-           e.make_kernel);
+           e.make_kernel, e.banned_because);
     }
     for (const TableEntry& e : casting.weights_decide ? model_policy_table() : no_entries) {
       const c10::OperatorName op(e.name, e.overload);
       if (!bindings_.count({to_string(op), casting.device})) bind(op, casting, e.policy, e.make_kernel);
     }
     for (const auto& [op, policy] : user_registrations(casting.device)) {
-      bind(op, casting, policy, kernel_factory_for(op));
+      bind(op, casting, policy, kernel_factory_for(op), built_in_banned_reason(op));
     }
   }
 }
@@ -127,21 +138,23 @@ void Interceptor::set_policy(const c10::OperatorName& op, c10::DeviceType device
   DropOverrideWarning filter(c10::WarningUtils::get_warning_handler());
   c10::WarningUtils::WarningHandlerGuard guard(&filter);
   for (auto& d : devices_) {
-    if (d->device == device) bind(op, *d, policy, kernel_factory_for(op));
+    if (d->device == device) bind(op, *d, policy, kernel_factory_for(op), built_in_banned_reason(op));
   }
 }
 
 void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, CastPolicy policy,
-                       KernelFactory make_kernel) {
+                       KernelFactory make_kernel, const char* banned_because) {
   const std::string display = to_string(op);
   auto it = bindings_.find({display, casting.device});
   if (it != bindings_.end()) {  // already intercepted: its kernel reads the new policy
+    if (banned_because != nullptr) it->second->banned_because.store(banned_because);
     it->second->set_policy(policy);
     return;
   }
   auto binding = std::make_unique<OpBinding>();
   binding->display_name = display;
   binding->casting = &casting;
+  binding->banned_because.store(banned_because);
   binding->set_policy(policy);
   const std::string ns = op.name.substr(0, op.name.find("::"));
   auto& library = libraries_[{ns, casting.autocast_key}];

@@ -37,7 +37,7 @@ class Interceptor {
 
  private:
   void bind(const c10::OperatorName& op, DeviceCasting& casting, CastPolicy policy,
-            KernelFactory make_kernel);
+            KernelFactory make_kernel, const char* banned_because = nullptr);
 
   std::vector<std::unique_ptr<DeviceCasting>> devices_;
   std::map<std::pair<std::string, c10::DeviceType>, std::unique_ptr<OpBinding>> bindings_;

@@ -14,13 +14,11 @@ namespace amp::detail {
 bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
 void throw_banned(const OpBinding& binding) {
+  const char* reason = binding.banned_because.load();
+  const char* because = reason != nullptr ? reason : "It was registered as banned, as unsafe in low precision.";
   TORCH_CHECK(false, "amp: ", binding.display_name, " is unsafe to run in ",
-              c10::toString(binding.casting->low_dtype),
-              " (banned by amp's cast policy for ", binding.casting->device,
-              "). Many models apply a sigmoid right before binary_cross_entropy; in low precision "
-              "the sigmoid saturates and the log underflows. Combine the two with "
-              "torch::binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which is "
-              "safe under amp. To run ", binding.display_name,
+              c10::toString(binding.casting->low_dtype), " (banned by amp's cast policy for ",
+              binding.casting->device, "). ", because, " To run ", binding.display_name,
               " in float32 instead, set amp::Options::allow_banned = true, or call "
               "amp::register_float_function(\"", binding.display_name, "\").");
 }

@@ -39,6 +39,7 @@ struct OpBinding {
   // one value.
   std::atomic<CastPolicy> policy{CastPolicy::kPassthrough};
   CastPolicy table_policy = CastPolicy::kPassthrough;  // before folding
+  std::atomic<const char*> banned_because{nullptr};  // the table row's reason, for kBanned
 
   void set_policy(CastPolicy table);
 };

@@ -153,7 +153,11 @@ const std::vector<TableEntry>& cuda_policy_table() {
 
       // Banned: the sigmoid before binary_cross_entropy saturates in fp16 and
       // its log underflows; binary_cross_entropy_with_logits fuses both safely.
-      AMP_OP(binary_cross_entropy, kBanned),
+      AMP_OP_BANNED(binary_cross_entropy,
+                    "Many models apply a sigmoid right before binary_cross_entropy; in low precision "
+                    "the sigmoid saturates and the log underflows. Combine the two with "
+                    "torch::binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which is "
+                    "safe under amp."),
   };
   return table;
 }

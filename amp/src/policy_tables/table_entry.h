@@ -21,6 +21,9 @@ struct TableEntry {
   // The op's low-precision kernel is oneDNN's alone: on a CPU where oneDNN
   // cannot run the low dtype (see hardware.h), the row runs in float32.
   bool needs_onednn_low_precision = false;
+  // kBanned rows: why the op is unsafe in low precision and the safe
+  // alternative, for the error amp raises (null: a generic explanation).
+  const char* banned_because = nullptr;
 };
 
 template <class Op, class AppendTarget = void>
@@ -38,6 +41,13 @@ const std::vector<TableEntry>& model_policy_table();
 }  // namespace amp::detail
 
 #define AMP_OP(op, policy) ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::policy)
+// A banned row, with the reason and the safe alternative for its error.
+#define AMP_OP_BANNED(op, because)                                                            \
+  [] {                                                                                        \
+    auto entry = ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::kBanned);      \
+    entry.banned_because = because;                                                           \
+    return entry;                                                                             \
+  }()
 // A lower-precision row whose only low-precision kernel is oneDNN's.
 #define AMP_OP_ONEDNN(op) \
   ::amp::detail::table_entry<::at::_ops::op>(::amp::CastPolicy::kLowerPrecision, /*needs_onednn_low_precision=*/true)
