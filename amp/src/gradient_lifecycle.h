@@ -47,6 +47,10 @@
 //     through the model, through the optimizer, or forget to zero therefore
 //     all train alike. Unlike fp32 training, forgetting zero_grad at O2/O5
 //     does not accumulate across steps; accumulate with delay_unscale.
+//     The one gap, shared with Apex: master gradients a guard deposits
+//     after this optimizer's step (a later loss whose guard also lists this
+//     optimizer) survive model->zero_grad(), which cannot reach masters;
+//     optimizer->zero_grad() clears them.
 #pragma once
 
 #include "overflow_verdict.h"
