@@ -145,15 +145,21 @@ TEST_F(ScaleSequenceTest, StaticScaleNeverChangesNorSkips) {
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
   const int64_t syncs = host_syncs();
-  const auto before = model->weight.clone();
   for (int i = 0; i < 3; ++i) {
+    const auto before = model->weight.clone();
     optimizer->zero_grad();
-    scale_loss scaled(model(torch::randn({2, 3})).to(at::kFloat).sum(), optimizer);
-    scaled.backward();
+    {
+      scale_loss scaled(model(torch::randn({2, 3})).to(at::kFloat).sum(), optimizer);
+      scaled.backward();
+      if (i == 1) model->bias.grad().fill_(std::numeric_limits<float>::infinity());  // an overflow
+    }
+    optimizer->step();
+    EXPECT_EQ(loss_scale(), 128.0) << "step " << i;
+    EXPECT_FALSE(last_step_skipped(*optimizer)) << "step " << i;
+    EXPECT_FALSE(torch::equal(before, model->weight)) << "step " << i << " was taken";
   }
-  optimizer->step();
-  EXPECT_EQ(loss_scale(), 128.0);
-  EXPECT_FALSE(torch::equal(before, model->weight));
+  EXPECT_FALSE(torch::isfinite(model->bias).all().item<bool>()) << "the overflowed step was applied, as Apex does";
+  EXPECT_EQ(skipped_steps(*optimizer), 0);
   EXPECT_EQ(host_syncs(), syncs);  // nothing to decide: no host read
 }
 

@@ -5,8 +5,13 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <c10/util/ScopeExit.h>
+
+#include <cstdio>
 #include <random>
 #include <thread>
+
+#include <unistd.h>
 
 namespace amp::testing {
 namespace {
@@ -299,7 +304,8 @@ std::vector<BadInput> bad_inputs() {
          load_state_bytes(bytes.str());
        }, "should hold a level name"},
       {"CheckpointFromAnotherOptLevel", [] {
-         const std::string path = "/tmp/amp_bad_input_checkpoint.pt";
+         // One file per process: parallel test runs must not collide.
+         const std::string path = "/tmp/amp_bad_input_checkpoint_" + std::to_string(getpid()) + ".pt";
          {
            TinyNet m;
            OptimizerPtr o = std::make_shared<torch::optim::SGD>(m->parameters(), 0.1);
@@ -308,6 +314,7 @@ std::vector<BadInput> bad_inputs() {
            save_checkpoint(path, {m.ptr()}, {o});
          }
          Live live;
+         const auto remove_file = c10::make_scope_exit([&] { std::remove(path.c_str()); });
          load_checkpoint(path, {live.model.ptr()}, {live.optimizer});
        }, "saved at opt_level O2"},
       {"CheckpointMissingFile", [] { Live live; load_checkpoint("/nonexistent/amp.pt", {live.model.ptr()}, {live.optimizer}); }, "missing, truncated or corrupt"},

@@ -335,6 +335,9 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
   Handle handle;
   OptimizerPtr optimizer;
   std::tie(model, optimizer) = handle.initialize(model, plain, quiet(O1));
+  std::vector<at::Tensor> params_before;
+  for (const auto& p : model->parameters()) params_before.push_back(p.detach().clone());
+  const LossScaler::State scaler_before = loss_scaler().state();
   const auto out = model->forward(torch::randn({2, 8}));
   EXPECT_AMP_ERROR(scale_loss(out, optimizer), "scalar loss");
   EXPECT_AMP_ERROR(scale_loss(torch::ones({}, at::kLong), optimizer), "floating-point loss");
@@ -343,6 +346,13 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
   EXPECT_AMP_ERROR(scale_loss(out.sum(), stranger), "amp::initialize did not return");
   EXPECT_AMP_ERROR(scale_loss(out.sum(), plain), "amp::initialize did not return");
   EXPECT_AMP_ERROR(optimizer->step([] { return torch::zeros({}); }), "closure");
+  const auto params = model->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(BitEqual(params[i], params_before[i])) << "parameter " << i;
+    EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i;
+  }
+  EXPECT_TRUE(BitEqual(loss_scaler().state().scale, scaler_before.scale));
+  EXPECT_TRUE(BitEqual(loss_scaler().state().growth_tracker, scaler_before.growth_tracker));
   {
     scale_loss scaled(out.sum(), optimizer);
     EXPECT_AMP_ERROR(optimizer->step(), "inside a live amp::scale_loss");
