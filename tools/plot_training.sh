@@ -10,7 +10,7 @@ out=${1:-$root/out/training}; shift || true
 example=${AMP_BUILD_DIR:-$root/build}/examples/fashion_mnist
 mkdir -p "$out"
 for level in O0 O1 O2 O3; do
-  "$example" --opt_level=$level --csv="$out/$level.csv" --verbosity=0 "$@" | tail -n 1 | tee "$out/$level.txt"
+  "$example" --opt_level=$level --csv="$out/$level.csv" --verbosity=0 --train_limit=0 "$@" | tail -n 1 | tee "$out/$level.txt"
 done
 gnuplot <<GNUPLOT
 set terminal png size 1000,700
