@@ -79,6 +79,20 @@ TEST_F(CastCacheTest, InPlaceUpdateOfTheWeightInvalidatesItsEntry) {
   EXPECT_TRUE(BitEqual(y, torch::linear(x.to(at::kBFloat16), weight.to(at::kBFloat16))));
 }
 
+// cast_cache.h: writes through .data() keep the weight's version counter, so
+// the cache serves the old copy until it is cleared.
+TEST_F(CastCacheTest, WritesThroughDataAreSeenOnlyAfterTheCacheIsCleared) {
+  const auto x = torch::randn({3, 4});
+  const auto before_edit = torch::linear(x, weight);
+  weight.data().mul_(2);
+  EXPECT_TRUE(BitEqual(torch::linear(x, weight), before_edit)) << "the documented stale window";
+  clear_cast_cache();
+  const auto after_clear = torch::linear(x, weight);
+  disable_casts exact;
+  EXPECT_TRUE(BitEqual(after_clear, torch::linear(x.to(at::kBFloat16), weight.to(at::kBFloat16))));
+  EXPECT_FALSE(BitEqual(after_clear, before_edit));
+}
+
 TEST_F(CastCacheTest, CopyMadeUnderNoGradIsNotReusedWithGradOn) {
   const auto x = torch::randn({3, 4});
   {
