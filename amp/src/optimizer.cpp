@@ -24,10 +24,16 @@ GradientLifecycle& lifecycle_of(const torch::optim::Optimizer& optimizer) {
 
 namespace {
 
-// Copies of `groups` (same parameters, cloned options).
+// Groups from `from` on, for the wrapped optimizer to hold between steps:
+// cloned options (what schedulers read and set), no parameters, so a stray
+// step() or zero_grad() on the original optimizer changes nothing.
 std::vector<torch::optim::OptimizerParamGroup> mirror(
     const std::vector<torch::optim::OptimizerParamGroup>& groups, size_t from) {
-  return {groups.begin() + static_cast<std::ptrdiff_t>(from), groups.end()};
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (size_t i = from; i < groups.size(); ++i) {
+    out.emplace_back(std::vector<at::Tensor>{}, groups[i].options().clone());
+  }
+  return out;
 }
 
 bool has_learning_rate(const torch::optim::OptimizerOptions& options) {

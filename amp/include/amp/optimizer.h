@@ -72,9 +72,9 @@ class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  // The optimizer whose algorithm runs. Between steps its groups mirror this
-  // optimizer's (for schedulers made before initialize) and its state is
-  // empty.
+  // The optimizer whose algorithm runs. Between steps its groups hold this
+  // optimizer's options without parameters (for schedulers made before
+  // initialize) and its state is empty: stepping it directly does nothing.
   torch::optim::Optimizer& wrapped() const { return *wrapped_; }
   bool has_master_weights() const;
   // Every parameter that has a float32 master (empty without master weights).
