@@ -236,13 +236,6 @@ std::string saved_state(int num_losses, OptLevel level) {
   return bytes.str();
 }
 
-void load_state_bytes(const std::string& bytes) {
-  std::istringstream in(bytes);
-  torch::serialize::InputArchive archive;
-  archive.load_from(in);
-  load_state(archive);
-}
-
 Options with(std::function<void(Options&)> edit) {
   Options o = O1;
   o.verbosity = 0;

@@ -469,13 +469,6 @@ std::string state_bytes(const c10::IValue& level) {
   return bytes.str();
 }
 
-void load_state_bytes(const std::string& bytes) {
-  std::istringstream in_bytes(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
-  load_state(in);
-}
-
 TEST_F(ScaleLossTest, StateNamesItsLevelAndStillReadsNumberedCheckpoints) {
   auto model = torch::nn::Linear(2, 1);
   Handle handle;

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sstream>
+
 // Expects `statement` to throw a c10::Error whose message contains `substring`.
 #define EXPECT_AMP_ERROR(statement, substring)                          \
   EXPECT_THAT([&] { statement; }, ::testing::ThrowsMessage<c10::Error>( \
@@ -52,6 +54,14 @@ inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optim
     }
   }
   return out;
+}
+
+// Loads amp's state from the bytes of a saved archive.
+inline void load_state_bytes(const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  load_state(archive);
 }
 
 // Deinitializes amp and drops user registrations after every test, so tests
