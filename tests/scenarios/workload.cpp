@@ -1,0 +1,152 @@
+#include "workload.h"
+
+namespace amp::scenarios {
+
+ScenarioModelImpl::ScenarioModelImpl(const ModelSpec& spec) : spec_(spec) {
+  if (spec.token_input) embedding_ = register_module("embedding", torch::nn::Embedding(kVocabulary, kWidth));
+  for (size_t i = 0; i < spec.blocks.size(); ++i) {
+    const std::string name = "block" + std::to_string(i);
+    // As in ResNets, no bias before a BatchNorm: it would cancel out, leaving
+    // a gradient that is only rounding noise.
+    const bool bias = i + 1 == spec.blocks.size() || spec.blocks[i + 1] != Block::kBatchNorm;
+    switch (spec.blocks[i]) {
+      case Block::kLinear:
+        blocks_.push_back(register_module(name, torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(bias))));
+        break;
+      case Block::kConv1d:  // [batch, 2, 4]
+        blocks_.push_back(
+            register_module(name, torch::nn::Conv1d(torch::nn::Conv1dOptions(2, 2, 3).padding(1).bias(bias))));
+        break;
+      case Block::kConv2d:  // [batch, 2, 2, 2]
+        blocks_.push_back(
+            register_module(name, torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 2, 3).padding(1).bias(bias))));
+        break;
+      case Block::kBatchNorm:
+        blocks_.push_back(register_module(
+            name, torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(kWidth).affine(spec.affine_norms))));
+        break;
+      case Block::kLayerNorm:
+        blocks_.push_back(register_module(
+            name, torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth}).elementwise_affine(spec.affine_norms))));
+        break;
+    }
+  }
+}
+
+at::Tensor ScenarioModelImpl::forward(at::Tensor x) {
+  if (spec_.token_input) x = embedding_(x).mean(1);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto* module = blocks_[i].get();
+    switch (spec_.blocks[i]) {
+      case Block::kLinear:
+        x = torch::tanh(static_cast<torch::nn::LinearImpl*>(module)->forward(x));
+        break;
+      case Block::kConv1d:
+        x = torch::tanh(static_cast<torch::nn::Conv1dImpl*>(module)->forward(x.reshape({-1, 2, 4})).reshape({-1, kWidth}));
+        break;
+      case Block::kConv2d:
+        x = torch::tanh(
+            static_cast<torch::nn::Conv2dImpl*>(module)->forward(x.reshape({-1, 2, 2, 2})).reshape({-1, kWidth}));
+        break;
+      case Block::kBatchNorm:
+        x = static_cast<torch::nn::BatchNorm1dImpl*>(module)->forward(x);
+        break;
+      case Block::kLayerNorm:
+        x = static_cast<torch::nn::LayerNormImpl*>(module)->forward(x);
+        break;
+    }
+  }
+  return x;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> Workload::modules() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (const auto& m : models) out.push_back(m.ptr());
+  return out;
+}
+
+namespace {
+
+// Adam's update is lr * m / (sqrt(v) + eps): with a tiny eps, an element
+// whose true gradient is near zero moves by a full lr in the direction of its
+// rounding noise, in float64 as in bfloat16. An eps near the gradients' size
+// keeps updates continuous in the gradient, so a tolerance can bound them.
+constexpr double kAdamEps = 1e-2;
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, std::vector<at::Tensor> params) {
+  switch (spec.kind) {
+    case OptimizerKind::kSGD:
+      return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(spec.lr)
+                                                             .momentum(spec.momentum)
+                                                             .nesterov(spec.nesterov)
+                                                             .weight_decay(spec.weight_decay));
+    case OptimizerKind::kAdam:
+      return std::make_shared<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
+    case OptimizerKind::kAdamW:
+      return std::make_shared<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed) {
+  Workload w;
+  torch::manual_seed(init_seed);
+  for (const ModelSpec& spec : program.models) {
+    w.models.emplace_back(spec);
+    w.models.back()->to(dtype);  // initialized in float32, then widened exactly
+  }
+  for (const OptimizerSpec& spec : program.optimizers) {
+    std::vector<at::Tensor> params;
+    for (int m : spec.models) {
+      for (const auto& p : w.models[m]->parameters()) params.push_back(p);
+    }
+    w.optimizers.push_back(make_optimizer(spec, params));
+  }
+  return w;
+}
+
+Batch batch_for(const Program& program, int iteration, int phase, int loss, int micro_batch) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(program.seed * 7919 + iteration * 1000 + phase * 100 +
+                                                            loss * 10 + micro_batch);
+  Batch b;
+  const int first = program.phases[phase].losses[loss].chain.front();
+  b.input = program.models[first].token_input
+                ? at::randint(kVocabulary, {kBatch, kTokens}, generator, at::kLong)
+                : at::randn({kBatch, kWidth}, generator, at::kFloat);
+  b.target = at::randn({kBatch, kWidth}, generator, at::kFloat);
+  b.classes = at::randint(kWidth, {kBatch}, generator, at::kLong);
+  return b;
+}
+
+at::Tensor loss_forward(const Workload& workload, const LossSpec& loss, const Batch& batch, torch::Dtype dtype) {
+  at::Tensor x = batch.input.is_floating_point() ? batch.input.to(dtype) : batch.input;
+  for (size_t i = 0; i < loss.chain.size(); ++i) {
+    x = workload.models[loss.chain[i]].ptr()->forward(x);
+    if (static_cast<int>(i) == loss.detach_after) x = x.detach();
+  }
+  switch (loss.kind) {
+    case LossKind::kMse:
+      return torch::mse_loss(x, batch.target.to(dtype));
+    case LossKind::kSoftplusMean:
+      return torch::softplus(x).mean();
+    case LossKind::kCrossEntropy:
+      return torch::cross_entropy_loss(x, batch.classes);
+  }
+  return {};
+}
+
+int penalty_model(const LossSpec& loss) { return reached_models(loss).front(); }
+
+std::vector<at::Tensor> stepped_values(const std::vector<std::vector<at::Tensor>>& params_per_optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& params : params_per_optimizer) {
+    for (const auto& p : params) out.push_back(p.detach().to(at::kDouble).clone());
+  }
+  return out;
+}
+
+}  // namespace amp::scenarios

@@ -1,0 +1,58 @@
+// What a program trains on, built the same way for amp and for the float64
+// oracle: its models, its optimizers, its batches, and each loss's forward.
+#pragma once
+
+#include "program.h"
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+namespace amp::scenarios {
+
+// One model of a program: [batch, kWidth] (or [batch, kTokens] token ids)
+// to [batch, kWidth], through its blocks; Linear and Conv blocks end in tanh.
+class ScenarioModelImpl : public torch::nn::Module {
+ public:
+  explicit ScenarioModelImpl(const ModelSpec& spec);
+  at::Tensor forward(at::Tensor x);
+
+ private:
+  ModelSpec spec_;
+  torch::nn::Embedding embedding_{nullptr};
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
+};
+TORCH_MODULE(ScenarioModel);
+
+struct Workload {
+  std::vector<ScenarioModel> models;
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers;
+
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
+};
+
+// Models initialized from `init_seed`, in `dtype`, and their optimizers.
+Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed);
+
+// The data of one micro-batch of one loss: the same values for every run of
+// the program (float32; the oracle widens them).
+struct Batch {
+  at::Tensor input;    // [kBatch, kWidth] features or [kBatch, kTokens] token ids
+  at::Tensor target;   // [kBatch, kWidth]
+  at::Tensor classes;  // [kBatch] class ids
+};
+Batch batch_for(const Program& program, int iteration, int phase, int loss, int micro_batch);
+
+// The loss's value: its chain of models on the batch, then its loss function.
+// Features are converted to `dtype` first.
+at::Tensor loss_forward(const Workload& workload, const LossSpec& loss, const Batch& batch, torch::Dtype dtype);
+
+// The model whose parameters a loss's gradient penalty covers: the first one
+// its gradients reach.
+int penalty_model(const LossSpec& loss);
+
+// Every parameter the optimizers step, optimizer by optimizer, as float64.
+std::vector<at::Tensor> stepped_values(const std::vector<std::vector<at::Tensor>>& params_per_optimizer);
+
+}  // namespace amp::scenarios
