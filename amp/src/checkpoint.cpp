@@ -3,11 +3,13 @@
 #include <amp/opt_levels.h>
 #include <amp/state.h>
 
+#include "context.h"
 #include "gradient_lifecycle.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <sstream>
 #include <unordered_map>
 
 namespace amp {
@@ -67,6 +69,9 @@ void read_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
                 prefix + key, "'; it was saved from a different model.");
     TORCH_CHECK(value.sizes() == target.sizes(), "amp: checkpoint entry '", prefix + key,
                 "' has shape ", value.sizes(), ", the model expects ", target.sizes());
+    TORCH_CHECK(value.is_floating_point() == target.is_floating_point(), "amp: checkpoint entry '",
+                prefix + key, "' holds ", value.scalar_type(), " values, the model holds ",
+                target.scalar_type(), "; the checkpoint is corrupt or from another model.");
     copies.push_back({target, value});
   };
   for (const auto& p : module.named_parameters(false)) read(p.key(), p.value(), false);
@@ -126,8 +131,33 @@ void load_checkpoint(const std::string& path, const std::vector<ModulePtr>& mode
   torch::serialize::InputArchive amp;
   TORCH_CHECK(archive.try_read("amp", amp), "amp: checkpoint '", path, "' has no amp state.");
 
-  load_state(amp);  // validates fully before changing the scalers
-  for (size_t i = 0; i < optimizers.size(); ++i) optimizers[i]->load(optimizer_archives[i]);
+  // Scalers and optimizers load all-or-nothing: if one part is refused, the
+  // parts already loaded go back to their state before this call.
+  auto context = detail::require_live_context("amp::load_checkpoint");
+  std::vector<LossScaler::State> scalers_before;
+  for (int i = 0; i < context->num_losses(); ++i) scalers_before.push_back(context->scaler(i).state());
+  std::vector<std::string> optimizers_before;
+  for (const auto& optimizer : optimizers) {
+    torch::serialize::OutputArchive saved;
+    optimizer->save(saved);
+    std::ostringstream bytes;
+    saved.save_to(bytes);
+    optimizers_before.push_back(bytes.str());
+  }
+  size_t loaded = 0;
+  try {
+    load_state(amp);
+    for (; loaded < optimizers.size(); ++loaded) optimizers[loaded]->load(optimizer_archives[loaded]);
+  } catch (...) {
+    for (int i = 0; i < context->num_losses(); ++i) context->scaler(i).restore(scalers_before[i]);
+    for (size_t i = 0; i < loaded; ++i) {
+      std::istringstream bytes(optimizers_before[i]);
+      torch::serialize::InputArchive saved;
+      saved.load_from(bytes);
+      optimizers[i]->load(saved);
+    }
+    throw;
+  }
   at::NoGradGuard no_grad;
   for (const auto& c : copies) {
     auto it = masters.find(c.target.unsafeGetTensorImpl());

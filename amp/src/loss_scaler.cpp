@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <limits>
 #include <map>
 #include <tuple>
@@ -125,6 +126,12 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
               " was saved with ", dynamic.item<int>() ? "dynamic" : "static",
               " loss scaling, but this run uses ", dynamic_ ? "dynamic" : "static",
               " scaling; initialize with the same opt_level and loss_scale as the checkpoint.");
+  const float value = scale.item<float>();
+  TORCH_CHECK(std::isfinite(value) && value > 0, "amp: loss scaler ", loss_id_, " was saved with "
+              "scale ", value, "; a loss scale must be finite and positive. The checkpoint is corrupt.");
+  TORCH_CHECK(growth.item<int>() >= 0, "amp: loss scaler ", loss_id_, " was saved with growth "
+              "tracker ", growth.item<int>(), "; it counts clean steps and cannot be negative. The "
+              "checkpoint is corrupt.");
   const c10::Device device = scale_.device();
   scale_ = scale.reshape({1}).to(device);
   growth_tracker_ = growth.reshape({1}).to(device);

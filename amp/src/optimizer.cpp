@@ -3,6 +3,7 @@
 #include <amp/casting_scope.h>
 
 #include "gradient_lifecycle.h"
+#include "optimizer_state_load.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
@@ -170,7 +171,7 @@ void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
       masters.emplace_back(i, value);
     }
   }
-  run_wrapped([&] { wrapped_->load(archive); });
+  run_wrapped([&] { detail::load_optimizer_state(*wrapped_, archive); });
   at::NoGradGuard no_grad;
   for (const auto& [i, value] : masters) {
     slots[i].master.copy_(value);

@@ -12,9 +12,11 @@
 // bit-identically.
 //
 // Errors (c10::Error): amp is not initialized; the file is missing,
-// truncated or corrupt; an entry is missing or has another shape; a
-// different number of models or optimizers. The file is read and every model
-// entry checked before anything changes.
+// truncated or corrupt; an entry is missing or has another shape or kind of
+// dtype; a different number of models or optimizers; any error of
+// load_state (state.h) or of an optimizer's load (optimizer.h). Loading is
+// all-or-nothing: on any error models, optimizers and loss scalers are
+// exactly as before the call.
 #pragma once
 
 #include <amp/initialize.h>

@@ -72,7 +72,8 @@ class LossScaler {
   const DynamicScaling& options() const { return options_; }
 
   void save(torch::serialize::OutputArchive& archive) const;
-  // Errors: a missing or mistyped entry, or a static/dynamic mismatch with
+  // Errors: a missing or mistyped entry, a scale that is not finite and
+  // positive, a negative growth tracker, or a static/dynamic mismatch with
   // this scaler; the scaler is unchanged when loading fails.
   void load(torch::serialize::InputArchive& archive);
 

@@ -35,6 +35,10 @@
 //     low-precision parameters (backward ran outside amp::scale_loss);
 //   - step() after a parameter group was added to the original optimizer
 //     after initialize (add it to the returned optimizer).
+// load() (torch::load(*optimizer, ...)) is all-or-nothing. Errors: a
+// missing or mistyped master weight; any error of the wrapped optimizer's
+// own load; a state tensor (momentum, Adam moments, ...) that is missing or
+// whose shape, dtype or device differs from its parameter's.
 #pragma once
 
 #include <torch/optim/optimizer.h>

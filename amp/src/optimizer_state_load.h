@@ -1,0 +1,24 @@
+// Private: loading an optimizer's state as a transaction. LibTorch's
+// Optimizer::load changes state as it reads and accepts state tensors that
+// do not fit their parameters (the first step() then fails far from the
+// cause); amp loads all-or-nothing and checks the result.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+
+#include <exception>
+#include <string>
+
+namespace amp::detail {
+
+// Loads `archive` into `optimizer`. Errors (c10::Error; the optimizer is
+// unchanged): any error of the optimizer's own load, translated; a state
+// tensor that is missing, or whose shape, dtype or device differs from its
+// parameter's; a negative step count.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
+
+// The message of any exception, without C++ frames for c10::Error.
+std::string message_of(const std::exception& e);
+
+}  // namespace amp::detail
