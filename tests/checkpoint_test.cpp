@@ -98,6 +98,20 @@ TEST_F(CheckpointTest, OptimizerStateOfOtherShapesIsRefusedAndChangesNothing) {
   step(2);  // still trains
 }
 
+TEST_F(CheckpointTest, OptimizerOptionsThatFloat32CannotHoldAreRefused) {
+  auto& options = static_cast<torch::optim::AdamOptions&>(optimizers_[0]->param_groups()[0].options());
+  options.lr(1e300);  // saved like this, a step would fail converting it
+  std::ostringstream saved;
+  torch::save(*optimizers_[0], saved);
+  options.lr(1e-2);
+  step(1);
+  const auto before = everything();
+  std::istringstream in(saved.str());
+  EXPECT_AMP_ERROR(torch::load(*optimizers_[0], in), "has lr=1e+300, which is not a finite float32 value");
+  expect_same(before, everything());
+  EXPECT_EQ(optimizers_[0]->param_groups()[0].options().get_lr(), 1e-2);
+}
+
 TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   // A file whose "optimizer1" holds optimizer 0's state.
   const std::string file = path("_bad_second.pt");

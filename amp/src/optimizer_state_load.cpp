@@ -8,7 +8,10 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/output-archive.h>
 
+#include <cmath>
+#include <limits>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 namespace amp::detail {
@@ -46,9 +49,40 @@ std::vector<StateTensor> state_tensors(const torch::optim::OptimizerParamState& 
   return {};  // another optimizer: its own load is trusted
 }
 
+// The numeric options of LibTorch's optimizers: steps compute with them in
+// the parameters' dtype, so each must be finite and fit float32.
+std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options) {
+  using namespace torch::optim;
+  if (auto* o = dynamic_cast<const SGDOptions*>(&options)) {
+    return {{"lr", o->lr()}, {"momentum", o->momentum()}, {"dampening", o->dampening()}, {"weight_decay", o->weight_decay()}};
+  }
+  if (auto* o = dynamic_cast<const AdamOptions*>(&options)) {
+    return {{"lr", o->lr()}, {"beta1", std::get<0>(o->betas())}, {"beta2", std::get<1>(o->betas())},
+            {"eps", o->eps()}, {"weight_decay", o->weight_decay()}};
+  }
+  if (auto* o = dynamic_cast<const AdamWOptions*>(&options)) {
+    return {{"lr", o->lr()}, {"beta1", std::get<0>(o->betas())}, {"beta2", std::get<1>(o->betas())},
+            {"eps", o->eps()}, {"weight_decay", o->weight_decay()}};
+  }
+  if (auto* o = dynamic_cast<const AdagradOptions*>(&options)) {
+    return {{"lr", o->lr()}, {"lr_decay", o->lr_decay()}, {"weight_decay", o->weight_decay()},
+            {"initial_accumulator_value", o->initial_accumulator_value()}, {"eps", o->eps()}};
+  }
+  if (auto* o = dynamic_cast<const RMSpropOptions*>(&options)) {
+    return {{"lr", o->lr()}, {"alpha", o->alpha()}, {"eps", o->eps()}, {"weight_decay", o->weight_decay()},
+            {"momentum", o->momentum()}};
+  }
+  return {};
+}
+
 void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
-  size_t index = 0;
+  size_t index = 0, group_index = 0;
   for (const auto& group : optimizer.param_groups()) {
+    for (const auto& [name, value] : numeric_options(group.options())) {
+      TORCH_CHECK(std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max(), "parameter group ",
+                  group_index, " has ", name, "=", value, ", which is not a finite float32 value");
+    }
+    ++group_index;
     for (const auto& p : group.params()) {
       const auto it = optimizer.state().find(p.unsafeGetTensorImpl());
       if (it != optimizer.state().end()) {

@@ -15,7 +15,8 @@ namespace amp::detail {
 // Loads `archive` into `optimizer`. Errors (c10::Error; the optimizer is
 // unchanged): any error of the optimizer's own load, translated; a state
 // tensor that is missing, or whose shape, dtype or device differs from its
-// parameter's; a negative step count.
+// parameter's; a negative step count; a numeric option (lr, betas, eps, ...)
+// that is not a finite float32 value.
 void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
 
 // The message of any exception, without C++ frames for c10::Error.

@@ -38,7 +38,8 @@
 // load() (torch::load(*optimizer, ...)) is all-or-nothing. Errors: a
 // missing or mistyped master weight; any error of the wrapped optimizer's
 // own load; a state tensor (momentum, Adam moments, ...) that is missing or
-// whose shape, dtype or device differs from its parameter's.
+// whose shape, dtype or device differs from its parameter's; a numeric
+// option (lr, betas, eps, ...) that is not a finite float32 value.
 #pragma once
 
 #include <torch/optim/optimizer.h>
