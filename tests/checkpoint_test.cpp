@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <functional>
 #include <limits>
 
 #include <unistd.h>
@@ -57,6 +58,28 @@ class CheckpointTest : public AmpTest {
   torch::nn::Linear a_{nullptr}, b_{nullptr};
   std::vector<OptimizerPtr> optimizers_;
 };
+
+// Writes a file in save_checkpoint's layout from parts a test chooses: how
+// each model entry is written, and whose state each optimizer entry holds.
+using ModuleWriter = std::function<void(torch::serialize::OutputArchive&)>;
+void write_checkpoint(const std::string& file, const std::vector<ModuleWriter>& models,
+                      const std::vector<OptimizerPtr>& optimizers) {
+  torch::serialize::OutputArchive archive;
+  for (size_t i = 0; i < models.size(); ++i) {
+    torch::serialize::OutputArchive model(archive.compilation_unit());
+    models[i](model);
+    archive.write("model" + std::to_string(i), model);
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    torch::serialize::OutputArchive optimizer(archive.compilation_unit());
+    optimizers[i]->save(optimizer);
+    archive.write("optimizer" + std::to_string(i), optimizer);
+  }
+  torch::serialize::OutputArchive state(archive.compilation_unit());
+  save_state(state);
+  archive.write("amp", state);
+  archive.save_to(file);
+}
 
 std::string state_with_scaler(float scale, int growth) {
   torch::serialize::OutputArchive archive;
@@ -115,24 +138,8 @@ TEST_F(CheckpointTest, OptimizerOptionsThatFloat32CannotHoldAreRefused) {
 TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   // A file whose "optimizer1" holds optimizer 0's state.
   const std::string file = path("_bad_second.pt");
-  {
-    torch::serialize::OutputArchive archive;
-    const std::vector<torch::nn::Module*> models = {a_.get(), b_.get()};
-    for (size_t i = 0; i < models.size(); ++i) {
-      torch::serialize::OutputArchive model(archive.compilation_unit());
-      models[i]->save(model);
-      archive.write("model" + std::to_string(i), model);
-    }
-    for (int i = 0; i < 2; ++i) {
-      torch::serialize::OutputArchive optimizer(archive.compilation_unit());
-      optimizers_[0]->save(optimizer);
-      archive.write("optimizer" + std::to_string(i), optimizer);
-    }
-    torch::serialize::OutputArchive state(archive.compilation_unit());
-    save_state(state);
-    archive.write("amp", state);
-    archive.save_to(file);
-  }
+  write_checkpoint(file, {[&](auto& a) { a_->save(a); }, [&](auto& a) { b_->save(a); }},
+                   {optimizers_[0], optimizers_[0]});
   step(1);  // everything moves on from the file's values, the scaler too
   loss_scaler().update(torch::ones({1}));
   const auto before = everything();
@@ -143,28 +150,15 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
 
 TEST_F(CheckpointTest, CheckpointEntryOfAnotherKindOfDtypeIsRefused) {
   const std::string file = path("_int_weights.pt");
-  save_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_);
   const std::string good = path("_good.pt");
   save_checkpoint(good, {a_.ptr(), b_.ptr()}, optimizers_);
-  {  // the same file with model0's weight as integers
-    torch::serialize::OutputArchive archive;
-    torch::serialize::OutputArchive model(archive.compilation_unit());
-    model.write("weight", a_->weight.detach().to(at::kInt));
-    model.write("bias", a_->bias.detach());
-    archive.write("model0", model);
-    torch::serialize::OutputArchive model1(archive.compilation_unit());
-    b_->save(model1);
-    archive.write("model1", model1);
-    for (int i = 0; i < 2; ++i) {
-      torch::serialize::OutputArchive optimizer(archive.compilation_unit());
-      optimizers_[i]->save(optimizer);
-      archive.write("optimizer" + std::to_string(i), optimizer);
-    }
-    torch::serialize::OutputArchive state(archive.compilation_unit());
-    save_state(state);
-    archive.write("amp", state);
-    archive.save_to(file);
-  }
+  write_checkpoint(file,  // the same file with model0's weight as integers
+                   {[&](auto& a) {
+                      a.write("weight", a_->weight.detach().to(at::kInt));
+                      a.write("bias", a_->bias.detach());
+                    },
+                    [&](auto& a) { b_->save(a); }},
+                   optimizers_);
   step(1);
   const auto before = everything();
   EXPECT_AMP_ERROR(load_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_), "'weight' holds Int values");

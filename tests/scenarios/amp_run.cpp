@@ -131,13 +131,7 @@ Trace run_amp(const Program& p, const LevelRun& run, const AmpRunOptions& option
     trace.outcomes.emplace_back(p.optimizers.size(), kNotStepped);
     for (int ph = 0; ph < static_cast<int>(p.phases.size()); ++ph) {
       const Phase& phase = p.phases[ph];
-      if (p.zero == Zero::kOptimizer) {
-        for (int o : phase.steps) optimizers[o]->zero_grad();
-      } else if (p.zero == Zero::kModel) {
-        for (int o : phase.steps) {
-          for (int m : p.optimizers[o].models) w.models[m]->zero_grad();
-        }
-      }
+      zero_gradients(p, phase, w.models, optimizers);
       if (!run_losses(p, it, ph, w, optimizers, trace)) continue;  // the loop skips the phase's steps
       for (int o : phase.steps) {
         optimizers[o]->step();

@@ -49,13 +49,7 @@ Trace run_reference(const Program& p, const LevelRun& run, const Trace& expected
     }
     for (int ph = 0; ph < static_cast<int>(p.phases.size()); ++ph) {
       const Phase& phase = p.phases[ph];
-      if (p.zero == Zero::kOptimizer) {
-        for (int o : phase.steps) w.optimizers[o]->zero_grad();
-      } else if (p.zero == Zero::kModel) {
-        for (int o : phase.steps) {
-          for (int m : p.optimizers[o].models) w.models[m]->zero_grad();
-        }
-      }
+      zero_gradients(p, phase, w.models, w.optimizers);
       const bool throws = p.exception && p.exception->iteration == it && p.exception->phase == ph;
       for (int l = 0; l < static_cast<int>(phase.losses.size()); ++l) {
         const LossSpec& loss = phase.losses[l];

@@ -139,6 +139,15 @@ at::Tensor loss_forward(const Workload& workload, const LossSpec& loss, const Ba
   return {};
 }
 
+void zero_gradients(const Program& program, const Phase& phase, const std::vector<ScenarioModel>& models,
+                    const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) {
+  for (int o : phase.steps) {
+    if (program.zero == Zero::kOptimizer) optimizers[o]->zero_grad();
+    if (program.zero != Zero::kModel) continue;
+    for (int m : program.optimizers[o].models) models[m].ptr()->zero_grad();
+  }
+}
+
 int penalty_model(const LossSpec& loss) { return reached_models(loss).front(); }
 
 std::vector<at::Tensor> stepped_values(const std::vector<std::vector<at::Tensor>>& params_per_optimizer) {

@@ -48,6 +48,11 @@ Batch batch_for(const Program& program, int iteration, int phase, int loss, int 
 // Features are converted to `dtype` first.
 at::Tensor loss_forward(const Workload& workload, const LossSpec& loss, const Batch& batch, torch::Dtype dtype);
 
+// Zeroes the gradients of what `phase` steps, the way the program says:
+// through the optimizers, through their models, or not at all.
+void zero_gradients(const Program& program, const Phase& phase, const std::vector<ScenarioModel>& models,
+                    const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers);
+
 // The model whose parameters a loss's gradient penalty covers: the first one
 // its gradients reach.
 int penalty_model(const LossSpec& loss);
