@@ -1,8 +1,10 @@
 // The generic interception kernel: works on the boxed argument stack, so it
 // serves any operator schema (users' own ops, e.g. "mylib::fused_norm").
-// Same policy semantics as the typed kernel; slower per call (boxing).
+// Policies are decided in cast_decision.h, as for the typed kernel; this
+// file only applies the decision to the stack. Slower per call (boxing).
 #include "call_record.h"
 #include "cast.h"
+#include "cast_decision.h"
 #include "op_binding.h"
 #include "typed_kernel.h"
 
@@ -12,26 +14,49 @@
 namespace amp::detail {
 namespace {
 
-template <class Fn>
-void for_each_tensor(c10::IValue& arg, Fn&& fn) {
-  if (arg.isTensor()) {
-    fn(arg.toTensor(), [&](at::Tensor cast) { arg = std::move(cast); });
-  } else if (arg.isTensorList()) {
-    auto list = arg.toTensorList();
-    for (size_t i = 0; i < list.size(); ++i) {
-      at::Tensor t = list.get(i);
-      fn(t, [&](at::Tensor cast) { list.set(i, std::move(cast)); });
+// The boxed arguments of one call, as cast_decision.h views them.
+class BoxedArgs {
+ public:
+  explicit BoxedArgs(c10::ArrayRef<c10::IValue> args) : args_(args) {}
+
+  template <class Fn>
+  void for_each_tensor(Fn&& fn) const {
+    for (const c10::IValue& arg : args_) {
+      if (arg.isTensor()) {
+        fn(arg.toTensor(), /*in_list=*/false);
+      } else if (arg.isTensorList()) {
+        for (const at::Tensor& t : arg.toTensorVector()) fn(t, /*in_list=*/true);
+      }
+    }
+  }
+  const at::Tensor* first_tensor() const {
+    return !args_.empty() && args_.front().isTensor() ? &args_.front().toTensor() : nullptr;
+  }
+
+ private:
+  c10::ArrayRef<c10::IValue> args_;
+};
+
+// `args`: the op's arguments, the top `num_args` entries of the stack.
+void cast_stack(c10::IValue* args, size_t num_args, at::ScalarType to, c10::DeviceType device) {
+  for (c10::IValue* arg_it = args; arg_it != args + num_args; ++arg_it) {
+    c10::IValue& arg = *arg_it;
+    if (arg.isTensor()) {
+      if (needs_cast(to, device, arg.toTensor())) arg = cast_uncached_or_cached(arg.toTensor(), to);
+    } else if (arg.isTensorList()) {
+      auto list = arg.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const at::Tensor t = list.get(i);
+        if (needs_cast(to, device, t)) list.set(i, cast_uncached_or_cached(t, to));
+      }
     }
   }
 }
 
-std::string describe_ivalues(c10::ArrayRef<c10::IValue> values) {
-  std::string out;
-  for (const auto& v : values) {
-    if (v.isTensor()) describe(out, v.toTensor());
-    if (v.isTensorList()) describe(out, v.toTensorVector());
+void set_float32_dtype(const c10::FunctionSchema& schema, c10::IValue* args, size_t num_args) {
+  for (size_t i = 0; i < num_args; ++i) {
+    if (schema.arguments()[i].name() == "dtype" && args[i].isNone()) args[i] = c10::IValue(at::kFloat);
   }
-  return out;
 }
 
 class BoxedKernel final : public c10::OperatorKernel {
@@ -40,83 +65,34 @@ class BoxedKernel final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
-    CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
-    // Boxed calls are slow anyway: decide backward up front.
-    const bool backward = policy != CastPolicy::kPassthrough && in_backward();
-    if (backward) policy = CastPolicy::kPassthrough;
+    const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const size_t num_args = op.schema().arguments().size();
+    const BoxedArgs view(torch::jit::last(stack, num_args));
     if (C10_UNLIKELY(recording())) {
-      CallRecord record(*binding_, policy, describe_ivalues(torch::jit::last(stack, num_args)));
-      record.set_in_backward(backward);
-      apply(policy, op, stack, num_args);
-      record.finish(describe_ivalues(torch::jit::last(stack, op.schema().returns().size())));
+      CallRecord record(*binding_, policy, describe_tensors(view));
+      apply(decide(record.policy(), *binding_->casting, view), op, stack, num_args);
+      record.finish(describe_tensors(BoxedArgs(torch::jit::last(stack, op.schema().returns().size()))));
       return;
     }
-    apply(policy, op, stack, num_args);
+    apply(decide(policy, *binding_->casting, view), op, stack, num_args);
   }
 
  private:
-  void apply(CastPolicy policy, const c10::OperatorHandle& op, torch::jit::Stack* stack,
+  void apply(const CastDecision& decision, const c10::OperatorHandle& op, torch::jit::Stack* stack,
              size_t num_args) const {
-    const DeviceCasting& c = *binding_->casting;
-    const auto first = stack->end() - static_cast<std::ptrdiff_t>(num_args);
-    auto cast_all = [&](at::ScalarType to) {
-      for (auto it = first; it != stack->end(); ++it) {
-        for_each_tensor(*it, [&](const at::Tensor& t, auto replace) {
-          if (is_castable(t, c.device) && t.scalar_type() != to) {
-            replace(cast_uncached_or_cached(t, to));
-          }
-        });
-      }
-    };
-    switch (policy) {
-      case CastPolicy::kLowerPrecision: {
-        at::ScalarType to = c.low_dtype;
-        if (c.weights_decide) {
-          for (auto it = first; it != stack->end(); ++it) {
-            if (!it->isTensor()) continue;
-            if (auto weight = weight_dtype_of(c.device, it->toTensor())) {
-              to = *weight;
-              break;
-            }
-          }
-        }
-        cast_all(to);
+    using Action = CastDecision::Action;
+    c10::IValue* args = stack->data() + stack->size() - num_args;
+    switch (decision.action) {
+      case Action::kCastTo:
+        cast_stack(args, num_args, decision.to, binding_->casting->device);
         break;
-      }
-      case CastPolicy::kFp32:
-        cast_all(at::kFloat);
+      case Action::kSetOptDtype:
+        set_float32_dtype(op.schema(), args, num_args);
         break;
-      case CastPolicy::kFp32SetOptDtype: {
-        if (num_args == 0 || !first->isTensor() || !is_castable(first->toTensor(), c.device)) break;
-        const auto& schema_args = op.schema().arguments();
-        for (size_t i = 0; i < num_args; ++i) {
-          if (schema_args[i].name() == "dtype" && (first + i)->isNone()) {
-            *(first + i) = c10::IValue(at::kFloat);
-          }
-        }
-        break;
-      }
-      case CastPolicy::kPromote: {
-        at::ScalarType to = c.low_dtype;
-        for (auto it = first; it != stack->end(); ++it) {
-          for_each_tensor(*it, [&](const at::Tensor& t, auto) { to = widen(to, c.device, t); });
-        }
-        cast_all(to);
-        break;
-      }
-      case CastPolicy::kMatchParameters: {
-        ParameterMix mix;
-        for (auto it = first; it != stack->end(); ++it) {
-          for_each_tensor(*it, [&](const at::Tensor& t, auto) { mix.see(c.device, t); });
-        }
-        if (const auto to = mix.target()) cast_all(*to);
-        break;
-      }
-      case CastPolicy::kBanned:
+      case Action::kRefuse:
         throw_banned(*binding_);
-      case CastPolicy::kFp32AppendDtype:  // rejected for boxed bindings
-      case CastPolicy::kPassthrough:
+      case Action::kAppendDtype:  // check_policy_fits rejects it for boxed bindings
+      case Action::kRunAsGiven:
         break;
     }
     op.callBoxed(stack);

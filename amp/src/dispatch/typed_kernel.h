@@ -5,22 +5,46 @@
 // its key, casts the arguments and calls the op again from the top of the
 // dispatcher, so the casts are recorded by autograd and backward runs in the
 // cast dtypes. Unlike them, the policy is read at run time from its binding:
-// users may change it, and one instantiation serves every policy.
+// users may change it, and one instantiation serves every policy. What each
+// policy does is decided in cast_decision.h, shared with the boxed kernel.
 #pragma once
 
 #include "call_record.h"
 #include "cast.h"
+#include "cast_decision.h"
 #include "op_binding.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <tuple>
 #include <type_traits>
 
 namespace amp::detail {
 
 [[noreturn]] void throw_banned(const OpBinding& binding);
+
+// The typed arguments of one call, as cast_decision.h views them.
+template <class... Args>
+class TypedArgs {
+ public:
+  explicit TypedArgs(const Args&... args) : args_(args...) {}
+
+  template <class Fn>
+  void for_each_tensor(Fn&& fn) const {
+    std::apply([&](const auto&... arg) { (visit_tensors(arg, fn), ...); }, args_);
+  }
+  const at::Tensor* first_tensor() const {
+    if constexpr (sizeof...(Args) > 0) {
+      using First = std::decay_t<std::tuple_element_t<0, std::tuple<Args...>>>;
+      if constexpr (std::is_same_v<First, at::Tensor>) return &std::get<0>(args_);
+    }
+    return nullptr;
+  }
+
+ private:
+  std::tuple<const Args&...> args_;
+};
 
 // AppendTarget: for kFp32AppendDtype, the overload taking a trailing dtype.
 template <class Op, class AppendTarget = void, class Signature = typename Op::schema>
@@ -34,63 +58,35 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
   Ret operator()(Args... args) const {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
+    const TypedArgs<Args...> view(args...);
     if (C10_UNLIKELY(recording())) {
-      // Reports show backward calls as pass-through; the check costs a call.
-      const bool backward = policy != CastPolicy::kPassthrough && in_backward();
-      CallRecord record(*binding_, backward ? CastPolicy::kPassthrough : policy, describe_args(args...));
-      record.set_in_backward(backward);
-      Ret result = apply(backward ? CastPolicy::kPassthrough : policy, args...);
+      CallRecord record(*binding_, policy, describe_tensors(view));
+      Ret result = apply(decide(record.policy(), *binding_->casting, view), args...);
       record.finish(describe_result(result));
       return result;
     }
-    return apply(policy, args...);
+    return apply(decide(policy, *binding_->casting, view), args...);
   }
 
  private:
-  // Backward never casts (it runs in the dtypes forward recorded). The
-  // check costs a call into autograd, so it is made only where this call
-  // would change its arguments.
-  Ret apply(CastPolicy policy, Args... args) const {
-    const DeviceCasting& c = *binding_->casting;
-    switch (policy) {
-      case CastPolicy::kLowerPrecision: {
-        const at::ScalarType to =
-            c.weights_decide ? weights_dtype(c.low_dtype, c.device, args...) : c.low_dtype;
-        return call_cast(to, c.device, args...);
+  Ret apply(const CastDecision& decision, Args... args) const {
+    using Action = CastDecision::Action;
+    switch (decision.action) {
+      case Action::kCastTo: {
+        const c10::DeviceType device = binding_->casting->device;
+        return Op::call(cast_arg(decision.to, device, args)...);
       }
-      case CastPolicy::kFp32:
-        return call_cast(at::kFloat, c.device, args...);
-      case CastPolicy::kFp32SetOptDtype:
-        if (first_arg_castable(c.device, args...) && !in_backward()) return Op::call(set_opt_dtype(args)...);
-        return Op::call(args...);
-      case CastPolicy::kFp32AppendDtype:
-        if constexpr (!std::is_void_v<AppendTarget>) {
-          const bool to_fp32 = first_arg_castable(c.device, args...) && !in_backward();
-          return AppendTarget::call(args..., to_fp32 ? at::kFloat : first_dtype(args...));
-        }
+      case Action::kSetOptDtype:
+        return Op::call(set_opt_dtype(args)...);
+      case Action::kAppendDtype:
+        if constexpr (!std::is_void_v<AppendTarget>) return AppendTarget::call(args..., decision.to);
         break;  // unreachable: bindings accept kFp32AppendDtype only with a target
-      case CastPolicy::kPromote:
-        return call_cast(promote_type(c.low_dtype, c.device, args...), c.device, args...);
-      case CastPolicy::kMatchParameters:
-        if (const auto to = parameter_dtype(c.device, args...)) return call_cast(*to, c.device, args...);
-        break;
-      case CastPolicy::kBanned:
-        if (!in_backward()) throw_banned(*binding_);
-        break;
-      case CastPolicy::kPassthrough:
+      case Action::kRefuse:
+        throw_banned(*binding_);
+      case Action::kRunAsGiven:
         break;
     }
     return Op::call(args...);
-  }
-
-  static Ret call_cast(at::ScalarType to, c10::DeviceType device, Args... args) {
-    if (!(needs_cast(to, device, args) || ...) || in_backward()) return Op::call(args...);
-    return Op::call(cast_arg(to, device, args)...);
-  }
-
-  template <class... Rest>
-  static at::ScalarType first_dtype(const at::Tensor& first, const Rest&...) {
-    return first.scalar_type();
   }
 
   const OpBinding* binding_;
