@@ -107,6 +107,11 @@ void expect_same(const Observed& twin, const Observed& aten) {
 
 class BoxedKernelTest : public AmpTest {
  protected:
+  // The fixture's handle ends its initialization before AmpTest drops registrations.
+  void TearDown() override {
+    handle.deinitialize();
+    AmpTest::TearDown();
+  }
   void initialize(Options options, std::vector<ModulePtr> models = {}) {
     handle.initialize(std::move(models), {}, quiet(std::move(options)));
   }

@@ -16,6 +16,11 @@ namespace {
 
 class CheckpointTest : public AmpTest {
  protected:
+  // The fixture's handle ends its initialization before AmpTest drops registrations.
+  void TearDown() override {
+    handle_.deinitialize();
+    AmpTest::TearDown();
+  }
   void SetUp() override {
     torch::manual_seed(3);
     a_ = torch::nn::Linear(4, 6);

@@ -102,6 +102,23 @@ TEST_F(InterceptionTest, InitializingTwiceIsAnError) {
   EXPECT_TRUE(handle.active());
 }
 
+TEST_F(InterceptionTest, OnlyItsHandleEndsAHandlesInitialization) {
+  auto model = TinyNet();
+  {
+    Handle handle;
+    handle.initialize(model, quiet(O1));
+    const auto x = torch::randn({2, 8});
+    EXPECT_AMP_ERROR(amp::deinitialize(), "handle.deinitialize()");
+    EXPECT_TRUE(handle.active());
+    EXPECT_EQ(model->forward(x).scalar_type(), at::kBFloat16);  // still casting
+  }  // the handle ends it
+  EXPECT_FALSE(is_initialized());
+  auto other = TinyNet();
+  amp::initialize(other, quiet(O1));  // the free functions own theirs
+  amp::deinitialize();
+  EXPECT_FALSE(is_initialized());
+}
+
 TEST_F(InterceptionTest, DisableCastsNestsAndSurvivesExceptions) {
   auto model = TinyNet();
   Handle handle;

@@ -65,11 +65,12 @@ inline void load_state_bytes(const std::string& bytes) {
 }
 
 // Deinitializes amp and drops user registrations after every test, so tests
-// are independent even when one fails half-way.
+// are independent even when one fails half-way. (A fixture's Handle ends
+// its own initialization when the fixture is destroyed, before the next.)
 class AmpTest : public ::testing::Test {
  protected:
   void TearDown() override {
-    if (amp::is_initialized()) amp::deinitialize();
+    if (amp::global_handle().active()) amp::deinitialize();
     amp::reset_user_registrations();
   }
   static amp::Options quiet(amp::Options options) {

@@ -4,6 +4,10 @@
 
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 namespace {
 
 // A custom operator in its own namespace, as a user library would define it.
@@ -26,6 +30,11 @@ namespace {
 
 class UserRegistrationTest : public AmpTest {
  protected:
+  // The fixture's handle ends its initialization before AmpTest drops registrations.
+  void TearDown() override {
+    handle.deinitialize();
+    AmpTest::TearDown();
+  }
   void initialize() { handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1)); }
   Handle handle;
   const at::Tensor a = torch::randn({4}), b = torch::randn({4});
@@ -67,6 +76,44 @@ TEST_F(UserRegistrationTest, RegistrationsEndWithDeinitializeButPersistForTheNex
   EXPECT_EQ(torch::relu(a).scalar_type(), at::kFloat);
   initialize();
   EXPECT_EQ(torch::relu(a).scalar_type(), at::kBFloat16);
+}
+
+// A registration made while another thread initializes amp is either read by
+// the new interceptor or applied to it once live; never lost in between.
+TEST_F(UserRegistrationTest, RegistrationsConcurrentWithInitializeAreNeverLost) {
+  const std::vector<std::pair<std::string, at::Tensor (*)(const at::Tensor&)>> ops = {
+      {"aten::relu", &at::relu},   {"aten::tanh", &at::tanh},   {"aten::sigmoid", &at::sigmoid},
+      {"aten::exp", &at::exp},     {"aten::neg", &at::neg},     {"aten::abs", &at::abs},
+      {"aten::sin", &at::sin},     {"aten::cos", &at::cos},     {"aten::sqrt", &at::sqrt},
+      {"aten::floor", &at::floor}, {"aten::ceil", &at::ceil},   {"aten::trunc", &at::trunc},
+      {"aten::frac", &at::frac},   {"aten::sign", &at::sign},   {"aten::erf", &at::erf},
+      {"aten::expm1", &at::expm1},
+  };
+  for (const auto& [name, fn] : ops) ASSERT_EQ(policy_for(name, c10::kCPU), std::nullopt) << name;
+  std::atomic<bool> done{false};
+  std::thread registrar([&] {
+    for (const auto& [name, fn] : ops) {
+      std::this_thread::sleep_for(std::chrono::microseconds(300));
+      register_half_function(name, c10::kCPU);
+    }
+    done = true;
+  });
+  const auto x = torch::rand({4}) + 0.5;
+  int rounds = 0;
+  while (!done || rounds == 0) {
+    initialize();
+    for (const auto& [name, fn] : ops) {
+      // Registered before this call: the live interceptor must apply it.
+      if (policy_for(name, c10::kCPU) == CastPolicy::kLowerPrecision) {
+        EXPECT_EQ(fn(x).scalar_type(), at::kBFloat16) << name << " in round " << rounds;
+      }
+    }
+    handle.deinitialize();
+    ++rounds;
+  }
+  registrar.join();
+  initialize();
+  for (const auto& [name, fn] : ops) EXPECT_EQ(fn(x).scalar_type(), at::kBFloat16) << name;
 }
 
 TEST_F(UserRegistrationTest, PerDeviceRegistrationLeavesOtherDevicesAlone) {

@@ -1,6 +1,7 @@
 // The public face of the policy tables: reading them and user registrations.
 #include <amp/cast_policy.h>
 
+#include "context.h"
 #include "dispatch/interceptor.h"
 #include "policy_registry.h"
 #include "policy_tables/table_entry.h"
@@ -13,12 +14,12 @@ namespace amp {
 namespace detail {
 namespace {
 
+// Guarded by RegistrationLock.
 struct Registry {
   std::mutex mutex;
   // (op display name, device) -> (op, policy); a later registration replaces.
   std::map<std::pair<std::string, c10::DeviceType>, std::pair<c10::OperatorName, CastPolicy>> user;
   std::vector<std::pair<std::string, c10::DeviceType>> order;
-  Interceptor* live = nullptr;
 };
 
 Registry& registry() {
@@ -34,20 +35,16 @@ const std::vector<TableEntry>& default_table(c10::DeviceType device) {
 
 }  // namespace
 
-std::vector<std::pair<c10::OperatorName, CastPolicy>> user_registrations(c10::DeviceType device) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
+RegistrationLock::RegistrationLock() : lock_(registry().mutex) {}
+
+std::vector<std::pair<c10::OperatorName, CastPolicy>> user_registrations(const RegistrationLock&,
+                                                                         c10::DeviceType device) {
+  const Registry& r = registry();
   std::vector<std::pair<c10::OperatorName, CastPolicy>> out;
   for (const auto& key : r.order) {
     if (key.second == device) out.push_back(r.user.at(key));
   }
   return out;
-}
-
-void set_live_interceptor(Interceptor* interceptor) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.live = interceptor;
 }
 
 }  // namespace detail
@@ -71,7 +68,8 @@ std::vector<OpPolicy> policy_table(c10::DeviceType device) {
   for (const auto& e : detail::default_table(device)) {
     merged[detail::to_string(c10::OperatorName(e.name, e.overload))] = e.policy;
   }
-  for (const auto& [op, policy] : detail::user_registrations(device)) {
+  const detail::RegistrationLock held;
+  for (const auto& [op, policy] : detail::user_registrations(held, device)) {
     merged[detail::to_string(op)] = policy;
   }
   std::vector<OpPolicy> out;
@@ -105,13 +103,14 @@ void register_op(std::string_view op, CastPolicy policy, std::optional<c10::Devi
   } else {
     devices = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
   }
+  const detail::RegistrationLock held;
   detail::Registry& r = detail::registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
+  const std::shared_ptr<detail::Context> live = detail::live_context();
   for (c10::DeviceType d : devices) {
     const auto key = std::make_pair(detail::to_string(name), d);
     if (r.user.count(key) == 0) r.order.push_back(key);
     r.user.insert_or_assign(key, std::make_pair(name, policy));
-    if (r.live) r.live->set_policy(name, d, policy);
+    if (live) live->set_user_policy(name, d, policy);
   }
 }
 
@@ -126,9 +125,9 @@ void register_promote_function(std::string_view op, std::optional<c10::DeviceTyp
 }
 
 void reset_user_registrations() {
+  const detail::RegistrationLock held;
   detail::Registry& r = detail::registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK(r.live == nullptr, "amp: reset_user_registrations() while amp is initialized; "
+  TORCH_CHECK(detail::live_context() == nullptr, "amp: reset_user_registrations() while amp is initialized; "
               "call amp::deinitialize() first.");
   r.user.clear();
   r.order.clear();

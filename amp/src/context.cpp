@@ -34,7 +34,7 @@ std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o) {
 
 }  // namespace
 
-Context::Context(const Properties& properties, const Options& options)
+Context::Context(const Properties& properties, const Options& options, const RegistrationLock& held)
     : properties_(properties),
       options_(options),
       casting_(casting_for(properties, options)),
@@ -46,8 +46,7 @@ Context::Context(const Properties& properties, const Options& options)
   skip_logs_.resize(scalers_.size());
   overflow_reducer_ = options.reduce_overflow;
   if (!casting_.empty()) {
-    interceptor_ = std::make_unique<Interceptor>(casting_);
-    set_live_interceptor(interceptor_.get());
+    interceptor_ = std::make_unique<Interceptor>(casting_, held);
     owner_casting_ = std::make_unique<ThreadCasting>(casting_);
   }
 }
@@ -64,7 +63,6 @@ Context::~Context() {
 }
 
 void Context::teardown() {
-  set_live_interceptor(nullptr);
   interceptor_.reset();
   owner_casting_.reset();
   clear_cast_cache();
@@ -75,6 +73,10 @@ LossScaler& Context::scaler(int loss_id) {
   TORCH_CHECK(loss_id >= 0 && loss_id < num_losses(), "amp: loss_id ", loss_id,
               " is out of range: amp was initialized with num_losses=", num_losses(), ".");
   return *scalers_[loss_id];
+}
+
+void Context::set_user_policy(const c10::OperatorName& op, c10::DeviceType device, CastPolicy policy) {
+  if (interceptor_) interceptor_->set_policy(op, device, policy);
 }
 
 void Context::shutdown() {
@@ -99,9 +101,19 @@ std::shared_ptr<Context> require_live_context(const char* what) {
   return context;
 }
 
-void set_live_context(std::shared_ptr<Context> context) {
+std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options) {
+  const RegistrationLock held;
+  auto context = std::make_shared<Context>(properties, options, held);
   std::lock_guard<std::mutex> lock(g_live_mutex);
-  g_live = std::move(context);
+  g_live = context;
+  return context;
+}
+
+void end_live_context(const std::shared_ptr<Context>& context) {
+  const RegistrationLock held;
+  context->shutdown();
+  std::lock_guard<std::mutex> lock(g_live_mutex);
+  if (g_live == context) g_live.reset();
 }
 
 }  // namespace amp::detail

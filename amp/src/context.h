@@ -16,6 +16,7 @@
 namespace amp::detail {
 
 class Interceptor;
+class RegistrationLock;
 class ThreadCasting;
 
 // Host-side count of consecutive skipped steps per loss, to keep the log
@@ -26,7 +27,9 @@ struct SkipLog {
 
 class Context {
  public:
-  Context(const Properties& properties, const Options& options);
+  // `held`: the user's registrations cannot change while the interceptor
+  // reads them (see start_live_context).
+  Context(const Properties& properties, const Options& options, const RegistrationLock& held);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -41,6 +44,10 @@ class Context {
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
   const std::vector<DeviceCasting>& casting() const { return casting_; }
+
+  // Applies a user registration (register_op) to the interceptor; the
+  // caller holds the RegistrationLock.
+  void set_user_policy(const c10::OperatorName& op, c10::DeviceType device, CastPolicy policy);
 
   // Removes every dispatcher registration and the owner thread's casting
   // state. Idempotent. Errors leave everything in place.
@@ -71,10 +78,19 @@ class Context {
   std::function<void(at::Tensor&)> overflow_reducer_;
 };
 
+// The live context is the one record of "amp is live": at most one exists,
+// published by start_live_context and cleared by end_live_context (both
+// serialized by amp::initialize's own lock, and both holding the
+// RegistrationLock so that user registrations reach exactly the live one).
+
 // The live context, or null.
 std::shared_ptr<Context> live_context();
 // Like live_context(), but throws "amp is not initialized" with `what`.
 std::shared_ptr<Context> require_live_context(const char* what);
-void set_live_context(std::shared_ptr<Context> context);
+// Builds a context and makes it the live one.
+std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options);
+// Shuts `context` (the live one) down and clears the live slot. On error
+// (see Context::shutdown) it stays live.
+void end_live_context(const std::shared_ptr<Context>& context);
 
 }  // namespace amp::detail

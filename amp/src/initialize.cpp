@@ -117,11 +117,6 @@ void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbo
   if (!note.empty()) detail::log_line("note: " + note);
 }
 
-void shut_down_live(const std::shared_ptr<detail::Context>& context) {
-  context->shutdown();
-  detail::set_live_context(nullptr);
-}
-
 }  // namespace
 
 std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>& models,
@@ -169,8 +164,7 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
     }
     g_converted_models.push_back(model);
   }
-  auto context = std::make_shared<detail::Context>(properties, options);
-  detail::set_live_context(context);
+  auto context = detail::start_live_context(properties, options);
   context_ = context;
   std::vector<OptimizerPtr> wrapped;
   for (auto& optimizer : optimizers) {
@@ -192,7 +186,7 @@ Handle::~Handle() {
 
 void Handle::deinitialize() {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
-  if (active()) shut_down_live(context_);
+  if (active()) detail::end_live_context(context_);
   context_.reset();
 }
 
@@ -207,7 +201,11 @@ Handle& global_handle() {
 
 void deinitialize() {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
-  shut_down_live(detail::require_live_context("amp::deinitialize"));
+  const auto live = detail::require_live_context("amp::deinitialize");
+  TORCH_CHECK(global_handle().active(), "amp: amp::deinitialize() ends the initialization made by "
+              "amp::initialize, but the live one is owned by an amp::Handle. End it with "
+              "handle.deinitialize(), or let the handle go out of scope.");
+  detail::end_live_context(live);
 }
 
 bool is_initialized() { return detail::live_context() != nullptr; }

@@ -12,11 +12,12 @@
 // optimizer as std::shared_ptr<torch::optim::Optimizer> to assign the result.
 // Without optimizers (inference) only the model side applies.
 //
-// amp stays active until amp::deinitialize() - or, with a Handle, until the
-// handle is destroyed - which removes every dispatcher registration and
-// thread-state change amp made: LibTorch (native at::autocast included)
-// behaves exactly as before. Call it on the thread that called initialize,
-// once no other thread uses amp's casting.
+// amp stays active until amp::deinitialize() - or, for an initialization
+// made through a Handle, until handle.deinitialize() or the handle's
+// destruction - which removes every dispatcher registration and thread-state
+// change amp made: LibTorch (native at::autocast included) behaves exactly as
+// before. Call it on the thread that called initialize, once no other thread
+// uses amp's casting. At most one initialization is live at a time.
 //
 // Errors (c10::Error; nothing is changed when initialize throws):
 //   - amp is already initialized (deinitialize first);
@@ -66,7 +67,17 @@ std::shared_ptr<torch::nn::Module> as_module(const torch::nn::ModuleHolder<T>& m
 using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
 
-// Owns one initialization of amp; destroying it deinitializes amp.
+// Owns one initialization of amp, for code that wants it scoped:
+//
+//   {
+//     amp::Handle handle;
+//     std::tie(model, optimizer) = handle.initialize(model, optimizer, amp::O2);
+//     ...                                   // amp is live
+//   }                                       // ended here, LibTorch as before
+//
+// Only its handle ends it: amp::deinitialize() refuses (see below), so code
+// elsewhere cannot end a scope's mixed precision under it. The free
+// amp::initialize() uses a process-wide handle (global_handle()).
 class Handle {
  public:
   Handle() = default;
@@ -96,8 +107,11 @@ class Handle {
     return {std::move(models), std::move(wrapped)};
   }
 
-  // Deinitializes amp if this handle's initialization is still live.
+  // Ends this handle's initialization if it is still live; a no-op
+  // otherwise. Errors: as amp::deinitialize(), except that it ends a
+  // handle's initialization.
   void deinitialize();
+  // Whether this handle's initialization is the live one.
   bool active() const;
 
  private:
@@ -128,9 +142,11 @@ inline std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
   return global_handle().initialize(std::move(models), std::move(optimizers), options);
 }
 
-// Ends amp's current initialization, whoever made it. Errors: amp is not
-// initialized; called from another thread than initialize; enable_casts
-// scopes still alive on other threads.
+// Ends the initialization made by amp::initialize. Errors (nothing changes):
+// amp is not initialized; the live initialization belongs to an amp::Handle
+// (end it with handle.deinitialize() or by destroying the handle); called
+// from another thread than initialize; enable_casts scopes still alive on
+// other threads.
 void deinitialize();
 bool is_initialized();
 

@@ -96,7 +96,7 @@ KernelFactory kernel_factory_for(const c10::OperatorName& op) {
   return it != catalog.end() ? it->second : &make_boxed_kernel;
 }
 
-Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
+Interceptor::Interceptor(const std::vector<DeviceCasting>& devices, const RegistrationLock& held) {
   static const std::vector<TableEntry> no_entries;
   DropOverrideWarning filter(c10::WarningUtils::get_warning_handler());
   c10::WarningUtils::WarningHandlerGuard guard(&filter);
@@ -114,7 +114,7 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices) {
       const c10::OperatorName op(e.name, e.overload);
       if (!bindings_.count({to_string(op), casting.device})) bind(op, casting, e.policy, e.make_kernel);
     }
-    for (const auto& [op, policy] : user_registrations(casting.device)) {
+    for (const auto& [op, policy] : user_registrations(held, casting.device)) {
       bind(op, casting, policy, kernel_factory_for(op), built_in_banned_reason(op));
     }
   }

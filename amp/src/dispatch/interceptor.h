@@ -11,6 +11,7 @@
 
 #include "dispatch/op_binding.h"
 #include "dispatch/typed_kernel.h"
+#include "policy_registry.h"
 
 #include <torch/library.h>
 
@@ -24,8 +25,9 @@ namespace amp::detail {
 
 class Interceptor {
  public:
-  // One DeviceCasting per device amp intercepts (CPU and CUDA).
-  explicit Interceptor(const std::vector<DeviceCasting>& devices);
+  // One DeviceCasting per device amp intercepts (CPU and CUDA); binds the
+  // tables and the user's registrations, read under `held`.
+  Interceptor(const std::vector<DeviceCasting>& devices, const RegistrationLock& held);
   ~Interceptor();
   Interceptor(const Interceptor&) = delete;
   Interceptor& operator=(const Interceptor&) = delete;
