@@ -504,21 +504,33 @@ TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing)
   out.save_to(bytes);
   handle.deinitialize();
 
+  // Scalers moved away from their initial values, to see that nothing is loaded.
+  auto expect_scalers_unchanged = [](int num_losses, auto&& load) {
+    std::vector<LossScaler::State> before;
+    for (int i = 0; i < num_losses; ++i) before.push_back(loss_scaler(i).state());
+    load();
+    for (int i = 0; i < num_losses; ++i) {
+      EXPECT_TRUE(BitEqual(loss_scaler(i).state().scale, before[i].scale)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(loss_scaler(i).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
+    }
+  };
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  loss_scaler(0).update(torch::ones({1}));  // an overflow
   torch::serialize::InputArchive in;
   in.load_from(bytes);
-  EXPECT_AMP_ERROR(load_state(in), "num_losses=1");
+  expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
   handle.deinitialize();
   Options o2 = quiet(O2);
   o2.num_losses = 2;
   handle.initialize(std::vector<ModulePtr>{}, {}, o2);
+  loss_scaler(1).update(torch::ones({1}));  // an overflow
   bytes.seekg(0);
   torch::serialize::InputArchive again;
   again.load_from(bytes);
-  EXPECT_AMP_ERROR(load_state(again), "opt_level O1");
+  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(again), "opt_level O1"); });
   torch::serialize::InputArchive empty;
-  EXPECT_AMP_ERROR(load_state(empty), "'opt_level'");
-  EXPECT_EQ(loss_scale(0), 65536.0);
+  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(empty), "'opt_level'"); });
+  EXPECT_EQ(loss_scale(1), 32768.0);
 }
 
 }  // namespace

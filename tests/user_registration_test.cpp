@@ -129,7 +129,7 @@ TEST_F(UserRegistrationTest, BadNamesAndPoliciesAreClearErrors) {
   EXPECT_AMP_ERROR(register_op("aten::relu", CastPolicy::kFp32SetOptDtype), "'ScalarType? dtype'");
   EXPECT_AMP_ERROR(register_op("aten::relu", CastPolicy::kFp32AppendDtype), "reserved");
   EXPECT_AMP_ERROR(register_half_function("aten::relu", c10::kMeta), "CPU and CUDA");
-  EXPECT_TRUE(policy_table(c10::kCPU).size() == 129u);  // nothing was registered
+  EXPECT_EQ(policy_table(c10::kCPU).size(), 129u);  // nothing was registered
 }
 
 TEST_F(UserRegistrationTest, BannedOpNamesTheSafeAlternativeAndAllowBannedRunsFp32) {
