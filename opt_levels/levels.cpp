@@ -55,6 +55,10 @@ std::string describe(const Properties& p) {
     return t ? std::string(c10::toString(*t)) : std::string("None");
   };
   std::ostringstream out;
+  if (!p.enabled) {
+    out << "amp: disabled (Options::enabled = false): plain float32, no casts, no loss scaling\n";
+    return out.str();
+  }
   out << "amp: opt_level " << to_string(p.opt_level) << "\n"
       << "  cast_model_type       " << dtype(p.cast_model_type) << "\n"
       << "  patch_torch_functions " << (p.patch_torch_functions ? "True" : "False") << "\n"

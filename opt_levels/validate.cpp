@@ -25,6 +25,8 @@ void check_positive_finite(const char* name, double value) {
               " must be a finite number > 0, got ", value);
 }
 
+}  // namespace
+
 void check_dynamic_scaling(const DynamicScaling& d) {
   TORCH_CHECK(std::isfinite(d.growth_factor) && d.growth_factor > 1,
               "amp: growth_factor must be > 1 so the scale can grow, got ", d.growth_factor);
@@ -42,8 +44,6 @@ void check_dynamic_scaling(const DynamicScaling& d) {
                 *d.min_loss_scale, ") must not exceed max_loss_scale (", d.max_loss_scale, ")");
   }
 }
-
-}  // namespace
 
 Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
                               c10::DeviceType model_device) {

@@ -3,7 +3,9 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <sstream>
 
 namespace amp::testing {
 namespace {
@@ -40,7 +42,9 @@ class ScaleSequenceTest : public AmpTest {
  protected:
   // Trains a one-layer model for `steps`, injecting inf/NaN into a gradient
   // inside the guard; returns the scaler state after each step.
-  std::vector<Expected> run(const std::vector<Step>& steps, double init, const DynamicScaling& d) {
+  // `before_step(i)` runs before step i (to re-tune the scaler).
+  std::vector<Expected> run(const std::vector<Step>& steps, double init, const DynamicScaling& d,
+                            const std::function<void(size_t)>& before_step = nullptr) {
     auto model = torch::nn::Linear(3, 2);
     OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.01);
     Options options = quiet(O1);
@@ -50,6 +54,7 @@ class ScaleSequenceTest : public AmpTest {
     std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
     std::vector<Expected> out;
     for (Step step : steps) {
+      if (before_step) before_step(out.size());
       optimizer->zero_grad();
       const auto loss = model(torch::randn({4, 3})).to(at::kFloat).mean();
       {
@@ -135,6 +140,115 @@ TEST_F(ScaleSequenceTest, RaiseAtTheFloorIsAClearError) {
   EXPECT_EQ(loss_scale(), 32768.0);
   EXPECT_AMP_ERROR(overflow_step(), "already at its floor");
   EXPECT_EQ(loss_scale(), 32768.0);
+}
+
+TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {
+  DynamicScaling first;
+  first.growth_interval = 3;
+  DynamicScaling second = first;
+  second.growth_factor = 4.0;
+  second.backoff_factor = 0.25;
+  second.growth_interval = 2;
+  // Changed right after an overflow, where both trackers restart: the two
+  // halves follow the rules with their own knobs.
+  const std::vector<Step> head = {kClean, kClean, kClean, kClean, kInf};
+  const std::vector<Step> tail = {kClean, kClean, kClean, kInf, kClean, kClean, kNaN};
+  std::vector<Expected> expected = simulate(head, 65536.0, first);
+  for (const Expected& e : simulate(tail, expected.back().scale, second)) expected.push_back(e);
+  std::vector<Step> steps = head;
+  steps.insert(steps.end(), tail.begin(), tail.end());
+  const auto actual = run(steps, 65536.0, first, [&](size_t step) {
+    if (step != head.size()) return;
+    loss_scaler().set_growth_factor(4.0);
+    loss_scaler().set_backoff_factor(0.25);
+    loss_scaler().set_growth_interval(2);
+    EXPECT_EQ(loss_scaler().dynamic_scaling().growth_interval, 2);
+  });
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    EXPECT_EQ(actual[i].scale, expected[i].scale) << "step " << i;
+    EXPECT_EQ(actual[i].growth_tracker, expected[i].growth_tracker) << "step " << i;
+  }
+}
+
+TEST_F(ScaleSequenceTest, BadKnobsAreRefusedAndChangeNothing) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  LossScaler& scaler = loss_scaler();
+  EXPECT_AMP_ERROR(scaler.set_growth_factor(1.0), "growth_factor must be > 1");
+  EXPECT_AMP_ERROR(scaler.set_backoff_factor(1.5), "backoff_factor must lie in (0, 1)");
+  EXPECT_AMP_ERROR(scaler.set_growth_interval(0), "growth_interval must be >= 1");
+  DynamicScaling bad;
+  bad.min_loss_scale = 1e9;
+  EXPECT_AMP_ERROR(scaler.set_dynamic_scaling(bad), "must not exceed max_loss_scale");
+  const DynamicScaling defaults;
+  EXPECT_EQ(scaler.dynamic_scaling().growth_factor, defaults.growth_factor);
+  EXPECT_EQ(scaler.dynamic_scaling().backoff_factor, defaults.backoff_factor);
+  EXPECT_EQ(scaler.dynamic_scaling().growth_interval, defaults.growth_interval);
+  EXPECT_FALSE(scaler.dynamic_scaling().min_loss_scale.has_value());
+  handle.deinitialize();
+  Options fixed = quiet(O1);
+  fixed.loss_scale = LossScale::Static(128.0);
+  handle.initialize(std::vector<ModulePtr>{}, {}, fixed);
+  EXPECT_AMP_ERROR(loss_scaler().set_growth_factor(4.0), "static scale");
+}
+
+TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  DynamicScaling tuned;
+  tuned.growth_factor = 3.0;
+  tuned.backoff_factor = 0.125;
+  tuned.growth_interval = 7;
+  tuned.hysteresis = 2;
+  tuned.min_loss_scale = 4.0;
+  tuned.max_loss_scale = 1e6;
+  tuned.at_floor = AtFloor::kRaise;
+  loss_scaler().set_dynamic_scaling(tuned);
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  handle.deinitialize();
+
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  load_state_bytes(bytes.str());
+  const DynamicScaling& loaded = loss_scaler().dynamic_scaling();
+  EXPECT_EQ(loaded.growth_factor, 3.0);
+  EXPECT_EQ(loaded.backoff_factor, 0.125);
+  EXPECT_EQ(loaded.growth_interval, 7);
+  EXPECT_EQ(loaded.hysteresis, 2);
+  EXPECT_EQ(loaded.min_loss_scale, 4.0);
+  EXPECT_EQ(loaded.max_loss_scale, 1e6);
+  EXPECT_EQ(loaded.at_floor, AtFloor::kRaise);
+
+  // A state written before the knobs were saved: the scale loads, the
+  // current knobs stay.
+  torch::serialize::OutputArchive old_scaler;
+  for (const char* key : {"scale", "growth_tracker", "hysteresis_tracker", "dynamic"}) {
+    torch::serialize::InputArchive in;
+    std::istringstream again(bytes.str());
+    in.load_from(again);
+    torch::serialize::InputArchive scaler;
+    ASSERT_TRUE(in.try_read("loss_scaler0", scaler));
+    at::Tensor value;
+    ASSERT_TRUE(scaler.try_read(key, value));
+    old_scaler.write(key, std::string(key) == "scale" ? torch::full({1}, 512.0f) : value);
+  }
+  torch::serialize::OutputArchive old_state;
+  old_state.write("opt_level", c10::IValue(std::string("O1")));
+  old_state.write("num_losses", torch::scalar_tensor(int64_t{1}, at::kLong));
+  old_state.write("loss_scaler0", old_scaler);
+  std::ostringstream old_bytes;
+  old_state.save_to(old_bytes);
+  handle.deinitialize();
+  Options defaults_but_interval = quiet(O1);
+  defaults_but_interval.dynamic_scaling.growth_interval = 11;
+  handle.initialize(std::vector<ModulePtr>{}, {}, defaults_but_interval);
+  load_state_bytes(old_bytes.str());
+  EXPECT_EQ(loss_scale(), 512.0);
+  EXPECT_EQ(loss_scaler().dynamic_scaling().growth_interval, 11);
+  EXPECT_EQ(loss_scaler().dynamic_scaling().growth_factor, 2.0);
 }
 
 TEST_F(ScaleSequenceTest, StaticScaleNeverChangesNorSkips) {

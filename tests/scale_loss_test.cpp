@@ -325,6 +325,65 @@ TEST_F(ScaleLossTest, LossesWithDifferentScalesCombine) {
   EXPECT_TRUE(BitEqual(model->w.grad(), reference->w.grad()));
 }
 
+// --- Disabled ----------------------------------------------------------------
+
+// Options::enabled = false: the amp loop is the plain float32 loop, bit for
+// bit, at any level - nothing converted or cast, a scale of 1, and an
+// overflowed step applied as plain LibTorch applies it.
+TEST_F(ScaleLossTest, DisabledAmpRunsTheLoopAsPlainFloat32) {
+  for (OptLevel level : {O1, O2, O3}) {
+    SCOPED_TRACE(to_string(level));
+    torch::manual_seed(3);
+    auto model = TinyNet(), reference = TinyNet();
+    {
+      torch::NoGradGuard no_grad;
+      const auto from = model->parameters(), to = reference->parameters();
+      for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+    }
+    OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+    torch::optim::Adam plain(reference->parameters(), 1e-2);
+    Options off = quiet(level);
+    off.enabled = false;
+    Handle handle;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, off);
+    EXPECT_FALSE(properties().enabled);
+    EXPECT_EQ(model->fc1->weight.scalar_type(), at::kFloat);
+    const CastCounts casts_before = cast_counts();
+    for (int step = 0; step < 4; ++step) {
+      const auto x = torch::randn({4, 8});
+      const bool overflow = step == 3;
+      optimizer->zero_grad();
+      {
+        scale_loss scaled(model->forward(x).pow(2).mean(), optimizer);
+        EXPECT_EQ(scaled.loss_scale().item<double>(), 1.0);
+        scaled.backward();
+        if (overflow) model->fc2->bias.grad()[0] = kInf;
+      }
+      optimizer->step();
+      plain.zero_grad();
+      reference->forward(x).pow(2).mean().backward();
+      if (overflow) reference->fc2->bias.grad()[0] = kInf;
+      plain.step();
+      EXPECT_FALSE(last_step_skipped(*optimizer)) << "step " << step;
+      const auto ours = model->parameters(), theirs = reference->parameters();
+      for (size_t i = 0; i < ours.size(); ++i) {
+        EXPECT_TRUE(BitEqual(ours[i], theirs[i])) << "step " << step << ", parameter " << i;
+      }
+    }
+    EXPECT_EQ(cast_counts().casts, casts_before.casts);
+    EXPECT_FALSE(torch::isfinite(model->fc2->bias).all().item<bool>());  // the overflow was applied
+  }
+}
+
+TEST_F(ScaleLossTest, DisabledAmpStillValidatesTheOptions) {
+  auto model = TinyNet();
+  Options off = quiet(O1);
+  off.enabled = false;
+  off.master_weights = true;  // refused at O1 whether or not amp is enabled
+  EXPECT_AMP_ERROR(amp::initialize(model, off), "master_weights make no sense");
+  EXPECT_FALSE(is_initialized());
+}
+
 // --- Misuse ------------------------------------------------------------------
 
 TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {

@@ -20,10 +20,8 @@ std::shared_ptr<Context> g_live;
 
 std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o) {
   if (!p.intercepts_ops()) return {};
-  // O1/O4 cast fp32 weights per op; O2/O3/O5 let a low-precision model's
-  // weights decide, so fp32 inputs meet them and fp32-kept modules stay fp32.
-  const bool weights_decide = !p.patch_torch_functions;
-  const bool fp32_ops = p.patch_torch_functions || p.cast_model_outputs == c10::kFloat;
+  const bool weights_decide = p.weights_decide_op_dtype();
+  const bool fp32_ops = p.runs_fp32_policies();
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
        o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype)},

@@ -117,6 +117,14 @@ void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbo
   if (!note.empty()) detail::log_line("note: " + note);
 }
 
+// Options::enabled = false: O0's properties (fp32, no casts, a static scale
+// of 1, which never skips), marked disabled.
+Properties disabled_properties(c10::Device device) {
+  Properties p = resolve_properties(O0, PropertyOverrides{}, device.type());
+  p.enabled = false;
+  return p;
+}
+
 }  // namespace
 
 std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>& models,
@@ -148,10 +156,13 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
                 "optimizer for a new initialization.");
   }
   const c10::Device device = common_device(models, optimizers);
-  const Properties properties = resolve_properties(options.opt_level, options, device.type());
-  warn_about_dtypes(models, properties, options.verbosity);
-  warn_about_optimizer_eps(optimizers, properties, options.verbosity);
-  warn_about_cpu_precision(properties, device, options.verbosity);
+  const Properties requested = resolve_properties(options.opt_level, options, device.type());
+  const Properties properties = options.enabled ? requested : disabled_properties(device);
+  if (options.enabled) {
+    warn_about_dtypes(models, properties, options.verbosity);
+    warn_about_optimizer_eps(optimizers, properties, options.verbosity);
+    warn_about_cpu_precision(properties, device, options.verbosity);
+  }
 
   // Everything is validated; from here on amp changes state.
   std::vector<std::pair<at::Tensor, at::Tensor>> fp32_originals;

@@ -3,8 +3,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <map>
 #include <tuple>
 
@@ -96,11 +99,68 @@ void LossScaler::update_with_hysteresis(const at::Tensor& found_inf) {
   hysteresis_tracker_.masked_fill_(grow, options_.hysteresis);
 }
 
+void LossScaler::set_dynamic_scaling(const DynamicScaling& scaling) {
+  TORCH_CHECK(dynamic_, "amp: loss scaler ", loss_id_, " uses a static scale, which never changes; "
+              "its dynamic knobs would do nothing. Initialize with "
+              "amp::LossScale::Dynamic() to tune them.");
+  check_dynamic_scaling(scaling);
+  options_ = scaling;
+  hysteresis_tracker_.clamp_max_(scaling.hysteresis);
+}
+
+void LossScaler::set_growth_factor(double factor) {
+  DynamicScaling changed = options_;
+  changed.growth_factor = factor;
+  set_dynamic_scaling(changed);
+}
+
+void LossScaler::set_backoff_factor(double factor) {
+  DynamicScaling changed = options_;
+  changed.backoff_factor = factor;
+  set_dynamic_scaling(changed);
+}
+
+void LossScaler::set_growth_interval(int64_t steps) {
+  DynamicScaling changed = options_;
+  changed.growth_interval = steps;
+  set_dynamic_scaling(changed);
+}
+
+namespace {
+
+// The dynamic knobs as archive entries: (name, value as double).
+constexpr const char* kKnobs[] = {"growth_factor", "backoff_factor", "growth_interval",
+                                  "hysteresis", "max_loss_scale", "min_loss_scale", "at_floor"};
+
+std::vector<double> knob_values(const DynamicScaling& d) {
+  return {d.growth_factor, d.backoff_factor, static_cast<double>(d.growth_interval),
+          static_cast<double>(d.hysteresis), d.max_loss_scale,
+          d.min_loss_scale.value_or(std::nan("")), static_cast<double>(d.at_floor)};
+}
+
+DynamicScaling knobs_from(const std::vector<double>& v) {
+  DynamicScaling d;
+  d.growth_factor = v[0];
+  d.backoff_factor = v[1];
+  d.growth_interval = static_cast<int64_t>(v[2]);
+  d.hysteresis = static_cast<int64_t>(v[3]);
+  d.max_loss_scale = v[4];
+  if (!std::isnan(v[5])) d.min_loss_scale = v[5];
+  d.at_floor = v[6] == 0 ? AtFloor::kHold : AtFloor::kRaise;
+  return d;
+}
+
+}  // namespace
+
 void LossScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("scale", scale_.cpu());
   archive.write("growth_tracker", growth_tracker_.cpu());
   archive.write("hysteresis_tracker", hysteresis_tracker_.cpu());
   archive.write("dynamic", at::scalar_tensor(dynamic_ ? 1 : 0, at::kInt));
+  const std::vector<double> values = knob_values(options_);
+  for (size_t i = 0; i < values.size(); ++i) {
+    archive.write(kKnobs[i], at::scalar_tensor(values[i], at::kDouble));
+  }
 }
 
 void LossScaler::load(torch::serialize::InputArchive& archive) {
@@ -114,9 +174,31 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
     return t;
   };
   for (const std::string& key : archive.keys()) {
-    TORCH_CHECK(key == "scale" || key == "growth_tracker" || key == "hysteresis_tracker" ||
+    const bool knob = std::find_if(std::begin(kKnobs), std::end(kKnobs),
+                                   [&](const char* k) { return key == k; }) != std::end(kKnobs);
+    TORCH_CHECK(knob || key == "scale" || key == "growth_tracker" || key == "hysteresis_tracker" ||
                     key == "dynamic",
                 "amp: unexpected entry '", key, "' in loss scaler ", loss_id_, "'s state.");
+  }
+  // The knobs: all or none (archives written before they were saved).
+  std::optional<DynamicScaling> knobs;
+  if (archive.keys().size() > 4) {
+    std::vector<double> values;
+    for (const char* key : kKnobs) values.push_back(read(key, at::kDouble).item<double>());
+    const double at_floor = values.back();
+    TORCH_CHECK(at_floor == 0 || at_floor == 1, "amp: loss scaler ", loss_id_, " entry 'at_floor' "
+                "holds ", at_floor, "; expected 0 (hold) or 1 (raise). The checkpoint is corrupt.");
+    for (double v : {values[2], values[3]}) {
+      TORCH_CHECK(v == std::floor(v) && std::abs(v) < 1e15, "amp: loss scaler ", loss_id_,
+                  " holds a step count of ", v, "; expected a whole number. The checkpoint is corrupt.");
+    }
+    knobs = knobs_from(values);
+    try {
+      check_dynamic_scaling(*knobs);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "amp: loss scaler ", loss_id_, " was saved with knobs out of range (",
+                  e.msg(), "). The checkpoint is corrupt.");
+    }
   }
   const at::Tensor scale = read("scale", at::kFloat);
   const at::Tensor growth = read("growth_tracker", at::kInt);
@@ -133,6 +215,7 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
               "tracker ", growth.item<int>(), "; it counts clean steps and cannot be negative. The "
               "checkpoint is corrupt.");
   const c10::Device device = scale_.device();
+  if (knobs) options_ = *knobs;
   scale_ = scale.reshape({1}).to(device);
   growth_tracker_ = growth.reshape({1}).to(device);
   hysteresis_tracker_ = hysteresis.reshape({1}).to(device);

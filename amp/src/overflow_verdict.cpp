@@ -66,7 +66,7 @@ bool read_verdicts(const Verdicts& verdicts) {
   for (const auto& v : verdicts) {
     skip = skip || v->overflow;
     const LossScaler& scaler = v->context->scaler(v->loss_id);
-    TORCH_CHECK(!(v->overflow && scaler.options().at_floor == AtFloor::kRaise &&
+    TORCH_CHECK(!(v->overflow && scaler.dynamic_scaling().at_floor == AtFloor::kRaise &&
                   v->scale_before <= scaler.floor()),
                 "amp: gradients overflowed with loss scaler ", v->loss_id,
                 " already at its floor min_loss_scale=", scaler.floor(),

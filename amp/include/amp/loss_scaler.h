@@ -17,6 +17,13 @@
 // (or equivalent tensor ops with hysteresis): updating needs no host sync.
 // Unscaling is one at::_amp_foreach_non_finite_check_and_unscale_ per
 // (device, dtype) group of gradients.
+//
+// The dynamic knobs can be changed while training, as GradScaler's
+// set_growth_factor & co. (they apply from the next update and are saved
+// with amp's state):
+//
+//   amp::loss_scaler().set_growth_interval(500);     // grow faster from now on
+//   amp::loss_scaler().dynamic_scaling().growth_interval;  // 500
 #pragma once
 
 #include <amp/opt_levels.h>
@@ -69,12 +76,26 @@ class LossScaler {
 
   // The floor an overflow cannot push the scale below.
   double floor() const;
-  const DynamicScaling& options() const { return options_; }
+  const DynamicScaling& dynamic_scaling() const { return options_; }
 
+  // Replaces the dynamic knobs from the next update on. A hysteresis tracker
+  // above a smaller new hysteresis is lowered to it. Errors (c10::Error,
+  // nothing changes): a value check_dynamic_scaling refuses (opt_levels.h);
+  // a static scaler (its scale never changes: the knobs would do nothing).
+  void set_dynamic_scaling(const DynamicScaling& scaling);
+  // Single knobs, with GradScaler's names; errors as set_dynamic_scaling.
+  void set_growth_factor(double factor);
+  void set_backoff_factor(double factor);
+  void set_growth_interval(int64_t steps);
+
+  // Writes the scale, both trackers, static/dynamic and the dynamic knobs.
   void save(torch::serialize::OutputArchive& archive) const;
+  // Restores what save wrote; the knobs too, when the archive has them
+  // (archives written before they were saved keep the current knobs).
   // Errors: a missing or mistyped entry, a scale that is not finite and
-  // positive, a negative growth tracker, or a static/dynamic mismatch with
-  // this scaler; the scaler is unchanged when loading fails.
+  // positive, a negative growth tracker, knobs out of range, or a
+  // static/dynamic mismatch with this scaler; the scaler is unchanged when
+  // loading fails.
   void load(torch::serialize::InputArchive& archive);
 
  private:

@@ -31,6 +31,13 @@ struct Options : PropertyOverrides {
   Options(const std::string& level) : opt_level(parse_opt_level(level)) {}  // NOLINT
 
   OptLevel opt_level = OptLevel::O1;  // Apex's default
+  // false: the same loop runs as plain float32 (GradScaler(enabled=False),
+  // autocast(enabled=False)): amp converts nothing, casts nothing, scales
+  // losses by 1 and never skips a step; amp::properties().enabled is false.
+  // The level and overrides are still validated, so flipping it back cannot
+  // uncover a typo. For comparing runs from one flag:
+  //   options.enabled = absl::GetFlag(FLAGS_amp);
+  bool enabled = true;
   // Independent losses, each with its own loss scaler (scale_loss's loss_id).
   int num_losses = 1;
   // 0: silent. 1: the resolved properties at initialize, one line per skipped

@@ -13,16 +13,13 @@
 namespace amp::detail {
 
 // How amp casts on one device while an Interceptor lives. Fixed for its life.
+// The flags are Properties' answers (opt_levels.h), copied for the hot path.
 struct DeviceCasting {
   c10::DeviceType device;
   c10::DispatchKey autocast_key;  // AutocastCPU or AutocastCUDA
   c10::ScalarType low_dtype;      // float16 or bfloat16
-  // O2/O3: lower-precision ops run in the dtype of their weights (leaf
-  // tensors that require grad), so fp32 inputs meet a low-precision model.
-  bool weights_decide = false;
-  // False when cast_model_outputs is the low dtype: fp32-family policies
-  // leave their ops alone.
-  bool fp32_ops = true;
+  bool weights_decide = false;  // Properties::weights_decide_op_dtype()
+  bool fp32_ops = true;         // Properties::runs_fp32_policies()
   bool allow_banned = false;
   // oneDNN runs its low-precision primitives in low_dtype on this device
   // (always true on CUDA); rows that need them run in float32 otherwise.

@@ -32,9 +32,14 @@
 //   - keep_batchnorm_fp32 or master_weights set at all under O1/O4 (O1 keeps
 //     the model fp32, so neither applies);
 //   - a dtype other than float16/bfloat16, or float16 under O4/O5;
-//   - scaler values out of range: a loss scale <= 0 or not finite,
-//     growth_factor <= 1, backoff_factor outside (0, 1), growth_interval < 1,
-//     hysteresis < 1, min_loss_scale > max_loss_scale.
+//   - scaler values out of range (check_dynamic_scaling): a loss scale <= 0
+//     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
+//     growth_interval < 1, hysteresis < 1, min_loss_scale > max_loss_scale.
+//
+// Layers: Options (options.h) is what users set - a level, these overrides
+// and amp's own knobs; Properties is the resolved level amp reads; each
+// LossScaler (loss_scaler.h) starts from Properties::dynamic_scaling and may
+// be re-tuned while training.
 #pragma once
 
 #include <c10/core/DeviceType.h>
@@ -126,8 +131,21 @@ struct Properties {
   c10::ScalarType cuda_dtype = c10::kHalf;
   DynamicScaling dynamic_scaling;
 
+  // False when Options::enabled is false: the loop runs as plain float32
+  // (O0's properties: no casts, no loss scaling, no skipped steps).
+  bool enabled = true;
+
   // The low-precision dtype used for tensors on `device`.
   c10::ScalarType low_precision_dtype(c10::DeviceType device) const;
+  // O2/O3/O5: a lower-precision op runs in the dtype of its weights, so fp32
+  // inputs meet a low-precision model and modules kept fp32 compute in fp32.
+  // O1/O4 cast fp32 weights per op instead.
+  bool weights_decide_op_dtype() const { return !patch_torch_functions; }
+  // Whether the fp32-family policies apply; not when cast_model_outputs asks
+  // O2/O3 to keep the ops on the model's outputs in its low dtype.
+  bool runs_fp32_policies() const {
+    return patch_torch_functions || cast_model_outputs == c10::kFloat;
+  }
   // True when amp intercepts ops in the dispatcher: O1/O4 cast fp32 weights
   // per op; O2/O3/O5 cast activations to meet a low-precision model (C++
   // cannot patch forward, so the dispatcher does what Apex's forward patch did).
@@ -138,6 +156,10 @@ struct Properties {
 // model's device picks O2/O3's cast_model_type (its low-precision dtype).
 Properties resolve_properties(OptLevel level, const PropertyOverrides& overrides,
                               c10::DeviceType model_device = c10::DeviceType::CUDA);
+
+// Throws c10::Error naming the field when a knob is out of range (the
+// ranges listed above); Options and LossScaler::set_dynamic_scaling use it.
+void check_dynamic_scaling(const DynamicScaling& scaling);
 
 // A short multi-line table of the resolved properties (printed at verbosity 1).
 std::string describe(const Properties& properties);
