@@ -119,6 +119,144 @@ TEST_F(InterceptionTest, OnlyItsHandleEndsAHandlesInitialization) {
   EXPECT_FALSE(is_initialized());
 }
 
+TEST_F(InterceptionTest, CastDtypeRegionCastsToAnotherLowDtypeAndNests) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));  // CPU: bfloat16
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kBFloat16);
+  {
+    cast_dtype half(at::kHalf);
+    const auto inside = torch::mm(a, b);
+    EXPECT_EQ(inside.scalar_type(), at::kHalf);
+    {
+      disable_casts exact;
+      EXPECT_TRUE(BitEqual(inside, torch::mm(a.to(at::kHalf), b.to(at::kHalf))));
+    }
+    {
+      cast_dtype back(at::kBFloat16);
+      EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kBFloat16);
+    }
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kHalf);
+    EXPECT_EQ(torch::cat({a, b.to(at::kHalf)}).scalar_type(), at::kFloat);  // promote still widens
+    EXPECT_EQ(torch::cat({a.to(at::kHalf), b.to(at::kHalf)}).scalar_type(), at::kHalf);
+  }
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kBFloat16);
+  {
+    cast_dtype cuda_only(at::kBFloat16, c10::kCUDA);  // CPU keeps its dtype
+    cast_dtype cpu_half(at::kHalf, c10::kCPU);
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kHalf);
+  }
+  EXPECT_EQ(at::autocast::get_autocast_dtype(c10::kCPU), at::kBFloat16);
+  EXPECT_AMP_ERROR(cast_dtype(at::kFloat), "float16 (c10::kHalf) or bfloat16");
+  EXPECT_AMP_ERROR(cast_dtype(at::kHalf, c10::kMeta), "CPU or CUDA");
+  handle.deinitialize();
+  EXPECT_AMP_ERROR(cast_dtype(at::kHalf), "needs amp to be initialized");
+}
+
+TEST_F(InterceptionTest, CastDtypeWeightsAreCachedPerDtype) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  const auto w = torch::randn({3, 4}, torch::requires_grad()), x = torch::randn({2, 4});
+  clear_cast_cache();
+  const CastCounts before = cast_counts();
+  const auto outside = torch::linear(x, w);
+  at::Tensor inside, again;
+  {
+    cast_dtype half(at::kHalf);
+    inside = torch::linear(x, w);
+    again = torch::linear(x, w);
+  }
+  EXPECT_EQ(outside.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(inside.scalar_type(), at::kHalf);
+  EXPECT_TRUE(BitEqual(inside, again));
+  // x cast three times; w once per dtype, then served from the cache.
+  EXPECT_EQ(cast_counts().casts - before.casts, 5);
+  EXPECT_EQ(cast_counts().cache_hits - before.cache_hits, 1);
+}
+
+// Weights edited through .data() between forward passes: the cache cannot
+// see it (cast_cache.h); inside disable_cast_cache every op casts afresh.
+TEST_F(InterceptionTest, DisableCastCacheSeesWeightsEditedThroughData) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  const auto w = torch::randn({3, 4}, torch::requires_grad()), x = torch::randn({2, 4});
+  auto exact = [&] {
+    disable_casts off;
+    return torch::linear(x.to(at::kBFloat16), w.detach().to(at::kBFloat16));
+  };
+  clear_cast_cache();
+  (void)torch::linear(x, w);
+  w.data().mul_(2);
+  EXPECT_FALSE(BitEqual(torch::linear(x, w), exact())) << "the cached copy is stale, as documented";
+  {
+    disable_cast_cache fresh;
+    EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+    const CastCounts before = cast_counts();
+    EXPECT_TRUE(BitEqual(torch::linear(x, w), exact()));
+    w.data().mul_(2);
+    EXPECT_TRUE(BitEqual(torch::linear(x, w), exact()));
+    EXPECT_EQ(cast_counts().cache_hits, before.cache_hits);
+    EXPECT_EQ(cast_counts().casts - before.casts, 4);  // x and w, twice
+  }
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+}
+
+TEST_F(InterceptionTest, WithCurrentCastsCarriesTheCastingStateToAWorkerThread) {
+  auto model = TinyNet();
+  Handle handle;
+  handle.initialize(model, quiet(O1));
+  const auto x = torch::randn({4, 8});
+  struct Seen {
+    at::ScalarType dtype;
+    bool cache;
+    at::ScalarType after;  // the worker's own state once the callable returned
+  };
+  auto run_on_worker = [&](auto wrapped) {
+    Seen seen{};
+    std::thread worker([&] {
+      seen.dtype = wrapped().scalar_type();
+      seen.cache = at::autocast::is_autocast_cache_enabled();
+      seen.after = model->forward(x).scalar_type();
+    });
+    worker.join();
+    return seen;
+  };
+  auto forward = [&] { return model->forward(x); };
+  auto forward_and_cache = [&] {
+    EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+    return model->forward(x);
+  };
+  const Seen plain = run_on_worker(forward);
+  EXPECT_EQ(plain.dtype, at::kFloat);  // a thread of its own does not cast
+  const Seen carried = run_on_worker(with_current_casts(forward));
+  EXPECT_EQ(carried.dtype, at::kBFloat16);
+  EXPECT_EQ(carried.after, at::kFloat);  // restored when the callable returned
+  {
+    cast_dtype half(at::kHalf);
+    EXPECT_EQ(run_on_worker(with_current_casts(forward)).dtype, at::kHalf);
+  }
+  {
+    disable_casts off;
+    EXPECT_EQ(run_on_worker(with_current_casts(forward)).dtype, at::kFloat);
+  }
+  {
+    disable_cast_cache fresh;
+    const Seen no_cache = run_on_worker(with_current_casts(forward_and_cache));
+    EXPECT_EQ(no_cache.dtype, at::kBFloat16);
+    EXPECT_TRUE(no_cache.cache);  // restored
+  }
+  // Values: several workers at once, each equal to the initializing thread's.
+  const auto expected = model->forward(x);
+  auto wrapped = with_current_casts([&](const at::Tensor& input) { return model->forward(input); });
+  std::vector<at::Tensor> outputs(4);
+  std::vector<std::thread> workers;
+  for (size_t i = 0; i < outputs.size(); ++i) workers.emplace_back([&, i] { outputs[i] = wrapped(x); });
+  for (auto& w : workers) w.join();
+  for (const auto& out : outputs) EXPECT_TRUE(BitEqual(out, expected));
+  handle.deinitialize();  // no worker scope outlived its callable
+  EXPECT_AMP_ERROR(wrapped(x), "needs amp to be initialized");  // casting state it cannot give
+}
+
 TEST_F(InterceptionTest, DisableCastsNestsAndSurvivesExceptions) {
   auto model = TinyNet();
   Handle handle;

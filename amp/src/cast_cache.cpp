@@ -111,9 +111,12 @@ bool is_view_of_weight(const at::Tensor& t) {
 
 }  // namespace
 
+// Not under InferenceMode, nor in a disable_cast_cache region (LibTorch's
+// thread-local autocast cache switch, as torch.autocast(cache_enabled=False)).
 bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
   return is_low_precision(to) && t.scalar_type() == at::kFloat &&
-         (is_weight(t) || is_view_of_weight(t)) && !c10::InferenceMode::is_enabled();
+         (is_weight(t) || is_view_of_weight(t)) && !c10::InferenceMode::is_enabled() &&
+         at::autocast::is_autocast_cache_enabled();
 }
 
 at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {

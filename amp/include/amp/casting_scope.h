@@ -1,52 +1,76 @@
-// RAII scopes that switch amp's per-op casting off or on for one thread.
+// RAII scopes that change amp's per-op casting on one thread, and a helper
+// that carries a thread's casting state to another thread.
 //
 // disable_casts: inside it, amp's interception does nothing on this thread -
-// ops run in the dtypes of their inputs (Apex's amp.disable_casts()). Use it
-// around code that must see exact fp32 math, e.g. a metric on fp32 tensors.
+// ops run in the dtypes of their inputs (Apex's amp.disable_casts(),
+// torch.autocast(enabled=False)). Use it around code that must see exact
+// fp32 math, e.g. a metric on fp32 tensors.
 //
 //   {
 //     amp::disable_casts no_casts;
 //     auto exact = torch::mm(a, b);  // fp32 in, fp32 out, even under O1
 //   }
 //
+// cast_dtype: a region that casts to another low-precision dtype, as a
+// nested torch.autocast(dtype=...):
+//
+//   {
+//     amp::cast_dtype half(c10::kHalf);  // on CPU and CUDA; or cast_dtype(c10::kHalf, c10::kCPU)
+//     auto y = torch::mm(a, b);          // float16 inside, bfloat16 (CPU's default) outside
+//   }
+//
+// At O2/O3/O5 lower-precision ops follow the dtype of their weights; the
+// region's dtype applies where an op meets no low-precision weight.
+//
+// disable_cast_cache: inside it, fp32 weights are cast afresh at every op
+// instead of once per iteration (torch.autocast(cache_enabled=False)), for
+// inference loops that edit weights through w.data() between forward passes
+// (see cast_cache.h).
+//
 // enable_casts: turns amp's casting on for the current thread. The thread that
 // calls amp::initialize is enabled for amp's lifetime; worker threads that
-// run a forward pass need their own scope:
+// run a forward pass need their own scope, or run a callable wrapped by
+// with_current_casts (below):
 //
 //   std::thread worker([&] {
 //     amp::enable_casts casts;  // casts as on the initializing thread
 //     auto y = model->forward(x);
 //   });
 //
-// Both nest and restore exactly the thread state they changed, also when an
-// exception leaves the scope. Neither can be copied or moved.
+// All nest and restore exactly the thread state they changed, also when an
+// exception leaves the scope. None can be copied or moved.
 //
-// Errors (c10::Error from enable_casts): amp is not initialized. Under levels
-// that do not intercept ops (O0) enable_casts does nothing. While an
+// Errors (c10::Error): enable_casts and cast_dtype when amp is not
+// initialized; cast_dtype with a dtype other than float16/bfloat16. Under
+// levels that do not intercept ops (O0) enable_casts does nothing. While an
 // enable_casts scope lives on a thread other than the initializing one,
 // amp::deinitialize() refuses to run.
 #pragma once
 
-#include <c10/core/DispatchKeySet.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
 
 #include <memory>
+#include <optional>
+#include <utility>
 
 namespace amp {
+
+namespace detail {
+class Context;
+class ThreadCasting;
+}  // namespace detail
 
 class [[nodiscard]] disable_casts {
  public:
   disable_casts();
+  ~disable_casts();
   disable_casts(const disable_casts&) = delete;
   disable_casts& operator=(const disable_casts&) = delete;
 
  private:
-  c10::impl::ExcludeDispatchKeyGuard exclude_autocast_;
+  bool cpu_was_excluded_, cuda_was_excluded_;
 };
-
-namespace detail {
-class ThreadCasting;
-}
 
 class [[nodiscard]] enable_casts {
  public:
@@ -57,7 +81,76 @@ class [[nodiscard]] enable_casts {
 
  private:
   std::unique_ptr<detail::ThreadCasting> state_;
-  std::shared_ptr<void> context_;  // set on worker threads: counted by amp's context
+  std::shared_ptr<detail::Context> worker_of_;  // set on worker threads: counted by the context
 };
+
+class [[nodiscard]] cast_dtype {
+ public:
+  // `device`: the device whose ops cast to `dtype`; CPU and CUDA when unset.
+  explicit cast_dtype(c10::ScalarType dtype, std::optional<c10::DeviceType> device = std::nullopt);
+  ~cast_dtype();
+  cast_dtype(const cast_dtype&) = delete;
+  cast_dtype& operator=(const cast_dtype&) = delete;
+
+ private:
+  std::optional<c10::ScalarType> cpu_before_, cuda_before_;
+};
+
+class [[nodiscard]] disable_cast_cache {
+ public:
+  disable_cast_cache();
+  ~disable_cast_cache();
+  disable_cast_cache(const disable_cast_cache&) = delete;
+  disable_cast_cache& operator=(const disable_cast_cache&) = delete;
+
+ private:
+  bool was_enabled_;
+};
+
+// The calling thread's casting state: whether amp casts here (enable_casts,
+// disable_casts), each device's low dtype (cast_dtype) and the cast cache
+// switch (disable_cast_cache). Cheap to copy.
+class CastingState {
+ public:
+  static CastingState current();
+
+ private:
+  friend class with_casting_state;
+  bool casts_ = false;
+  c10::ScalarType cpu_dtype_ = c10::kBFloat16, cuda_dtype_ = c10::kHalf;
+  bool cache_ = true;
+};
+
+// RAII: gives the current thread `state`, restoring its own on exit.
+// Errors: `state` casts but amp is no longer initialized.
+class [[nodiscard]] with_casting_state {
+ public:
+  explicit with_casting_state(const CastingState& state);
+  ~with_casting_state();
+  with_casting_state(const with_casting_state&) = delete;
+  with_casting_state& operator=(const with_casting_state&) = delete;
+
+ private:
+  std::unique_ptr<enable_casts> enable_;
+  std::unique_ptr<disable_casts> disable_;
+  std::unique_ptr<cast_dtype> cpu_dtype_, cuda_dtype_;
+  std::unique_ptr<disable_cast_cache> no_cache_;
+};
+
+// Wraps `fn` so that whichever thread calls it runs it with the casting state
+// of the thread that wrapped it - what a thread pool, a DataParallel-style
+// replica or a data pipeline running forward needs:
+//
+//   auto forward = amp::with_current_casts([&](const at::Tensor& x) { return model->forward(x); });
+//   std::thread worker([&] { y = forward(x); });  // casts as the wrapping thread does
+//
+// Errors: as with_casting_state, when the wrapped callable runs.
+template <class Fn>
+auto with_current_casts(Fn fn) {
+  return [state = CastingState::current(), fn = std::move(fn)](auto&&... args) mutable -> decltype(auto) {
+    with_casting_state scope(state);
+    return fn(std::forward<decltype(args)>(args)...);
+  };
+}
 
 }  // namespace amp

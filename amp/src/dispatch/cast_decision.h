@@ -16,6 +16,7 @@
 #include "cast.h"
 #include "op_binding.h"
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -105,14 +106,22 @@ bool first_castable(c10::DeviceType device, const Args& args) {
 
 }  // namespace decide_detail
 
+// The low dtype this thread casts to on `device`: amp's, or a cast_dtype
+// region's (casting_scope.h). Like native autocast, it lives in LibTorch's
+// thread-local autocast state.
+inline at::ScalarType thread_low_dtype(c10::DeviceType device) {
+  return at::autocast::get_autocast_dtype(device);
+}
+
 template <class Args>
 CastDecision decide(CastPolicy policy, const DeviceCasting& c, const Args& args) {
   using Action = CastDecision::Action;
   namespace d = decide_detail;
   switch (policy) {
-    case CastPolicy::kLowerPrecision:
-      return d::cast_to(c.weights_decide ? d::weights_dtype(c.low_dtype, c.device, args) : c.low_dtype,
-                        c.device, args);
+    case CastPolicy::kLowerPrecision: {
+      const at::ScalarType low = thread_low_dtype(c.device);
+      return d::cast_to(c.weights_decide ? d::weights_dtype(low, c.device, args) : low, c.device, args);
+    }
     case CastPolicy::kFp32:
       return d::cast_to(at::kFloat, c.device, args);
     case CastPolicy::kFp32SetOptDtype:
@@ -125,7 +134,7 @@ CastDecision decide(CastPolicy policy, const DeviceCasting& c, const Args& args)
       return {Action::kAppendDtype, to_fp32 ? at::kFloat : first->scalar_type()};
     }
     case CastPolicy::kPromote:
-      return d::cast_to(d::widest(c.low_dtype, c.device, args), c.device, args);
+      return d::cast_to(d::widest(thread_low_dtype(c.device), c.device, args), c.device, args);
     case CastPolicy::kMatchParameters:
       if (const auto to = d::parameters_dtype(c.device, args)) return d::cast_to(*to, c.device, args);
       return {};

@@ -1,6 +1,7 @@
 // Out-of-line decisions of the interception kernels: backward detection and
 // the banned-op error.
 #include "dispatch/cast.h"
+#include "dispatch/cast_decision.h"
 #include "dispatch/op_binding.h"
 
 #include <c10/util/Exception.h>
@@ -17,7 +18,7 @@ void throw_banned(const OpBinding& binding) {
   const char* reason = binding.banned_because.load();
   const char* because = reason != nullptr ? reason : "It was registered as banned, as unsafe in low precision.";
   TORCH_CHECK(false, "amp: ", binding.display_name, " is unsafe to run in ",
-              c10::toString(binding.casting->low_dtype), " (banned by amp's cast policy for ",
+              c10::toString(thread_low_dtype(binding.casting->device)), " (banned by amp's cast policy for ",
               binding.casting->device, "). ", because, " To run ", binding.display_name,
               " in float32 instead, set amp::Options::allow_banned = true, or call "
               "amp::register_float_function(\"", binding.display_name, "\").");
