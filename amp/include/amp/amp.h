@@ -18,9 +18,11 @@
 // Headers: initialize.h (the front door, Handle, deinitialize), options.h and
 // opt_levels.h (O0-O5 and overrides), scale_loss.h (the backward guard),
 // optimizer.h (what initialize returns), cast_policy.h (op tables and user
-// registration), casting_scope.h (disable_casts / enable_casts),
-// cast_cache.h, hardware.h (what the CPU computes natively), loss_scaler.h, model_conversion.h, op_stats.h, state.h and
-// checkpoint.h (saving and resuming).
+// registration), casting_scope.h (disable_casts, enable_casts, cast_dtype,
+// disable_cast_cache, with_current_casts), custom_function.h (custom_fwd /
+// custom_bwd for autograd functions), cast_cache.h, hardware.h (what the CPU
+// computes natively), loss_scaler.h, model_conversion.h, op_stats.h, state.h
+// and checkpoint.h (saving and resuming).
 #pragma once
 
 #include <amp/cast_cache.h>
@@ -28,6 +30,7 @@
 #include <amp/distributed.h>
 #include <amp/cast_policy.h>
 #include <amp/casting_scope.h>
+#include <amp/custom_function.h>
 #include <amp/hardware.h>
 #include <amp/initialize.h>
 #include <amp/loss_scaler.h>

@@ -60,6 +60,8 @@ namespace detail {
 class Context;
 class ThreadCasting;
 }  // namespace detail
+class custom_fwd;
+class custom_bwd;
 
 class [[nodiscard]] disable_casts {
  public:
@@ -114,8 +116,16 @@ class CastingState {
  public:
   static CastingState current();
 
+  bool casts() const { return casts_; }  // amp casts this thread's ops
+  c10::ScalarType dtype(c10::DeviceType device) const {
+    return device == c10::DeviceType::CUDA ? cuda_dtype_ : cpu_dtype_;
+  }
+  bool cache_enabled() const { return cache_; }
+
  private:
   friend class with_casting_state;
+  friend class custom_fwd;  // custom_function.h: carried from forward to backward
+  friend class custom_bwd;
   bool casts_ = false;
   c10::ScalarType cpu_dtype_ = c10::kBFloat16, cuda_dtype_ = c10::kHalf;
   bool cache_ = true;

@@ -89,7 +89,10 @@ inline T set_opt_dtype(T arg) {
 }
 
 // True while the autograd engine runs a backward pass on this thread: amp
-// never casts there, so backward ops run in the dtypes forward recorded.
+// never casts there, so backward ops run in the dtypes forward recorded -
+// except inside a custom_bwd whose forward cast (custom_function.h), which
+// allows casts for its extent (nested counts).
 bool in_backward();
+void allow_casts_in_backward(bool allow);
 
 }  // namespace amp::detail

@@ -12,7 +12,15 @@ namespace amp::detail {
 // The autograd engine sets the current graph task on every thread that
 // executes a backward pass (the caller's thread for CPU, device threads for
 // CUDA) and clears it afterwards.
-bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+namespace {
+thread_local int t_backward_casts_allowed = 0;
+}  // namespace
+
+bool in_backward() {
+  return t_backward_casts_allowed == 0 && torch::autograd::get_current_graph_task_id() != -1;
+}
+
+void allow_casts_in_backward(bool allow) { t_backward_casts_allowed += allow ? 1 : -1; }
 
 void throw_banned(const OpBinding& binding) {
   const char* reason = binding.banned_because.load();
