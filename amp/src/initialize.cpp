@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <torch/nn/modules/embedding.h>
 #include <torch/optim.h>
 
 #include <mutex>
@@ -117,6 +118,23 @@ void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbo
   if (!note.empty()) detail::log_line("note: " + note);
 }
 
+// Sparse gradients are unscaled and checked at the levels that keep the model
+// fp32; the master-weight and low-precision paths are written for dense ones.
+void check_no_sparse_gradients(const std::vector<ModulePtr>& models, const Properties& p) {
+  if (!p.cast_model_type || *p.cast_model_type == c10::kFloat) return;
+  for (const auto& model : models) {
+    for (const auto& item : model->named_modules()) {
+      const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get());
+      const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get());
+      const bool sparse = (embedding && embedding->options.sparse()) || (bag && bag->options.sparse());
+      TORCH_CHECK(!sparse, "amp: module '", item.key().empty() ? model->name() : item.key(), "' (",
+                  item.value()->name(), " with sparse=true) produces sparse gradients, which amp "
+                  "supports at O0, O1 and O4 (the levels that keep the model float32), not at ",
+                  to_string(p.opt_level), ". Use O1, or sparse=false.");
+    }
+  }
+}
+
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
 // of 1, which never skips), marked disabled.
 Properties disabled_properties(c10::Device device) {
@@ -158,6 +176,7 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   const c10::Device device = common_device(models, optimizers);
   const Properties requested = resolve_properties(options.opt_level, options, device.type());
   const Properties properties = options.enabled ? requested : disabled_properties(device);
+  check_no_sparse_gradients(models, properties);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);
     warn_about_optimizer_eps(optimizers, properties, options.verbosity);

@@ -43,9 +43,21 @@ void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found
   // GradScaler computes 1/scale in double, then rounds once to float.
   const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;  // (device, index, dtype)
+  auto add = [&](const at::Tensor& t) {
+    groups[{static_cast<int>(t.device().type()), t.device().index(),
+            static_cast<int>(t.scalar_type())}].push_back(t);
+  };
   for (const auto& g : grads) {
-    groups[{static_cast<int>(g.device().type()), g.device().index(),
-            static_cast<int>(g.scalar_type())}].push_back(g);
+    if (!g.is_sparse()) {
+      add(g);
+      continue;
+    }
+    // Sparse (nn::Embedding with sparse=true): unscale the values in place.
+    // Duplicate indices are summed when the gradient is used; in float16 the
+    // sums can overflow where no value does, so GradScaler checks them too
+    // (here on a coalesced copy, unscaled and dropped).
+    add(g._values());
+    if (g.scalar_type() == at::kHalf && !g.is_coalesced()) add(g.coalesce()._values());
   }
   for (auto& [key, group] : groups) {
     const c10::Device device = group.front().device();

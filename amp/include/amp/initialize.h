@@ -27,7 +27,9 @@
 //     to) initialize;
 //   - a model wrapped in a data-parallel wrapper (wrap after initialize);
 //   - a model already converted by amp;
-//   - parameters on more than one device.
+//   - parameters on more than one device;
+//   - at O2/O3/O5, an Embedding or EmbeddingBag with sparse=true (sparse
+//     gradients are supported at O0, O1 and O4).
 // Warnings (stderr, verbosity >= 1): a model that is already low precision
 // when initialize converts it, or not float32 at O0; an optimizer (Adam,
 // AdamW, RMSprop, Adagrad) whose eps is 0 in the dtype it would update

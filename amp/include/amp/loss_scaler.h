@@ -57,7 +57,9 @@ class LossScaler {
 
   // Multiplies `grads` in place by 1/scale (computed in double, then float,
   // as GradScaler does) and sets `found_inf` (a 1-element float32 tensor on
-  // the scale's device) to 1 if any of them holds an inf or NaN.
+  // the scale's device) to 1 if any of them holds an inf or NaN. A sparse
+  // gradient has its values unscaled; in float16 the sums of its duplicate
+  // indices are checked too (on a coalesced copy), as GradScaler does.
   void unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
 
   // Updates the scale from `found_inf` without a host sync. Returns a
