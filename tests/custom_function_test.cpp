@@ -11,6 +11,16 @@ struct Seen {
 };
 Seen g_seen;
 
+// The gradients of mm(a, b) from the saved a and b, under custom_bwd.
+torch::autograd::variable_list matmul_backward(torch::autograd::AutogradContext* ctx,
+                                               const torch::autograd::variable_list& grads) {
+  custom_bwd bwd(ctx);
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor grad_a = grads[0].mm(saved[1].t());
+  g_seen.backward_mm = grad_a.scalar_type();
+  return {grad_a, saved[0].t().mm(grads[0])};
+}
+
 // forward: mm in float32 whatever amp does (cast_inputs = float32).
 struct Fp32Matmul : torch::autograd::Function<Fp32Matmul> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor a, at::Tensor b) {
@@ -25,11 +35,7 @@ struct Fp32Matmul : torch::autograd::Function<Fp32Matmul> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    custom_bwd bwd(ctx);
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor grad_a = grads[0].mm(saved[1].t());
-    g_seen.backward_mm = grad_a.scalar_type();
-    return {grad_a, saved[0].t().mm(grads[0])};
+    return matmul_backward(ctx, grads);
   }
 };
 
@@ -46,11 +52,7 @@ struct CastingMatmul : torch::autograd::Function<CastingMatmul> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    custom_bwd bwd(ctx);
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor grad_a = grads[0].mm(saved[1].t());
-    g_seen.backward_mm = grad_a.scalar_type();
-    return {grad_a, saved[0].t().mm(grads[0])};
+    return matmul_backward(ctx, grads);
   }
 };
 
