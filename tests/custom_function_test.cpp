@@ -11,6 +11,15 @@ struct Seen {
 };
 Seen g_seen;
 
+// mm(a, b), saving a and b; the dtypes are recorded in g_seen.
+at::Tensor matmul_forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+  ctx->save_for_backward({a, b});
+  const at::Tensor out = torch::mm(a, b);
+  g_seen.forward_inputs = a.scalar_type();
+  g_seen.forward_output = out.scalar_type();
+  return out;
+}
+
 // The gradients of mm(a, b) from the saved a and b, under custom_bwd.
 torch::autograd::variable_list matmul_backward(torch::autograd::AutogradContext* ctx,
                                                const torch::autograd::variable_list& grads) {
@@ -23,15 +32,9 @@ torch::autograd::variable_list matmul_backward(torch::autograd::AutogradContext*
 
 // forward: mm in float32 whatever amp does (cast_inputs = float32).
 struct Fp32Matmul : torch::autograd::Function<Fp32Matmul> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor a, at::Tensor b) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
     custom_fwd fwd(ctx, at::kFloat);
-    a = fwd.cast(a);
-    b = fwd.cast(b);
-    ctx->save_for_backward({a, b});
-    const at::Tensor out = torch::mm(a, b);
-    g_seen.forward_inputs = a.scalar_type();
-    g_seen.forward_output = out.scalar_type();
-    return out;
+    return matmul_forward(ctx, fwd.cast(a), fwd.cast(b));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -44,11 +47,7 @@ struct Fp32Matmul : torch::autograd::Function<Fp32Matmul> {
 struct CastingMatmul : torch::autograd::Function<CastingMatmul> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
     custom_fwd fwd(ctx);
-    ctx->save_for_backward({a, b});
-    const at::Tensor out = torch::mm(a, b);
-    g_seen.forward_inputs = a.scalar_type();
-    g_seen.forward_output = out.scalar_type();
-    return out;
+    return matmul_forward(ctx, a, b);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
