@@ -3,7 +3,9 @@
 // grad_scaler_peer.py) on the same model, data and injected inf/NaN
 // gradients. amp at O1 must give the same loss scale after every step, the
 // same skipped steps and bit-identical parameters, with SGD (momentum) and
-// with Adam.
+// with Adam: LibTorch's own step against GradScaler.step, and amp's fused
+// step against torch.amp's fused optimizers (SGD, Adam, AdamW with amsgrad),
+// where both skip on the device.
 #include "test_util.h"
 
 #include <cstdio>
@@ -103,12 +105,16 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
 
   PeerModel model(init);
   OptimizerPtr optimizer;
-  if (optimizer_name == "sgd") {
+  if (optimizer_name.rfind("sgd", 0) == 0) {
     optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  } else if (optimizer_name == "adamw_fused") {
+    optimizer = std::make_shared<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true));
   } else {
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
   }
   Options options = quiet(O1);
+  options.fused_step = optimizer_name.find("_fused") != std::string::npos;
   options.loss_scale = LossScale::Dynamic(kInitScale);
   options.dynamic_scaling.growth_interval = kGrowthInterval;
   Handle handle;
@@ -139,7 +145,8 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
   EXPECT_TRUE(BitEqual(params, read_raw(dir_ + "/peer_params", params.numel())));
 }
 
-INSTANTIATE_TEST_SUITE_P(Optimizers, GradScalerPeerTest, ::testing::Values("sgd", "adam"));
+INSTANTIATE_TEST_SUITE_P(Optimizers, GradScalerPeerTest,
+                         ::testing::Values("sgd", "adam", "sgd_fused", "adam_fused", "adamw_fused"));
 
 }  // namespace
 }  // namespace amp::testing

@@ -75,6 +75,16 @@ void GradientLifecycle::check_can_open(int loss_id, bool delay_unscale) const {
               "call zero_grad() before the first micro-batch of an accumulation.");
 }
 
+void GradientLifecycle::settle_before_guard() {
+  // Gradients kept from a pending step are discarded if it was skipped, so
+  // its outcome is needed now; without any, the guard need not wait.
+  const bool kept = holds_accumulated();
+  if (!kept) {
+    for (PendingStep& p : pending_) p.gradients_live = false;
+  }
+  settle(/*wait=*/kept);
+}
+
 void GradientLifecycle::open() {
   for (ParamSlot& s : slots_) {
     if (s.has_master()) s.scratch() = at::Tensor();
@@ -106,12 +116,14 @@ void GradientLifecycle::unwind() noexcept {
   in_guard_ = false;
 }
 
-bool GradientLifecycle::begin_step(torch::optim::Optimizer& optimizer) {
+GradientLifecycle::StepPlan GradientLifecycle::begin_step(torch::optim::Optimizer& optimizer,
+                                                          bool device_may_decide) {
   TORCH_CHECK(!in_guard_, "amp: optimizer->step() inside a live amp::scale_loss guard; end the "
               "guard's scope (it unscales the gradients) before stepping.");
   TORCH_CHECK(!scaled_by_, "amp: step() while gradients are still scaled by delay_unscale "
               "(loss_id ", scaled_by_.value_or(0), "); the last micro-batch's scale_loss must "
               "use delay_unscale=false so the accumulated gradients are unscaled and checked.");
+  settle(/*wait=*/false);
   adopt(optimizer);
   bool scratch = false;
   for (const ParamSlot& s : slots_) scratch = scratch || (s.has_master() && s.scratch().defined());
@@ -121,38 +133,102 @@ bool GradientLifecycle::begin_step(torch::optim::Optimizer& optimizer) {
               "steps: backward ran outside amp::scale_loss. With master weights (O2, O5) "
               "gradients reach the masters only through the guard; wrap backward in "
               "amp::scale_loss(loss, optimizer).");
+  StepPlan plan;
   if (!accumulated) {
     verdicts_.clear();  // nothing left that they judged; stepping changes nothing
-    return false;
+    return plan;
   }
-  bool skip = false;
+  bool unread = !verdicts_.empty();
+  for (const auto& v : verdicts_) unread = unread && !v->resolved;
+  if (device_may_decide && unread) {
+    plan.found_inf = combined_found_inf(verdicts_);
+    plan.verdicts = std::exchange(verdicts_, {});
+    return plan;
+  }
   try {
-    skip = read_verdicts(verdicts_);
+    plan.skip = read_verdicts(verdicts_);
   } catch (...) {  // an overflow at the floor with AtFloor::kRaise: the step is skipped
     verdicts_.clear();
-    end_step(/*skipped=*/true);
+    StepPlan skipped;
+    skipped.skip = true;
+    end_step(std::move(skipped));
     throw;
   }
   verdicts_.clear();
-  return skip;
+  return plan;
 }
 
-void GradientLifecycle::end_step(bool skipped) {
-  last_step_skipped_ = skipped;
-  if (skipped) ++skipped_steps_;
-  if (!master_weights_ && !skipped) return;
-  if (master_weights_ && !skipped) {  // masters into the model, one fused copy per model dtype
-    std::map<at::ScalarType, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_dtype;
-    for (const ParamSlot& s : slots_) {
-      if (!s.has_master()) continue;
-      auto& [models, masters] = by_dtype[s.model.scalar_type()];
-      models.push_back(s.model);
-      masters.push_back(s.master);
+void GradientLifecycle::end_step(StepPlan plan) {
+  if (plan.found_inf.defined()) {
+    // The kernel left the masters as they were if it skipped: copying them
+    // rewrites the model's identical values.
+    copy_masters_to_model();
+    if (master_weights_) {
+      for (ParamSlot& s : slots_) s.accumulator() = at::Tensor();
     }
-    at::NoGradGuard no_grad;
-    for (auto& [dtype, lists] : by_dtype) at::_foreach_copy_(lists.first, lists.second);
+    pending_.push_back({DeferredVerdicts(std::move(plan.verdicts)), !master_weights_});
+    settle(/*wait=*/false);
+    return;
   }
-  for (ParamSlot& s : slots_) s.accumulator() = at::Tensor();
+  if (!plan.skip) copy_masters_to_model();
+  record_outcome(plan.skip, /*gradients_live=*/true);
+  if (master_weights_) {
+    for (ParamSlot& s : slots_) s.accumulator() = at::Tensor();
+  }
+}
+
+void GradientLifecycle::settle(bool wait) {
+  // A GPU run queues at most this many steps before waiting for the oldest.
+  constexpr size_t kMostPending = 2;
+  while (!pending_.empty() &&
+         (wait || pending_.front().verdicts.ready() || pending_.size() > kMostPending)) {
+    PendingStep step = std::move(pending_.front());
+    pending_.pop_front();
+    bool skipped = true;
+    try {
+      skipped = step.verdicts.resolve();
+    } catch (...) {  // an overflow at the floor with AtFloor::kRaise: the step was skipped
+      record_outcome(true, step.gradients_live);
+      if (on_settle_) on_settle_(true);
+      throw;
+    }
+    record_outcome(skipped, step.gradients_live);
+    if (on_settle_) on_settle_(skipped);
+  }
+}
+
+void GradientLifecycle::record_outcome(bool skipped, bool gradients_live) {
+  last_step_skipped_ = skipped;
+  if (skipped) {
+    ++skipped_steps_;
+    if (gradients_live) {
+      for (ParamSlot& s : slots_) s.accumulator() = at::Tensor();
+    }
+  }
+}
+
+void GradientLifecycle::copy_masters_to_model() {
+  if (!master_weights_) return;
+  // One fused copy per model dtype.
+  std::map<at::ScalarType, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_dtype;
+  for (const ParamSlot& s : slots_) {
+    if (!s.has_master()) continue;
+    auto& [models, masters] = by_dtype[s.model.scalar_type()];
+    models.push_back(s.model);
+    masters.push_back(s.master);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [dtype, lists] : by_dtype) at::_foreach_copy_(lists.first, lists.second);
+}
+
+int64_t GradientLifecycle::skipped_steps() {
+  settle(/*wait=*/true);
+  return skipped_steps_;
+}
+
+bool GradientLifecycle::last_step_skipped() {
+  settle(/*wait=*/true);
+  return last_step_skipped_;
 }
 
 }  // namespace amp::detail

@@ -26,7 +26,7 @@
 //   optimizer->zero_grad() cleared (LibTorch)              -           dropped at the next
 //                                                                      guard or step (2)
 //   step()                 stepped, or kept unchanged      -           read (one host sync),
-//                          after an overflow verdict;                  then cleared
+//                          after an overflow verdict;                  then cleared; or (6)
 //                          then cleared if skipped (4),
 //                          and with master weights (5)
 //
@@ -51,6 +51,12 @@
 //     after this optimizer's step (a later loss whose guard also lists this
 //     optimizer) survive model->zero_grad(), which cannot reach masters;
 //     optimizer->zero_grad() clears them.
+// (6) A fused optimizer (fused_step.h) decides on the device instead: the
+//     verdicts' flag goes to its kernel and the step is "pending" until
+//     their values reach the host (DeferredVerdicts; on the CPU at once).
+//     settle() then counts and logs it, and for a skipped step clears the
+//     gradients (4) unless a guard has opened since: a guard opening over
+//     gradients kept from a pending step waits for its outcome first.
 #pragma once
 
 #include "overflow_verdict.h"
@@ -58,6 +64,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -96,10 +104,14 @@ class GradientLifecycle {
   std::shared_ptr<Context> context() const { return context_.lock(); }
   bool master_weights() const { return master_weights_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
-  int64_t skipped_steps() const { return skipped_steps_; }
-  bool last_step_skipped() const { return last_step_skipped_; }
+  // Both wait for pending steps' outcomes (a host sync on a GPU when they
+  // have not arrived yet).
+  int64_t skipped_steps();
+  bool last_step_skipped();
 
   // --- scale_loss guards -----------------------------------------------------
+  // Learns what a guard opening now must know of pending steps (6).
+  void settle_before_guard();
   // Throws, changing nothing, when a guard for `loss_id` cannot open now.
   void check_can_open(int loss_id, bool delay_unscale) const;
   void open();
@@ -113,14 +125,33 @@ class GradientLifecycle {
   void unwind() noexcept;
 
   // --- step() -----------------------------------------------------------------
-  // Checks and reads the verdicts; true when the step must be skipped.
-  bool begin_step(torch::optim::Optimizer& optimizer);
-  // After the wrapped optimizer stepped (or not): copies masters into the
-  // model, and with master weights consumes the gradients.
-  void end_step(bool skipped);
+  struct StepPlan {
+    bool skip = false;      // decided on the host: do not step
+    at::Tensor found_inf;   // defined: the device decides (combined_found_inf)
+    Verdicts verdicts;      // what found_inf combines
+  };
+  // Checks the state and decides. With `device_may_decide` (the optimizer
+  // can step fused) and only unread verdicts, the plan carries their flag
+  // and nothing is read on the host; otherwise the verdicts are read.
+  StepPlan begin_step(torch::optim::Optimizer& optimizer, bool device_may_decide);
+  // After the optimizer stepped (or not): copies masters into the model, and
+  // with master weights consumes the gradients. A device-decided step stays
+  // pending until settle() learns its outcome.
+  void end_step(StepPlan plan);
+  // Learns the outcome of pending steps whose verdicts reached the host, or
+  // with `wait`, of all of them; calls `on_settle` for each, oldest first.
+  void settle(bool wait);
+  bool has_pending() const { return !pending_.empty(); }
+  void on_settle(std::function<void(bool skipped)> fn) { on_settle_ = std::move(fn); }
 
  private:
+  struct PendingStep {
+    DeferredVerdicts verdicts;
+    bool gradients_live;  // the accumulators are still this step's
+  };
   bool holds_accumulated() const;
+  void record_outcome(bool skipped, bool gradients_live);
+  void copy_masters_to_model();
 
   std::weak_ptr<Context> context_;
   bool master_weights_;
@@ -129,6 +160,8 @@ class GradientLifecycle {
   bool in_guard_ = false;
   std::optional<int> scaled_by_;  // delay_unscale accumulation in progress
   Verdicts verdicts_;
+  std::deque<PendingStep> pending_;
+  std::function<void(bool skipped)> on_settle_;
   int64_t skipped_steps_ = 0;
   bool last_step_skipped_ = false;
 };

@@ -200,7 +200,7 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   for (auto& optimizer : optimizers) {
     g_wrapped_optimizers.push_back(optimizer);
     wrapped.push_back(std::make_shared<MixedPrecisionOptimizer>(
-        optimizer, properties.master_weights, fp32_originals, context));
+        optimizer, properties.master_weights, fp32_originals, context, options.fused_step));
   }
   if (options.verbosity >= 1) std::cerr << describe(properties);
   return wrapped;

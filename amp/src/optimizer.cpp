@@ -2,6 +2,7 @@
 
 #include <amp/casting_scope.h>
 
+#include "fused_step.h"
 #include "gradient_lifecycle.h"
 #include "optimizer_state_load.h"
 
@@ -51,11 +52,13 @@ bool has_learning_rate(const torch::optim::OptimizerOptions& options) {
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(
     std::shared_ptr<torch::optim::Optimizer> wrapped, bool master_weights,
     const std::vector<std::pair<at::Tensor, at::Tensor>>& fp32_originals,
-    std::shared_ptr<detail::Context> context)
+    std::shared_ptr<detail::Context> context, bool fused_step)
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                               wrapped->defaults().clone()),
       wrapped_(std::move(wrapped)),
-      lifecycle_(std::make_unique<detail::GradientLifecycle>(context, master_weights)) {
+      lifecycle_(std::make_unique<detail::GradientLifecycle>(context, master_weights)),
+      fused_(fused_step ? detail::FusedStep::make(*wrapped_) : nullptr) {
+  lifecycle_->on_settle([this](bool skipped) { fused_->settle(skipped, state_); });
   param_groups_ = std::move(wrapped_->param_groups());
   state_ = std::move(wrapped_->state());
   wrapped_->state().clear();
@@ -133,16 +136,29 @@ at::Tensor MixedPrecisionOptimizer::step(LossClosure closure) {
   // The optimizer's math runs on fp32 masters or the model's own dtypes: no
   // per-op casting (Apex disables casts around step too).
   disable_casts no_casts;
-  const bool skip = lifecycle_->begin_step(*this);
-  if (!skip) run_wrapped([&] { wrapped_->step(); });
-  lifecycle_->end_step(skip);
+  if (fused_ && fused_->awaits_outcome()) lifecycle_->settle(/*wait=*/true);
+  const bool device_may_decide = fused_ && fused_->suits(param_groups_, state_);
+  auto plan = lifecycle_->begin_step(*this, device_may_decide);
+  if (plan.found_inf.defined()) {
+    fused_->step(param_groups_, state_, plan.found_inf);
+  } else if (!plan.skip) {
+    settle_fused_steps();  // the wrapped step reads and counts the state's steps
+    run_wrapped([&] { wrapped_->step(); });
+    if (fused_) fused_->reset();
+  }
+  lifecycle_->end_step(std::move(plan));
   return {};
+}
+
+void MixedPrecisionOptimizer::settle_fused_steps() const {
+  if (lifecycle_->has_pending()) lifecycle_->settle(/*wait=*/true);
 }
 
 // Master weights are saved with the optimizer: reloading them (instead of
 // rebuilding them from the rounded model) is what keeps a resumed O2 run
 // bit-identical - Apex's "loss spike after reload".
 void MixedPrecisionOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  settle_fused_steps();
   run_wrapped([&] { wrapped_->save(archive); });
   if (!lifecycle_->master_weights()) return;
   torch::serialize::OutputArchive masters(archive.compilation_unit());
@@ -154,6 +170,7 @@ void MixedPrecisionOptimizer::save(torch::serialize::OutputArchive& archive) con
 }
 
 void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
+  settle_fused_steps();
   lifecycle_->adopt(*this);
   const auto& slots = lifecycle_->slots();
   std::vector<std::pair<size_t, at::Tensor>> masters;
@@ -172,6 +189,7 @@ void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
     }
   }
   run_wrapped([&] { detail::load_optimizer_state(*wrapped_, archive); });
+  if (fused_) fused_->reset();
   at::NoGradGuard no_grad;
   for (const auto& [i, value] : masters) {
     slots[i].master.copy_(value);

@@ -6,6 +6,7 @@
 #include "log.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -39,29 +40,35 @@ void log_overflow(const OverflowVerdict& v) {
   log_line(line.str());
 }
 
-}  // namespace
+// Resolves the verdicts `which` indexes in `verdicts` from `values`, three
+// floats each in that order (verdicts resolved meanwhile are left alone).
+void resolve_from(const Verdicts& verdicts, const std::vector<size_t>& which, const float* values) {
+  for (size_t k = 0; k < which.size(); ++k) {
+    OverflowVerdict& v = *verdicts[which[k]];
+    if (v.resolved) continue;
+    v.overflow = values[3 * k] > 0;
+    v.scale_before = values[3 * k + 1];
+    v.scale_after = values[3 * k + 2];
+    v.resolved = true;
+    v.snapshot = at::Tensor();
+    log_overflow(v);
+  }
+}
 
-bool read_verdicts(const Verdicts& verdicts) {
-  std::vector<at::Tensor> unread;
-  for (const auto& v : verdicts) {
-    if (!v->resolved) unread.push_back(v->snapshot);
+// Unresolved verdicts' indices and their snapshots, concatenated.
+std::pair<std::vector<size_t>, at::Tensor> unresolved(const Verdicts& verdicts) {
+  std::vector<size_t> which;
+  std::vector<at::Tensor> snapshots;
+  for (size_t i = 0; i < verdicts.size(); ++i) {
+    if (verdicts[i]->resolved) continue;
+    which.push_back(i);
+    snapshots.push_back(verdicts[i]->snapshot);
   }
-  if (!unread.empty()) {
-    const at::Tensor host = at::cat(unread).cpu();  // the one host sync of the step
-    g_host_reads.fetch_add(1, std::memory_order_relaxed);
-    const float* values = host.data_ptr<float>();
-    size_t k = 0;
-    for (const auto& v : verdicts) {
-      if (v->resolved) continue;
-      v->overflow = values[3 * k] > 0;
-      v->scale_before = values[3 * k + 1];
-      v->scale_after = values[3 * k + 2];
-      v->resolved = true;
-      v->snapshot = at::Tensor();
-      ++k;
-      log_overflow(*v);
-    }
-  }
+  return {which, snapshots.empty() ? at::Tensor() : at::cat(snapshots)};
+}
+
+// Whether resolved `verdicts` skip the step.
+bool judge(const Verdicts& verdicts) {
   bool skip = false;
   for (const auto& v : verdicts) {
     skip = skip || v->overflow;
@@ -75,6 +82,50 @@ bool read_verdicts(const Verdicts& verdicts) {
                 "AtFloor::kHold to keep skipping instead. This step was skipped.");
   }
   return skip;
+}
+
+}  // namespace
+
+bool read_verdicts(const Verdicts& verdicts) {
+  const auto [which, snapshots] = unresolved(verdicts);
+  if (!which.empty()) {
+    const at::Tensor host = snapshots.cpu();  // the one host sync of the step
+    g_host_reads.fetch_add(1, std::memory_order_relaxed);
+    resolve_from(verdicts, which, host.data_ptr<float>());
+  }
+  return judge(verdicts);
+}
+
+at::Tensor combined_found_inf(const Verdicts& verdicts) {
+  std::vector<at::Tensor> flags;
+  for (const auto& v : verdicts) flags.push_back(v->snapshot.narrow(0, 0, 1));
+  const at::Tensor any = flags.size() == 1 ? flags[0] : at::cat(flags).amax(0, /*keepdim=*/true);
+  return any.clamp_max(1.0);
+}
+
+DeferredVerdicts::DeferredVerdicts(Verdicts verdicts) : verdicts_(std::move(verdicts)) {
+  auto [which, snapshots] = unresolved(verdicts_);
+  copied_ = std::move(which);
+  if (copied_.empty() || snapshots.is_cpu()) {
+    host_ = snapshots;
+    return;
+  }
+  host_ = at::empty(snapshots.sizes(), snapshots.options().device(at::kCPU).pinned_memory(true));
+  host_.copy_(snapshots, /*non_blocking=*/true);
+  const c10::impl::VirtualGuardImpl device(snapshots.device().type());
+  arrived_.emplace(snapshots.device().type());
+  arrived_->record(device.getStream(snapshots.device()));
+}
+
+bool DeferredVerdicts::ready() const { return !arrived_ || arrived_->query(); }
+
+bool DeferredVerdicts::resolve() {
+  if (!ready()) {
+    arrived_->synchronize();
+    g_host_reads.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!copied_.empty()) resolve_from(verdicts_, copied_, host_.data_ptr<float>());
+  return judge(verdicts_);
 }
 
 int64_t verdict_host_reads() { return g_host_reads.load(std::memory_order_relaxed); }

@@ -1,16 +1,22 @@
-// Private: the overflow verdict of one scale_loss guard, and the one host
-// read per step that turns queued verdicts into a skip decision.
+// Private: the overflow verdict of one scale_loss guard, and how the host
+// learns it.
 //
 // A guard that unscales gradients updates its loss scaler on the device and
 // leaves a verdict: a 3-element device snapshot [found_inf, scale before,
 // scale after]. Nothing is read on the host then. The optimizers the guard
-// covered queue the verdict; their next step() reads every queued verdict in
-// one host sync (read_verdicts) and is skipped if any says overflow.
+// covered queue the verdict. At their next step() either
+//   - the host reads every queued verdict in one host sync (read_verdicts)
+//     and skips the step if any says overflow, or
+//   - a fused optimizer kernel takes the overflow flag and skips on the
+//     device; the verdicts then travel to the host without blocking
+//     (DeferredVerdicts) and are logged and counted once they arrive.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace amp::detail {
@@ -35,7 +41,32 @@ using Verdicts = std::vector<std::shared_ptr<OverflowVerdict>>;
 // floor and AtFloor::kRaise (the verdicts are resolved either way).
 bool read_verdicts(const Verdicts& verdicts);
 
-// The number of host reads read_verdicts has made (amp::host_syncs()).
+// The overflow flag of unresolved `verdicts` for a fused optimizer kernel:
+// a 1-element float32 tensor on their device, exactly 1 when any overflowed
+// and 0 otherwise (the kernels skip only on exactly 1; an all-reduced flag
+// can be larger). No host read.
+at::Tensor combined_found_inf(const Verdicts& verdicts);
+
+// Verdicts of a step the device decided, on their way to the host: the
+// copy starts without blocking and resolve() reads it once it arrived.
+class DeferredVerdicts {
+ public:
+  explicit DeferredVerdicts(Verdicts verdicts);
+  // Whether the values reached the host (always, for verdicts on the CPU).
+  bool ready() const;
+  // Resolves the verdicts as read_verdicts does (logs, the at-floor error)
+  // and returns whether the step was skipped. Waits for the copy if it has
+  // not arrived: that wait is a host sync and is counted.
+  bool resolve();
+
+ private:
+  Verdicts verdicts_;
+  std::vector<size_t> copied_;  // indices into verdicts_ whose snapshots host_ holds
+  at::Tensor host_;
+  std::optional<c10::Event> arrived_;  // recorded after the copy (GPU only)
+};
+
+// The number of host syncs made to learn verdicts (amp::host_syncs()).
 int64_t verdict_host_reads();
 
 }  // namespace amp::detail

@@ -50,6 +50,7 @@ scale_loss::scale_loss(const at::Tensor& loss,
   bool any_masters = false;
   for (const auto& optimizer : optimizers) {  // validate everything before changing anything
     detail::GradientLifecycle& lifecycle = lifecycle_for_guard(optimizer, *context);
+    lifecycle.settle_before_guard();
     lifecycle.check_can_open(options.loss_id, options.delay_unscale);
     any_masters = any_masters || lifecycle.master_weights();
     lifecycles_.push_back(&lifecycle);

@@ -75,8 +75,16 @@ def main():
     x = read(directory, "x", (steps, 32, 8))
     t = read(directory, "t", (steps, 32, 4))
     params = [w1, b1, w2, b2]
+    # "_fused": torch.amp's zero-sync path, the optimizer's fused kernel taking
+    # GradScaler's scale and overflow flag.
     if optimizer_name == "sgd":
         optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    elif optimizer_name == "sgd_fused":
+        optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+    elif optimizer_name == "adam_fused":
+        optimizer = torch.optim.Adam(params, lr=1e-2, fused=True)
+    elif optimizer_name == "adamw_fused":
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, amsgrad=True, fused=True)
     else:
         optimizer = LibTorchAdam(params, lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)

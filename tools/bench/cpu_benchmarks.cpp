@@ -6,7 +6,9 @@
 //      sequence by hand vs a naive per-tensor loop with a host sync each;
 //   3. O2 master-weight step cost: amp vs the same fused ATen sequence by hand,
 //      with the number of foreach/_amp_ calls per step;
-//   4. peak memory of one Fashion-MNIST CNN training step at O0-O3.
+//   4. peak memory of one Fashion-MNIST CNN training step at O0-O3;
+//   5. Adam step with overflow check: amp's fused step vs amp with LibTorch's
+//      own step vs the same sequences by hand, with host syncs per step.
 #include <amp/amp.h>
 
 #include "bench_util.h"
@@ -27,7 +29,7 @@
 ABSL_FLAG(int, repetitions, 15, "repetitions per measurement (the median is reported)");
 ABSL_FLAG(int, calls, 20000, "op calls per dispatch measurement");
 ABSL_FLAG(int, scaler_params, 200, "parameter tensors in the scaler benchmarks");
-ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory");
+ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory, fused");
 
 namespace {
 
@@ -129,7 +131,9 @@ void scaler_cost() {
   {
     amp::Handle handle;
     amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
-    auto [models, optimizers] = handle.initialize({}, {optimizer}, quiet(amp::O1));
+    amp::Options options = quiet(amp::O1);
+    options.fused_step = false;  // the scaler's cost around LibTorch's own step (section 5: fused)
+    auto [models, optimizers] = handle.initialize({}, {optimizer}, options);
     optimizer = optimizers[0];
     const int64_t syncs_before = amp::host_syncs();
     for (int r = 0; r < reps; ++r) {
@@ -220,6 +224,7 @@ void master_cost() {
     amp::Handle handle;
     amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
     amp::Options options = quiet(amp::O2);
+    options.fused_step = false;  // as the hand-written sequence: a host read, then LibTorch's SGD
     auto [models, optimizers] = handle.initialize({}, {optimizer}, options);
     optimizer = optimizers[0];
     for (int r = 0; r < reps; ++r) {
@@ -348,6 +353,97 @@ void peak_memory() {
 
 }  // namespace
 
+// --- 5. Fused optimizer step ---------------------------------------------------
+
+void fused_step_cost() {
+  const int n = absl::GetFlag(FLAGS_scaler_params), reps = absl::GetFlag(FLAGS_repetitions) * 20;
+  auto params = make_params(n);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(torch::randn_like(p) * 1e-3);
+  const auto loss = torch::tensor(1.0f);
+  // Hand-written: the scaler's ATen calls, then Adam - fused on the device
+  // flag, or LibTorch's own Adam after reading it.
+  at::Tensor scale = torch::full({1}, 65536.0f), tracker = torch::zeros({1}, at::kInt);
+  auto check_and_update = [&] {
+    auto found_inf = torch::zeros({1});
+    std::vector<at::Tensor> g;
+    for (const auto& p : params) g.push_back(p.grad());
+    at::_amp_foreach_non_finite_check_and_unscale_(g, found_inf, scale.reciprocal());
+    at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
+    return found_inf;
+  };
+  std::vector<at::Tensor> exp_avgs, exp_avg_sqs, steps;
+  for (const auto& p : params) {
+    exp_avgs.push_back(torch::zeros_like(p));
+    exp_avg_sqs.push_back(torch::zeros_like(p));
+    steps.push_back(torch::zeros({}));
+  }
+  torch::optim::Adam own_adam(params, 1e-3);
+  auto hand_fused = [&] {
+    assign_grads(params, grads);
+    const auto found_inf = check_and_update();
+    at::NoGradGuard no_grad;
+    at::_foreach_add_(steps, (1 - found_inf).reshape({}));
+    std::vector<at::Tensor> g;
+    for (const auto& p : params) g.push_back(p.grad());
+    at::_fused_adam_(params, g, exp_avgs, exp_avg_sqs, {}, steps, 1e-3, 0.9, 0.999, 0, 1e-8, false, false,
+                     std::nullopt, found_inf);
+  };
+  auto hand_own = [&] {
+    assign_grads(params, grads);
+    if (check_and_update().item<float>() == 0) own_adam.step();  // the host sync
+  };
+  auto zero = [&] { own_adam.zero_grad(); };
+  // amp's two variants cannot be initialized at once: each runs interleaved
+  // with the baseline and the hand-written fused sequence, and its ratio is
+  // to that phase's hand-written figure.
+  struct Phase {
+    double ratio, us, syncs_per_step;
+  };
+  std::vector<double> base, by_hand_fused, by_hand_own;
+  auto phase = [&](bool fused) {
+    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(params, 1e-3);
+    amp::Handle handle;
+    amp::Options options = quiet(amp::O1);
+    options.fused_step = fused;
+    optimizer = handle.initialize({}, {optimizer}, options).second[0];
+    std::vector<double> phase_base, phase_hand, amp_t;
+    int64_t syncs = 0;
+    for (int r = 0; r < reps; ++r) {
+      phase_base.push_back(bench::ns_once(zero, [&] { assign_grads(params, grads); }));
+      const int64_t before = amp::host_syncs();
+      amp_t.push_back(bench::ns_once([&] { optimizer->zero_grad(); }, [&] {
+        {
+          amp::scale_loss scaled(loss, optimizer);
+          assign_grads(params, grads);  // stands in for backward
+        }
+        optimizer->step();
+      }));
+      syncs += amp::host_syncs() - before;
+      phase_hand.push_back(bench::ns_once(zero, hand_fused));
+      if (fused) by_hand_own.push_back(bench::ns_once(zero, hand_own));
+    }
+    base.insert(base.end(), phase_base.begin(), phase_base.end());
+    by_hand_fused.insert(by_hand_fused.end(), phase_hand.begin(), phase_hand.end());
+    const double b = median(phase_base);
+    return Phase{(median(amp_t) - b) / (median(phase_hand) - b), (median(amp_t) - b) / 1e3,
+                 static_cast<double>(syncs) / reps};
+  };
+  const Phase fused = phase(true), own = phase(false);
+  const double b = median(base), h = median(by_hand_fused) - b;
+  std::printf("\n5. Adam step with overflow check, %d fp32 tensors of 64x64 (median of %d steps, the %.0f us "
+              "gradient copy common to all removed)\n", n, reps, b / 1e3);
+  std::printf("| variant | us/step | ratio to hand-written fused | host syncs/step |\n|---|---:|---:|---:|\n");
+  auto row = [&](const char* name, const std::vector<double>& t, double syncs) {
+    std::printf("| %s | %.1f | %.2f | %.0f |\n", name, (median(t) - b) / 1e3, (median(t) - b) / h, syncs);
+  };
+  std::printf("| amp, fused step (default) | %.1f | %.2f | %.0f |\n", fused.us, fused.ratio, fused.syncs_per_step);
+  std::printf("| amp, LibTorch's own step (fused_step = false) | %.1f | %.2f | %.0f |\n", own.us, own.ratio,
+              own.syncs_per_step);
+  row("hand-written: _amp_ calls + _fused_adam_ on the flag", by_hand_fused, 0);
+  row("hand-written: _amp_ calls + host read + torch::optim::Adam", by_hand_own, 1);
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("amp CPU benchmarks: dispatch overhead, scaler cost, O2 step, memory.");
   absl::ParseCommandLine(argc, argv);
@@ -361,5 +457,6 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "scaler") scaler_cost();
   if (only.empty() || only == "master") master_cost();
   if (only.empty() || only == "memory") peak_memory();
+  if (only.empty() || only == "fused") fused_step_cost();
   return 0;
 }

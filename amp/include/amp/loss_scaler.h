@@ -36,8 +36,12 @@
 
 namespace amp {
 
-// How many times amp has read device values on the host to decide whether a
-// step is skipped (at most once per optimizer step). Monotonic.
+// How many times the host has waited for the device to learn whether a step
+// is skipped: once per step() of an optimizer that runs its own step after
+// reading the verdict; never for a fused step (optimizer.h), whose kernel
+// decides on the device, unless its outcome is asked for before it reached
+// the host (last_step_skipped, skipped_steps, a checkpoint; on a GPU only).
+// Monotonic.
 int64_t host_syncs();
 
 class LossScaler {

@@ -5,7 +5,12 @@
 // It takes over the wrapped optimizer's parameter groups and state and runs
 // the wrapped optimizer's own algorithm on them. On top it
 //   - skips step() after a gradient overflow (parameters and optimizer state
-//     stay bit-identical), deciding with one host read per step;
+//     stay bit-identical). For torch::optim::Adam, AdamW and SGD with fp32
+//     parameters or masters it steps with ATen's fused kernels, which take
+//     the overflow flag and skip on the device: no host sync per step
+//     (Options::fused_step; values agree with LibTorch's own step within a
+//     few float32 roundings per step). Other optimizers run their own step
+//     after one host read per step decided it;
 //   - with master weights (O2/O5), keeps a float32 master for every
 //     low-precision parameter: param_groups() hold the masters, the optimizer
 //     state lives on them, and after each step they are copied back into the
@@ -52,6 +57,7 @@ namespace amp {
 
 namespace detail {
 class Context;
+class FusedStep;
 class GradientLifecycle;
 GradientLifecycle& lifecycle_of(const torch::optim::Optimizer& optimizer);
 }  // namespace detail
@@ -67,10 +73,11 @@ class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
   // Made by amp::initialize. `fp32_originals` pairs converted model
   // parameters with their float32 values (from convert_model); with
   // `master_weights`, those become the masters and every other low-precision
-  // parameter gets a float32 copy.
+  // parameter gets a float32 copy. `fused_step`: step Adam, AdamW and SGD
+  // with the fused kernels where they apply.
   MixedPrecisionOptimizer(std::shared_ptr<torch::optim::Optimizer> wrapped, bool master_weights,
                           const std::vector<std::pair<at::Tensor, at::Tensor>>& fp32_originals,
-                          std::shared_ptr<detail::Context> context);
+                          std::shared_ptr<detail::Context> context, bool fused_step = true);
   ~MixedPrecisionOptimizer() override;
 
   at::Tensor step(LossClosure closure = nullptr) override;
@@ -90,9 +97,13 @@ class MixedPrecisionOptimizer final : public torch::optim::Optimizer {
   template <class Fn>
   void run_wrapped(Fn&& fn) const;
   void sync_learning_rates();
+  // Waits for the outcome of fused steps the device decided, so that the
+  // state's step counts are current.
+  void settle_fused_steps() const;
 
   std::shared_ptr<torch::optim::Optimizer> wrapped_;
   std::unique_ptr<detail::GradientLifecycle> lifecycle_;
+  std::unique_ptr<detail::FusedStep> fused_;  // null: the wrapped optimizer's own step
   // Each group's learning rate when last synced; empty when the options
   // have no learning rate (OptimizerOptions::get_lr not implemented).
   std::vector<double> synced_lrs_;
@@ -111,6 +122,8 @@ int64_t skipped_steps(const torch::optim::Optimizer& optimizer);
 // Advance an LR scheduler only when it was not:
 //   optimizer->step();
 //   if (!amp::last_step_skipped(*optimizer)) scheduler.step();
+// After a fused step on a GPU both wait for the device's decision (a host
+// sync, counted by amp::host_syncs()); ask only where the answer is needed.
 bool last_step_skipped(const torch::optim::Optimizer& optimizer);
 
 }  // namespace amp

@@ -1,0 +1,377 @@
+// The fused optimizer step (Options::fused_step): torch::optim::Adam, AdamW
+// and SGD stepped by ATen's fused kernels, which skip overflowed steps on
+// the device. Checked against LibTorch's own step (fused_step = false) on
+// the same loop: values within the documented tolerance, skipped steps
+// bit-identical, no host sync per step, state and checkpoints LibTorch's.
+#include "test_util.h"
+
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace amp::testing {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int kSteps = 8;
+
+using MakeOptimizer = std::function<OptimizerPtr(const std::vector<at::Tensor>&)>;
+
+struct OptimizerCase {
+  const char* name;
+  MakeOptimizer make;
+};
+
+const std::vector<OptimizerCase>& optimizer_cases() {
+  using namespace torch::optim;
+  static const std::vector<OptimizerCase> cases = {
+      {"Adam", [](const auto& p) { return std::make_shared<Adam>(p, AdamOptions(1e-2)); }},
+      {"AdamWeightDecayAmsgrad",
+       [](const auto& p) { return std::make_shared<Adam>(p, AdamOptions(1e-2).weight_decay(0.1).amsgrad(true)); }},
+      {"AdamW", [](const auto& p) { return std::make_shared<AdamW>(p, AdamWOptions(1e-2)); }},
+      {"AdamWAmsgrad",
+       [](const auto& p) { return std::make_shared<AdamW>(p, AdamWOptions(1e-2).weight_decay(0.3).amsgrad(true)); }},
+      {"Sgd", [](const auto& p) { return std::make_shared<SGD>(p, SGDOptions(0.1)); }},
+      {"SgdMomentumDampening",
+       [](const auto& p) { return std::make_shared<SGD>(p, SGDOptions(0.1).momentum(0.9).dampening(0.25)); }},
+      {"SgdNesterovWeightDecay",
+       [](const auto& p) {
+         return std::make_shared<SGD>(p, SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01));
+       }},
+  };
+  return cases;
+}
+
+// Every state tensor, step counts as tensors, in parameter order.
+std::vector<at::Tensor> state_of(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      const auto* s = it->second.get();
+      if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
+        out.push_back(sgd->momentum_buffer());
+      } else if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
+        out.insert(out.end(), {torch::tensor(adam->step()), adam->exp_avg(), adam->exp_avg_sq()});
+        if (adam->max_exp_avg_sq().defined()) out.push_back(adam->max_exp_avg_sq());
+      } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
+        out.insert(out.end(), {torch::tensor(adamw->step()), adamw->exp_avg(), adamw->exp_avg_sq()});
+        if (adamw->max_exp_avg_sq().defined()) out.push_back(adamw->max_exp_avg_sq());
+      }  // other optimizers' state is not compared here
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.detach().clone());
+  return out;
+}
+
+// The documented tolerance: the kernels order float32 arithmetic differently
+// from LibTorch's step, a few roundings per step. Over these 8 steps the
+// largest difference seen is 1.2e-7 (Adam, SGD with momentum); plain SGD and
+// AdamW happen to agree bit for bit.
+::testing::AssertionResult Close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].sizes() != b[i].sizes() || a[i].scalar_type() != b[i].scalar_type()) {
+      return ::testing::AssertionFailure() << "tensor " << i << " differs in shape or dtype";
+    }
+    if (!torch::allclose(a[i].to(at::kDouble), b[i].to(at::kDouble), /*rtol=*/1e-6, /*atol=*/1e-7)) {
+      return ::testing::AssertionFailure() << "tensor " << i << ": max |a-b| = "
+                                           << (a[i].to(at::kDouble) - b[i].to(at::kDouble)).abs().max().item<double>();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult AllBitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (auto r = BitEqual(a[i], b[i]); !r) return r << " (tensor " << i << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct StepRecord {
+  std::vector<at::Tensor> stepped;  // master_params after the step
+  std::vector<at::Tensor> model;    // the model's parameters after the step
+  std::vector<at::Tensor> state;
+  bool skipped;
+  int64_t host_syncs;
+};
+
+struct Loop {
+  OptLevel level = O1;
+  bool fused = true;
+  std::set<int> overflow_at;  // steps whose gradients get an inf
+  int steps = kSteps;
+};
+
+// A regression loop with a learning rate changed every step (as a scheduler
+// would), recording everything after each step.
+std::vector<StepRecord> train(const OptimizerCase& opt, const Loop& loop) {
+  torch::manual_seed(0);
+  TinyNet model;
+  OptimizerPtr optimizer = opt.make(model->parameters());
+  Handle handle;
+  Options options = loop.level;
+  options.verbosity = 0;
+  // O4/O5 default to a static scale of 1 (bfloat16), where nothing is
+  // skipped and LibTorch's own step runs; a dynamic scale brings the fused
+  // step in.
+  options.loss_scale = LossScale::Dynamic();
+  options.fused_step = loop.fused;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const double lr = optimizer->param_groups()[0].options().get_lr();
+  torch::manual_seed(1);
+  std::vector<StepRecord> records;
+  for (int step = 0; step < loop.steps; ++step) {
+    const auto x = torch::randn({16, 8}), y = torch::randn({16, 4});
+    optimizer->param_groups()[0].options().set_lr(lr * (1.0 - 0.05 * step));
+    const int64_t syncs = host_syncs();
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(torch::mse_loss(model(x).to(at::kFloat), y), optimizer);
+      scaled.backward();
+      if (loop.overflow_at.count(step)) model->fc2->bias.mutable_grad().fill_(kInf);
+    }
+    optimizer->step();
+    const int64_t step_syncs = host_syncs() - syncs;
+    records.push_back({clones(master_params(*optimizer)), clones(model->parameters()),
+                       clones(state_of(*optimizer)), last_step_skipped(*optimizer), step_syncs});
+  }
+  EXPECT_EQ(skipped_steps(*optimizer), static_cast<int64_t>(loop.overflow_at.size()));
+  return records;
+}
+
+using FusedStepTest = AmpTest;
+
+class FusedStepEquivalence : public AmpTest,
+                             public ::testing::WithParamInterface<std::tuple<int, OptLevel>> {};
+
+// Fused and LibTorch's own step on the same loop, with an overflow at step 2
+// (the very first step for state creation at step 0 comes with it too):
+// every step within the tolerance, the same steps skipped, and a skipped
+// step changes nothing at all.
+TEST_P(FusedStepEquivalence, MatchesLibTorchsOwnStepAndSkipsBitIdentically) {
+  const auto [index, level] = GetParam();
+  const OptimizerCase& opt = optimizer_cases()[index];
+  const Loop fused{level, true, {0, 2}}, own{level, false, {0, 2}};
+  const auto a = train(opt, fused), b = train(opt, own);
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    EXPECT_EQ(a[step].skipped, b[step].skipped);
+    EXPECT_EQ(a[step].skipped, fused.overflow_at.count(step) == 1);
+    EXPECT_TRUE(Close(a[step].stepped, b[step].stepped));
+    EXPECT_TRUE(Close(a[step].model, b[step].model));
+    EXPECT_TRUE(Close(a[step].state, b[step].state));
+    if (a[step].skipped && step > 0) {
+      EXPECT_TRUE(AllBitEqual(a[step].stepped, a[step - 1].stepped));
+      EXPECT_TRUE(AllBitEqual(a[step].model, a[step - 1].model));
+      EXPECT_TRUE(AllBitEqual(a[step].state, a[step - 1].state));
+    }
+    EXPECT_EQ(a[step].host_syncs, 0) << "the fused step reads nothing on the host";
+    EXPECT_EQ(b[step].host_syncs, 1) << "LibTorch's own step: one read decides it";
+  }
+  EXPECT_TRUE(a[0].state.empty()) << "a skipped first step creates no state, as in LibTorch";
+}
+
+std::string equivalence_name(const ::testing::TestParamInfo<std::tuple<int, OptLevel>>& info) {
+  return std::string(optimizer_cases()[std::get<0>(info.param)].name) + "_" +
+         to_string(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(AdamAdamWSgd, FusedStepEquivalence,
+                         ::testing::Combine(::testing::Range(0, 7), ::testing::Values(O1, O2, O4, O5)),
+                         equivalence_name);
+
+// Other optimizers, and low-precision parameters (O3), run their own step
+// after one host read.
+TEST_F(FusedStepTest, OtherOptimizersAndLowPrecisionParametersReadOnceAStep) {
+  const OptimizerCase rmsprop{"RMSprop", [](const auto& p) {
+                                return std::make_shared<torch::optim::RMSprop>(p, 1e-2);
+                              }};
+  for (const auto& record : train(rmsprop, {O1, true, {3}})) EXPECT_EQ(record.host_syncs, 1);
+  for (const auto& record : train(optimizer_cases()[0], {O3, true, {3}})) EXPECT_EQ(record.host_syncs, 1);
+}
+
+// A step skipped on the device: everything as before it, the gradients
+// discarded as after any skipped step, the counters right.
+TEST_F(FusedStepTest, SkippedStepDiscardsGradientsAndCounts) {
+  TinyNet model;
+  OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  const int64_t syncs = host_syncs();
+  for (int step = 0; step < 3; ++step) {
+    {
+      scale_loss scaled(model(torch::randn({4, 8})).sum(), optimizer);
+      scaled.backward();
+      if (step == 1) model->fc1->weight.mutable_grad().fill_(kInf);
+    }
+    const auto before = clones(model->parameters());
+    const auto state_before = clones(state_of(*optimizer));
+    optimizer->step();
+    EXPECT_EQ(last_step_skipped(*optimizer), step == 1);
+    if (step == 1) {
+      EXPECT_TRUE(AllBitEqual(model->parameters(), before));
+      EXPECT_TRUE(AllBitEqual(state_of(*optimizer), state_before));
+      for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+    } else {
+      EXPECT_TRUE(model->fc1->weight.grad().defined()) << "taken steps keep gradients (LibTorch)";
+      optimizer->zero_grad();
+    }
+  }
+  EXPECT_EQ(skipped_steps(*optimizer), 1);
+  EXPECT_EQ(host_syncs(), syncs);
+  const auto& adam = static_cast<const torch::optim::AdamParamState&>(
+      *optimizer->state().at(model->fc1->weight.unsafeGetTensorImpl()));
+  EXPECT_EQ(adam.step(), 2) << "two steps taken";
+}
+
+// Checkpoints are LibTorch's: a fused run's optimizer loads into LibTorch's
+// own step and into a plain torch::optim::Adam, and the reverse, and
+// training continues alike.
+TEST_F(FusedStepTest, CheckpointsLoadIntoEitherPathAndPlainLibTorch) {
+  auto run = [&](bool fused, const std::string* load_from, std::string* save_to) {
+    torch::manual_seed(0);
+    TinyNet model;
+    OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+    Handle handle;
+    Options options = quiet(O1);
+    options.fused_step = fused;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+    if (load_from) {
+      std::istringstream in(*load_from);
+      torch::serialize::InputArchive archive;
+      archive.load_from(in);
+      optimizer->load(archive);
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.fill_(0.5);  // the same starting point for both
+    }
+    torch::manual_seed(1);
+    for (int step = 0; step < 4; ++step) {
+      optimizer->zero_grad();
+      {
+        scale_loss scaled(torch::mse_loss(model(torch::randn({16, 8})), torch::randn({16, 4})), optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+    }
+    if (save_to) {
+      torch::serialize::OutputArchive archive;
+      optimizer->save(archive);
+      std::ostringstream out;
+      archive.save_to(out);
+      *save_to = out.str();
+    }
+    return std::make_pair(clones(model->parameters()), clones(state_of(*optimizer)));
+  };
+  std::string fused_bytes, own_bytes;
+  const auto fused_first = run(true, nullptr, &fused_bytes);
+  const auto own_first = run(false, nullptr, &own_bytes);
+  EXPECT_TRUE(Close(fused_first.second, own_first.second));
+
+  // Saved step counts are the steps taken.
+  TinyNet plain_model;
+  torch::optim::Adam plain(plain_model->parameters(), 1e-2);
+  std::istringstream in(fused_bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  plain.load(archive);
+  EXPECT_TRUE(AllBitEqual(state_of(plain), fused_first.second));
+  EXPECT_EQ(static_cast<const torch::optim::AdamParamState&>(
+                *plain.state().at(plain_model->fc1->weight.unsafeGetTensorImpl())).step(), 4);
+
+  // Loaded either way round, training continues alike.
+  const auto fused_from_own = run(true, &own_bytes, nullptr);
+  const auto own_from_fused = run(false, &fused_bytes, nullptr);
+  const auto own_from_own = run(false, &own_bytes, nullptr);
+  EXPECT_TRUE(Close(fused_from_own.first, own_from_own.first));
+  EXPECT_TRUE(Close(own_from_fused.first, own_from_own.first));
+  EXPECT_TRUE(Close(fused_from_own.second, own_from_own.second));
+}
+
+// Several losses with their own scalers, and accumulation with
+// delay_unscale: one device flag over every verdict, no host sync.
+TEST_F(FusedStepTest, SeveralLossesAndAccumulationDecideOnTheDevice) {
+  auto run = [&](bool fused, int overflow_loss, bool accumulate) {
+    torch::manual_seed(0);
+    TinyNet model;
+    OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-2);
+    Handle handle;
+    Options options = quiet(O2);
+    options.num_losses = 2;
+    options.fused_step = fused;
+    std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+    torch::manual_seed(1);
+    const int64_t syncs = host_syncs();
+    for (int step = 0; step < 4; ++step) {
+      optimizer->zero_grad();
+      for (int loss_id = 0; loss_id < 2; ++loss_id) {
+        // delay_unscale accumulates from zeroed gradients: loss 0 first.
+        const int micro_batches = accumulate && loss_id == 0 ? 3 : 1;
+        for (int m = 0; m < micro_batches; ++m) {
+          ScaleLossOptions guard{loss_id};
+          guard.delay_unscale = m + 1 < micro_batches;
+          scale_loss scaled(model(torch::randn({8, 8})).to(at::kFloat).pow(2).mean(), optimizer, guard);
+          scaled.backward();
+          if (step == 2 && loss_id == overflow_loss && m == 1 % micro_batches) {
+            model->fc2->weight.mutable_grad().fill_(kInf);
+          }
+        }
+      }
+      optimizer->step();
+      EXPECT_EQ(last_step_skipped(*optimizer), step == 2 && overflow_loss >= 0) << "step " << step;
+    }
+    return std::make_tuple(clones(master_params(*optimizer)), host_syncs() - syncs, loss_scale(0),
+                           loss_scale(1));
+  };
+  for (bool accumulate : {false, true}) {
+    for (int overflow_loss : {-1, 0, 1}) {
+      SCOPED_TRACE("accumulate " + std::to_string(accumulate) + ", overflow in loss " +
+                   std::to_string(overflow_loss));
+      const auto [fused_params, fused_syncs, fused_scale0, fused_scale1] = run(true, overflow_loss, accumulate);
+      const auto [own_params, own_syncs, own_scale0, own_scale1] = run(false, overflow_loss, accumulate);
+      EXPECT_TRUE(Close(fused_params, own_params));
+      EXPECT_EQ(fused_syncs, 0);
+      EXPECT_EQ(own_syncs, 4);
+      EXPECT_EQ(fused_scale0, own_scale0);
+      EXPECT_EQ(fused_scale1, own_scale1);
+      EXPECT_EQ(fused_scale0 < fused_scale1, overflow_loss == 0);
+      EXPECT_EQ(fused_scale1 < fused_scale0, overflow_loss == 1);
+    }
+  }
+}
+
+// One guard over a fused and an unfused optimizer: the unfused one reads the
+// shared verdict on the host, the fused one decides on the device; both skip.
+TEST_F(FusedStepTest, OneGuardOverFusedAndUnfusedOptimizers) {
+  TinyNet a, b;
+  OptimizerPtr adam = std::make_shared<torch::optim::Adam>(a->parameters(), 1e-2);
+  OptimizerPtr rmsprop = std::make_shared<torch::optim::RMSprop>(b->parameters(), 1e-2);
+  Handle handle;
+  auto [models, optimizers] = handle.initialize({a.ptr(), b.ptr()}, {adam, rmsprop}, quiet(O1));
+  for (int step = 0; step < 3; ++step) {
+    const auto a_before = clones(a->parameters()), b_before = clones(b->parameters());
+    {
+      const auto x = torch::randn({4, 8});
+      scale_loss scaled(a(x).sum() + b(x).sum(), optimizers);
+      scaled.backward();
+      if (step == 1) b->fc1->bias.mutable_grad().fill_(kInf);
+    }
+    for (const auto& optimizer : optimizers) optimizer->step();
+    for (const auto& optimizer : optimizers) EXPECT_EQ(last_step_skipped(*optimizer), step == 1);
+    EXPECT_EQ(AllBitEqual(a->parameters(), a_before), step == 1) << "step " << step;
+    EXPECT_EQ(AllBitEqual(b->parameters(), b_before), step == 1) << "step " << step;
+    for (const auto& optimizer : optimizers) optimizer->zero_grad();
+  }
+}
+
+}  // namespace
+}  // namespace amp::testing
