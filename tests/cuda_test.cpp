@@ -1,5 +1,6 @@
 // CUDA behaviour: representative ops of every CUDA policy against native
-// autocast on the GPU, the banned op, and O1/O2 training steps on CUDA.
+// autocast on the GPU, the banned op, O1/O2 training steps on CUDA, and the
+// fused optimizer step deciding on the device.
 // Each test skips, saying so, when no CUDA device is present.
 #include "test_util.h"
 
@@ -112,6 +113,54 @@ TEST_F(CudaTest, OverflowInFp16GradientsSkipsTheStep) {
   optimizer->step();
   EXPECT_TRUE(BitEqual(model->fc1->weight, before));
   EXPECT_EQ(loss_scale(), 32768.0);
+}
+
+// The fused step on the GPU: the host never waits while training, the
+// outcome arrives without blocking, a skipped step changes nothing, and the
+// values follow LibTorch's own step within the documented tolerance.
+TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
+  for (OptLevel level : {O1, O2}) {
+    SCOPED_TRACE(to_string(level));
+    std::vector<std::vector<at::Tensor>> runs;
+    for (bool fused : {true, false}) {
+      torch::manual_seed(0);
+      auto model = TinyNet();
+      model->to(torch::kCUDA);
+      OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-2);
+      Options options = quiet(level);
+      options.fused_step = fused;
+      Handle handle;
+      std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+      torch::manual_seed(1);
+      const int64_t syncs = host_syncs();
+      std::vector<at::Tensor> before_skip;
+      for (int step = 0; step < 6; ++step) {
+        optimizer->zero_grad();
+        {
+          scale_loss scaled(model->forward(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(),
+                            optimizer);
+          scaled.backward();
+          if (step == 3) model->fc2->bias.mutable_grad().fill_(std::numeric_limits<float>::infinity());
+        }
+        if (step == 3) {
+          for (const auto& p : master_params(*optimizer)) before_skip.push_back(p.detach().clone());
+        }
+        optimizer->step();
+        if (step == 3) {
+          const auto after = master_params(*optimizer);
+          for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(BitEqual(after[i], before_skip[i]));
+        }
+      }
+      EXPECT_EQ(host_syncs() - syncs, fused ? 0 : 6);
+      EXPECT_EQ(skipped_steps(*optimizer), 1);  // waits for the last outcome if needed
+      std::vector<at::Tensor> params;
+      for (const auto& p : master_params(*optimizer)) params.push_back(p.detach().cpu().clone());
+      runs.push_back(params);
+    }
+    for (size_t i = 0; i < runs[0].size(); ++i) {
+      EXPECT_TRUE(torch::allclose(runs[0][i], runs[1][i], 1e-5, 1e-6)) << "parameter " << i;
+    }
+  }
 }
 
 }  // namespace

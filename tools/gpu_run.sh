@@ -7,7 +7,8 @@
 #
 # That machine has CMake, Ninja and nvcc but no GoogleTest or Abseil: run
 # tools/fetch_gpu_deps.sh here first and carry third_party/ along. The
-# examples and CPU tools (Abseil) are not built there.
+# examples and CPU tools (Abseil) are not built there. Then runs
+# tools/bench/gpu_peer.py, Python's torch.amp on the same models.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:?usage: tools/gpu_run.sh <out_dir>}
@@ -23,5 +24,8 @@ set +e
 echo "amp_tests exit code $?" >> "$out/tests.txt"
 "$root/build-gpu/tools/gpu_benchmarks" 10 50 > "$out/gpu_benchmarks.md" 2> "$out/gpu_benchmarks.err"
 echo "gpu_benchmarks exit code $?" >> "$out/gpu_benchmarks.err"
+# What a Python user runs instead, same models and sizes, same GPU.
+python3 "$root/tools/bench/gpu_peer.py" 10 50 > "$out/gpu_peer.md" 2> "$out/gpu_peer.err"
+echo "gpu_peer exit code $?" >> "$out/gpu_peer.err"
 tail -n 3 "$out/tests.txt"
-cat "$out/gpu_benchmarks.md"
+cat "$out/gpu_benchmarks.md" "$out/gpu_peer.md"

@@ -2,10 +2,12 @@
 // batch 256 on 3x224x224 inputs and of a GPT-2-small-shaped transformer
 // (12 layers, width 768, 12 heads, sequence 1024, batch 8), each at
 //   FP32 (TF32 off) | native LibTorch autocast + hand-written GradScaler loop |
-//   amp O1 | amp O2 | amp O3
+//   amp O1 | amp O2 | amp O3 (fused AdamW step: no host sync per step) |
+//   amp O1 and O2 with LibTorch's own AdamW step (Options::fused_step = false)
 // in float16 and bfloat16, measured side by side in one run. Prints Markdown
 // tables: median step time over the timed steps (CUDA events), speedup over
-// FP32, ratio to native autocast, peak allocated memory, and the
+// FP32, ratio to native autocast, peak allocated memory, host syncs per
+// step (amp::host_syncs; the native loop reads found_inf once), and the
 // transformer's model FLOP utilisation against the card's measured bf16
 // matmul throughput.
 //
@@ -78,7 +80,7 @@ TORCH_MODULE(ResNet18);
 
 // --- Harness ---------------------------------------------------------------------------
 
-enum class Mode { kFp32, kNative, kO1, kO2, kO3 };
+enum class Mode { kFp32, kNative, kO1, kO2, kO3, kO1Own, kO2Own };
 const char* name(Mode m) {
   switch (m) {
     case Mode::kFp32: return "FP32 (TF32 off)";
@@ -86,6 +88,8 @@ const char* name(Mode m) {
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
     case Mode::kO3: return "amp O3";
+    case Mode::kO1Own: return "amp O1, LibTorch's own step";
+    case Mode::kO2Own: return "amp O2, LibTorch's own step";
   }
   return "?";
 }
@@ -100,6 +104,7 @@ struct Workload {
 struct Result {
   double ms = 0;
   double peak_gib = 0;
+  double syncs_per_step = 0;
 };
 
 double median(std::vector<double> v) {
@@ -134,9 +139,13 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   model->to(torch::kCUDA);
   amp::OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-4);
   amp::Handle handle;
-  if (mode == Mode::kO1 || mode == Mode::kO2 || mode == Mode::kO3) {
-    amp::Options options = mode == Mode::kO1 ? amp::O1 : mode == Mode::kO2 ? amp::O2 : amp::O3;
+  const bool amp_mode = mode != Mode::kFp32 && mode != Mode::kNative;
+  if (amp_mode) {
+    amp::Options options = mode == Mode::kO1 || mode == Mode::kO1Own   ? amp::O1
+                           : mode == Mode::kO2 || mode == Mode::kO2Own ? amp::O2
+                                                                       : amp::O3;
     options.verbosity = 0;
+    options.fused_step = mode != Mode::kO1Own && mode != Mode::kO2Own;
     options.cuda_dtype = low;
     if (mode == Mode::kO3) options.loss_scale = amp::LossScale::Dynamic();
     auto [models, optimizers] = handle.initialize({model}, {optimizer}, options);
@@ -168,6 +177,7 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   torch::cuda::synchronize();
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
   std::vector<double> times;
+  const int64_t syncs_before = amp::host_syncs();
   for (int i = 0; i < timed; ++i) {
     at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
     start.record();
@@ -177,7 +187,10 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
     times.push_back(start.elapsed_time(stop));
   }
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-  return {median(times), stats.allocated_bytes[0].peak / double(1 << 30)};
+  const double syncs = mode == Mode::kNative ? 1.0
+                       : amp_mode            ? double(amp::host_syncs() - syncs_before) / timed
+                                             : 0.0;
+  return {median(times), stats.allocated_bytes[0].peak / double(1 << 30), syncs};
 }
 
 double bf16_matmul_tflops() {
@@ -233,16 +246,17 @@ int main(int argc, char** argv) {
   for (const auto& w : workloads) {
     for (at::ScalarType low : {at::kHalf, at::kBFloat16}) {
       std::printf("\n%s, low precision %s\n", w.name.c_str(), c10::toString(low));
-      std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 |%s\n",
+      std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 | host syncs/step |%s\n",
                   w.flops_per_step ? " MFU |" : "");
-      std::printf("|---|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
+      std::printf("|---|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
       std::map<Mode, Result> r;
-      for (Mode mode : {Mode::kFp32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3}) {
+      for (Mode mode : {Mode::kFp32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO1Own, Mode::kO2Own}) {
         r[mode] = measure(w, mode, low, warmup, timed);
       }
       for (const auto& [mode, res] : r) {
-        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f |", name(mode), res.ms, r[Mode::kFp32].ms / res.ms,
-                    res.ms / r[Mode::kNative].ms, res.peak_gib, res.peak_gib / r[Mode::kFp32].peak_gib);
+        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f | %.2f |", name(mode), res.ms, r[Mode::kFp32].ms / res.ms,
+                    res.ms / r[Mode::kNative].ms, res.peak_gib, res.peak_gib / r[Mode::kFp32].peak_gib,
+                    res.syncs_per_step);
         if (w.flops_per_step) std::printf(" %.1f%% |", 100 * w.flops_per_step / (res.ms / 1e3) / 1e12 / ceiling);
         std::printf("\n");
       }
