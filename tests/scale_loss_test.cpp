@@ -592,5 +592,48 @@ TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing)
   EXPECT_EQ(loss_scale(1), 32768.0);
 }
 
+// A clip across two optimizers after another loss overflowed into one of
+// them: the joint norm would zero the other's clean gradients, so the guard
+// that unscaled for the clip skips both. Without unscale() (no clip inside)
+// the clean optimizer steps. The second loss's scale never moves.
+TEST_F(ScaleLossTest, ClipAcrossOptimizersAfterAnOverflowSkipsAllOfThem) {
+  for (bool clip : {true, false}) {
+    SCOPED_TRACE(clip ? "clip inside the guard" : "no clip");
+    TinyNet a, b;
+    OptimizerPtr opt_a = std::make_shared<torch::optim::Adam>(a->parameters(), 1e-2);
+    OptimizerPtr opt_b = std::make_shared<torch::optim::Adam>(b->parameters(), 1e-2);
+    Options options = quiet(O1);
+    options.num_losses = 2;
+    Handle handle;
+    auto [models, optimizers] = handle.initialize({a.ptr(), b.ptr()}, {opt_a, opt_b}, options);
+    opt_a = optimizers[0];
+    opt_b = optimizers[1];
+    const auto x = torch::randn({4, 8});
+    {
+      scale_loss scaled(b(x).sum(), opt_b, {/*loss_id=*/0});
+      scaled.backward();
+      b->fc1->bias.mutable_grad().fill_(std::numeric_limits<float>::infinity());
+    }
+    const auto a_before = a->fc1->weight.clone();
+    {
+      scale_loss scaled(a(x).sum() + b(x).sum(), {opt_a, opt_b}, {/*loss_id=*/1});
+      scaled.backward();
+      if (clip) {
+        scaled.unscale();
+        std::vector<at::Tensor> all = master_params(*opt_a);
+        for (const auto& p : master_params(*opt_b)) all.push_back(p);
+        torch::nn::utils::clip_grad_norm_(all, 1.0);
+      }
+    }
+    opt_a->step();
+    opt_b->step();
+    EXPECT_TRUE(last_step_skipped(*opt_b));
+    EXPECT_EQ(last_step_skipped(*opt_a), clip);
+    EXPECT_EQ(torch::equal(a->fc1->weight, a_before), clip);
+    EXPECT_EQ(loss_scale(0), 32768.0) << "the overflowing loss backs off";
+    EXPECT_EQ(loss_scale(1), 65536.0) << "the clipping loss's own gradients were finite";
+  }
+}
+
 }  // namespace
 }  // namespace amp::testing

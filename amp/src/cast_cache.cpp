@@ -12,15 +12,69 @@
 #include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 namespace amp {
 namespace detail {
 namespace {
 
-std::atomic<int64_t> g_casts{0};
-std::atomic<int64_t> g_cache_hits{0};
+// Cast counts per thread, summed when read: a cast writes only its own
+// thread's counters - no locked instruction, no cache line shared between
+// threads on the hot path. Threads that end fold theirs into `retired`.
+struct ThreadCounts;
+
+class CountRegistry {
+ public:
+  void enlist(ThreadCounts* counts) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.push_back(counts);
+  }
+  void retire(ThreadCounts* counts);
+  CastCounts sum();
+
+ private:
+  std::mutex mutex_;
+  std::vector<ThreadCounts*> live_;
+  CastCounts retired_;
+};
+
+CountRegistry& registry() {
+  static auto* r = new CountRegistry();  // leaked: threads may end during static destruction
+  return *r;
+}
+
+struct ThreadCounts {
+  ThreadCounts() { registry().enlist(this); }
+  ~ThreadCounts() { registry().retire(this); }
+  std::atomic<int64_t> casts{0};  // atomic for the reader; written by this thread only
+  std::atomic<int64_t> hits{0};
+};
+
+void CountRegistry::retire(ThreadCounts* counts) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  retired_.casts += counts->casts.load(std::memory_order_relaxed);
+  retired_.cache_hits += counts->hits.load(std::memory_order_relaxed);
+  live_.erase(std::find(live_.begin(), live_.end(), counts));
+}
+
+CastCounts CountRegistry::sum() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CastCounts total = retired_;
+  for (const ThreadCounts* counts : live_) {
+    total.casts += counts->casts.load(std::memory_order_relaxed);
+    total.cache_hits += counts->hits.load(std::memory_order_relaxed);
+  }
+  return total;
+}
+
+thread_local ThreadCounts t_counts;
+
+void count(std::atomic<int64_t>& counter) {
+  counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
 
 struct Key {
   const c10::TensorImpl* weight;
@@ -50,13 +104,13 @@ class CastCache {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = entries_.find(key);
       if (it != entries_.end() && is_fresh(it->second, t)) {
-        g_cache_hits.fetch_add(1, std::memory_order_relaxed);
+        count(t_counts.hits);
         CallRecord::note_cache_hit();
         return it->second.copy;
       }
     }
     at::Tensor copy = t.to(to);  // outside the lock: casts of other weights run in parallel
-    g_casts.fetch_add(1, std::memory_order_relaxed);
+    count(t_counts.casts);
     CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl,
@@ -129,17 +183,14 @@ at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
   if (is_cacheable(t, to)) return cached_cast(t, to);
   at::Tensor copy = t.to(to);
-  g_casts.fetch_add(1, std::memory_order_relaxed);
+  count(t_counts.casts);
   CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
   return copy;
 }
 
 }  // namespace detail
 
-CastCounts cast_counts() {
-  return {detail::g_casts.load(std::memory_order_relaxed),
-          detail::g_cache_hits.load(std::memory_order_relaxed)};
-}
+CastCounts cast_counts() { return detail::registry().sum(); }
 
 void clear_cast_cache() {
   detail::cache().clear();

@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <map>
+#include <tuple>
 
 namespace amp {
 namespace {
@@ -93,7 +95,29 @@ void scale_loss::unscale() {
               "in the last micro-batch's guard (delay_unscale=false).");
   scaler_before_ = context_->scaler(options_.loss_id).state();
   unscale_gradients();
+  if (lifecycles_.size() > 1) check_kept_gradients();
   stage_ = Stage::kUnscaled;
+}
+
+void scale_loss::check_kept_gradients() {
+  if (!verdict_) return;  // nothing can skip (static scale)
+  // The fused check takes one device and dtype per call.
+  std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
+  for (detail::GradientLifecycle* lifecycle : lifecycles_) {
+    for (const detail::ParamSlot& s : lifecycle->slots()) {
+      const at::Tensor& g = s.accumulator();
+      if (!g.defined() || g.layout() != at::kStrided) continue;
+      groups[{static_cast<int>(g.device().type()), g.device().index(), static_cast<int>(g.scalar_type())}]
+          .push_back(g);
+    }
+  }
+  at::Tensor flag = verdict_->snapshot.narrow(0, 0, 1);
+  for (auto& [where, grads] : groups) {
+    at::Tensor seen = at::zeros({1}, flag.options().device(grads.front().device()));
+    const at::Tensor one = at::ones({1}, seen.options());
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, seen, one);  // x * 1: a check only
+    flag.copy_(at::maximum(flag, seen.to(flag.device())));
+  }
 }
 
 void scale_loss::unscale_gradients() {

@@ -21,6 +21,8 @@
 // its own update.
 #include "runs.h"
 
+#include <algorithm>
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -45,6 +47,7 @@ LevelRun level_run(const Program& p, OptLevel level) {
   Options o = level;
   o.verbosity = 0;
   o.num_losses = p.num_losses;
+  o.fused_step = p.fused_step;
   if (p.float16) {
     PropertyOverrides half;
     half.cpu_dtype = c10::kHalf;
@@ -76,17 +79,32 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
   std::vector<Scaler> scalers(p.num_losses, Scaler{props.loss_scale.value});
   const DynamicScaling& d = props.dynamic_scaling;
   Trace trace;
+  // Optimizers whose gradients hold an injected inf/NaN not yet cleared: a
+  // clip inside a guard over several optimizers sees them (scale_loss.h).
+  std::vector<bool> poisoned(p.optimizers.size(), false);
   for (int it = 0; it < p.iterations; ++it) {
     trace.outcomes.emplace_back(p.optimizers.size(), kNotStepped);
+    if (p.restart_before == it) poisoned.assign(poisoned.size(), false);  // gradients are not saved
     for (int ph = 0; ph < static_cast<int>(p.phases.size()); ++ph) {
       const Phase& phase = p.phases[ph];
+      for (int o : phase.steps) {  // zero_gradients(); model->zero_grad() cannot reach masters
+        if (p.zero == Zero::kOptimizer || (p.zero == Zero::kModel && !run.master_weights)) poisoned[o] = false;
+      }
       const bool throws = p.exception && p.exception->iteration == it && p.exception->phase == ph;
       std::vector<bool> skip(p.optimizers.size(), false);
       for (int l = 0; l < static_cast<int>(phase.losses.size()); ++l) {
         if (throws && l + 1 == static_cast<int>(phase.losses.size())) break;  // unwound: no update
         const LossSpec& loss = phase.losses[l];
         bool overflow = false;
-        for (const Fault& f : p.faults) overflow |= f.iteration == it && f.phase == ph && f.loss == l;
+        const Fault* fault = nullptr;
+        for (const Fault& f : p.faults) {
+          if (f.iteration == it && f.phase == ph && f.loss == l) fault = &f;
+        }
+        overflow = fault != nullptr;
+        bool clip_sees_poison = false;
+        if (loss.clip && loss.guard.size() > 1) {
+          for (int o : loss.guard) clip_sees_poison = clip_sees_poison || poisoned[o];
+        }
         Scaler& s = scalers[loss.loss_id];
         if (props.loss_scale.dynamic) {
           if (overflow) {
@@ -98,10 +116,21 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
           }
         }
         trace.scales.push_back(s.scale);
-        for (int o : loss.guard) skip[o] = skip[o] || overflow;
+        for (int o : loss.guard) skip[o] = skip[o] || overflow || clip_sees_poison;
+        if (fault) {  // where amp_run's inject() or the NaN loss put non-finite gradients
+          for (int m : reached_models(loss)) {
+            const int owner = owner_of(p, m);
+            if (std::find(loss.guard.begin(), loss.guard.end(), owner) == loss.guard.end()) continue;
+            poisoned[owner] = true;
+            if (fault->kind != FaultKind::kNaNLoss) break;  // one gradient of the first such model
+          }
+        }
       }
       if (throws) continue;
-      for (int o : phase.steps) trace.outcomes[it][o] = skip[o] ? kSkipped : kStepped;
+      for (int o : phase.steps) {
+        trace.outcomes[it][o] = skip[o] ? kSkipped : kStepped;
+        poisoned[o] = poisoned[o] && !skip[o] && !run.master_weights;  // a skip discards, masters consume
+      }
     }
   }
   return trace;

@@ -262,6 +262,7 @@ Program generate_program(uint64_t seed) {
     p.restart_before = draw.between(1, p.iterations - 1);
     if (draw.chance(0.5)) p.fresh_process_level = draw.pick(all_opt_levels());
   }
+  p.fused_step = draw.chance(0.7);  // drawn last: earlier seeds keep their programs
   return p;
 }
 
@@ -295,7 +296,8 @@ std::string describe(const Program& p) {
   out << "  " << p.iterations << " iterations, zeroing " << name(p.zero) << ", num_losses " << p.num_losses
       << ", O1-O3 dtype " << (p.float16 ? "float16" : "bfloat16") << ", scaling "
       << (p.dynamic_scaling ? "dynamic from " + std::to_string(p.init_scale) : std::string("level default"))
-      << ", growth_interval " << p.growth_interval << "\n";
+      << ", growth_interval " << p.growth_interval << ", " << (p.fused_step ? "fused" : "LibTorch's own")
+      << " optimizer step\n";
   for (const Fault& f : p.faults) {
     out << "  fault: " << name(f.kind) << " at iteration " << f.iteration << " phase " << f.phase << " loss "
         << f.loss << " micro-batch " << f.micro_batch << "\n";

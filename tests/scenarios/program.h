@@ -100,6 +100,9 @@ struct Program {
   // At this one level (a process start costs more than a whole program) the
   // restart happens in a fresh process; at the others in this one.
   std::optional<OptLevel> fresh_process_level;
+  // Adam, AdamW and SGD through ATen's fused kernels (the default) or
+  // LibTorch's own step after a host read (Options::fused_step).
+  bool fused_step = true;
 };
 
 Program generate_program(uint64_t seed);

@@ -63,6 +63,7 @@ struct Coverage {
     count["zero via optimizer"] += p.zero == Zero::kOptimizer;
     count["zero via model"] += p.zero == Zero::kModel;
     count["never zero"] += p.zero == Zero::kNever;
+    count["LibTorch's own optimizer step"] += !p.fused_step;
     count["injected faults"] += !p.faults.empty();
     count["exception in guard"] += p.exception.has_value();
     count["restart"] += p.restart_before.has_value();

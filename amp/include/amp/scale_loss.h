@@ -94,6 +94,10 @@ class [[nodiscard]] scale_loss {
   // The current scale: a 1-element float32 tensor on the loss's device.
   at::Tensor loss_scale() const;
   // Unscale and check now (before clipping inside the guard); at most once.
+  // Over several optimizers it also checks the gradients kept from earlier
+  // guards: a norm clipped across them would carry another loss's overflow
+  // into every gradient, so any non-finite value skips the next step of
+  // every optimizer this guard covers (the loss scale is unaffected).
   void unscale();
   // Ends the guard: unscale (unless done), update the scaler, commit.
   void finish();
@@ -101,6 +105,7 @@ class [[nodiscard]] scale_loss {
  private:
   enum class Stage { kOpen, kUnscaled, kFinished };
   void unscale_gradients();
+  void check_kept_gradients();
   void unwind() noexcept;
 
   std::shared_ptr<detail::Context> context_;
