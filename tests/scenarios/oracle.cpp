@@ -3,7 +3,7 @@
 //
 // Tolerance, per stepped tensor after every iteration, in 2-norms:
 //   |amp - reference| <= rtol * (|reference - initial| + share)
-//                        + 4 (u / u32) |float32 - reference| + atol
+//                        + 4 (u / u32) |float32 - float64| + atol
 // rtol bounds the relative error of the update, which low-precision forward
 // and backward passes cause: 256 u for the unit roundoff u of the dtype amp
 // computes in (u = 2^-8 bfloat16, 2^-11 float16, u32 = 2^-24 float32 at
@@ -12,9 +12,11 @@
 // one tensor's update, so `share` adds the tensor's share of the update of
 // all stepped tensors: |all updates| * sqrt(numel / total numel). Some
 // values are ill-conditioned (a bias whose effect a later norm nearly
-// cancels); the same program in plain float32 measures that, and its error
-// scaled to the low dtype's roundoff is allowed on top. atol covers the rounding of stored values: each step may
-// round an element differently, 4 u' |reference| per iteration, with u' the
+// cancels); the same program in plain float32 measures that against float64
+// (both with unrounded storage, which at O3 would round the float32 error
+// away), and its error scaled to the low dtype's roundoff is allowed on top.
+// atol covers the rounding of stored values: each step may round an element
+// differently, 4 u' |reference| per iteration, with u' the
 // unit roundoff of the stored dtype (the low dtype at O3, else float32).
 // Bugs of the kind this catches - a gradient used twice, lost, left scaled,
 // or a step taken that should be skipped - move a tensor by a multiple of
@@ -136,7 +138,15 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
   return trace;
 }
 
-std::string compare(const LevelRun& run, const Trace& expected, const Trace& reference, const Trace& float32,
+Conditioning measure_conditioning(const Program& program, const LevelRun& run, const Trace& expected,
+                                  const Trace& reference) {
+  LevelRun unrounded = run;
+  unrounded.low_storage = false;
+  return {run.low_storage ? run_reference(program, unrounded, expected, torch::kDouble) : reference,
+          run_reference(program, unrounded, expected, torch::kFloat)};
+}
+
+std::string compare(const LevelRun& run, const Trace& expected, const Trace& reference, const Conditioning& conditioning,
                     const Trace& actual, double& worst) {
   std::ostringstream why;
   if (actual.outcomes != expected.outcomes) {
@@ -177,7 +187,8 @@ std::string compare(const LevelRun& run, const Trace& expected, const Trace& ref
       const double err = (got[t] - want[t]).norm().item<double>();
       const double moved = (want[t] - reference.initial[t]).norm().item<double>();
       const double share = moved_total * std::sqrt(static_cast<double>(want[t].numel()) / numel_total);
-      const double sensitivity = (float32.values[it][t] - want[t]).norm().item<double>() * (u / u32);
+      const double sensitivity =
+          (conditioning.float32.values[it][t] - conditioning.float64.values[it][t]).norm().item<double>() * (u / u32);
       const double bound = rtol * (moved + share) + 4 * sensitivity +
                            4 * storage_u * want[t].norm().item<double>() * (it + 1) + 1e-12;
       worst = std::max(worst, err / bound);

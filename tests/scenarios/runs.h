@@ -55,12 +55,21 @@ struct AmpRunOptions {
 };
 Trace run_amp(const Program& program, const LevelRun& run, const AmpRunOptions& options);
 
+// How much each value amplifies rounding: the program in float32 and in
+// float64, both with parameters kept unrounded (at O3 rounding the stored
+// values to the low dtype would hide the float32 error it measures).
+struct Conditioning {
+  Trace float64, float32;
+};
+Conditioning measure_conditioning(const Program& program, const LevelRun& run, const Trace& expected,
+                                  const Trace& reference);
+
 // Empty when `actual` agrees with `expected` (outcomes, scales: exact) and
 // with `reference` (float64 values, within the level's tolerance, which
-// grows with `float32`'s distance from them); else why not. `worst` becomes
-// the largest error seen as a fraction of its tolerance.
-std::string compare(const LevelRun& run, const Trace& expected, const Trace& reference, const Trace& float32,
-                    const Trace& actual, double& worst);
+// grows with the float32 run's distance from the float64 one); else why
+// not. `worst` becomes the largest error seen as a fraction of its tolerance.
+std::string compare(const LevelRun& run, const Trace& expected, const Trace& reference,
+                    const Conditioning& conditioning, const Trace& actual, double& worst);
 
 // A trace as tensors and back (a fresh-process run reports through a file).
 void save_trace(const Trace& trace, const std::string& path);

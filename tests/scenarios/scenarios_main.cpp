@@ -114,9 +114,9 @@ int main(int argc, char** argv) {
         const LevelRun run = level_run(p, level);
         const Trace expected = expected_trace(p, run);
         const Trace reference = run_reference(p, run, expected, torch::kDouble);
-        const Trace float32 = run_reference(p, run, expected, torch::kFloat);
+        const Conditioning conditioning = measure_conditioning(p, run, expected, reference);
         const Trace actual = run_amp(p, run, options);
-        failure = compare(run, expected, reference, float32, actual, worst[level]);
+        failure = compare(run, expected, reference, conditioning, actual, worst[level]);
       } catch (const std::exception& e) {
         failure = "threw: " + message(e);
       }
