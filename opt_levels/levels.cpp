@@ -48,8 +48,6 @@ OptLevel parse_opt_level(std::string_view name) {
               "number zero.");
 }
 
-bool is_low_precision(c10::ScalarType dtype) { return dtype == c10::kHalf || dtype == c10::kBFloat16; }
-
 std::string describe(const Properties& p) {
   auto dtype = [](const std::optional<c10::ScalarType>& t) {
     return t ? std::string(c10::toString(*t)) : std::string("None");

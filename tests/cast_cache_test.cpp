@@ -167,19 +167,28 @@ TEST_F(CastCacheTest, ConcurrentForwardsShareTheCacheSafely) {
     reference = torch::linear(x.to(at::kBFloat16), layer->weight.to(at::kBFloat16),
                               layer->bias.to(at::kBFloat16));
   }
-  std::vector<std::thread> threads;
+  const CastCounts before = cast_counts();
   std::atomic<int> mismatches{0};
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&] {
-      enable_casts casts;
-      for (int i = 0; i < 50; ++i) {
-        if (!torch::equal(layer(x), reference)) mismatches.fetch_add(1);
-      }
-    });
+  // Two rounds: the second round's threads reuse the counters of the first's.
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&] {
+        enable_casts casts;
+        for (int i = 0; i < 50; ++i) {
+          if (!torch::equal(layer(x), reference)) mismatches.fetch_add(1);
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
   }
-  for (auto& thread : threads) thread.join();
   EXPECT_EQ(mismatches.load(), 0);
   EXPECT_EQ(cast_cache_size(), 2u);
+  // Counts of threads that have ended stay counted: per call, x is cast and
+  // the weight and bias are each cast or served from the cache.
+  const CastCounts after = cast_counts();
+  EXPECT_EQ((after.casts - before.casts) + (after.cache_hits - before.cache_hits), 2 * 4 * 50 * 3);
+  EXPECT_GE(after.cache_hits - before.cache_hits, 2 * 4 * 50 * 2 - 8);  // a weight cast at most once per thread
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -23,21 +24,45 @@ namespace {
 
 // Cast counts per thread, summed when read: a cast writes only its own
 // thread's counters - no locked instruction, no cache line shared between
-// threads on the hot path. Threads that end fold theirs into `retired`.
-struct ThreadCounts;
+// threads on the hot path. The registry owns every thread's counters; a
+// thread that ends folds its counts into `retired_` and frees its slot.
+struct ThreadCounts {
+  std::atomic<int64_t> casts{0};  // atomic for the reader; written by one thread only
+  std::atomic<int64_t> hits{0};
+};
 
 class CountRegistry {
  public:
-  void enlist(ThreadCounts* counts) {
+  ThreadCounts* enlist() {
     std::lock_guard<std::mutex> lock(mutex_);
-    live_.push_back(counts);
+    if (free_.empty()) {
+      slots_.push_back(std::make_unique<ThreadCounts>());
+      return slots_.back().get();
+    }
+    ThreadCounts* counts = free_.back();
+    free_.pop_back();
+    return counts;
   }
-  void retire(ThreadCounts* counts);
-  CastCounts sum();
+  void retire(ThreadCounts* counts) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retired_.casts += counts->casts.exchange(0, std::memory_order_relaxed);
+    retired_.cache_hits += counts->hits.exchange(0, std::memory_order_relaxed);
+    free_.push_back(counts);
+  }
+  CastCounts sum() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CastCounts total = retired_;
+    for (const auto& counts : slots_) {
+      total.casts += counts->casts.load(std::memory_order_relaxed);
+      total.cache_hits += counts->hits.load(std::memory_order_relaxed);
+    }
+    return total;
+  }
 
  private:
   std::mutex mutex_;
-  std::vector<ThreadCounts*> live_;
+  std::vector<std::unique_ptr<ThreadCounts>> slots_;
+  std::vector<ThreadCounts*> free_;
   CastCounts retired_;
 };
 
@@ -46,34 +71,40 @@ CountRegistry& registry() {
   return *r;
 }
 
-struct ThreadCounts {
-  ThreadCounts() { registry().enlist(this); }
-  ~ThreadCounts() { registry().retire(this); }
-  std::atomic<int64_t> casts{0};  // atomic for the reader; written by this thread only
-  std::atomic<int64_t> hits{0};
+// A plain pointer, so reading it needs no thread_local initialisation check
+// on every cast; the object with a destructor is touched once per thread.
+thread_local ThreadCounts* t_counts = nullptr;
+thread_local bool t_exited = false;
+
+struct RetireAtThreadExit {
+  ThreadCounts* counts = nullptr;
+  ~RetireAtThreadExit() {
+    t_exited = true;
+    t_counts = nullptr;
+    registry().retire(counts);
+  }
 };
 
-void CountRegistry::retire(ThreadCounts* counts) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  retired_.casts += counts->casts.load(std::memory_order_relaxed);
-  retired_.cache_hits += counts->hits.load(std::memory_order_relaxed);
-  live_.erase(std::find(live_.begin(), live_.end(), counts));
-}
-
-CastCounts CountRegistry::sum() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  CastCounts total = retired_;
-  for (const ThreadCounts* counts : live_) {
-    total.casts += counts->casts.load(std::memory_order_relaxed);
-    total.cache_hits += counts->hits.load(std::memory_order_relaxed);
+// Out of line, so the hot path stays a load, a test and an add.
+C10_NOINLINE ThreadCounts* enlist_this_thread() {
+  t_counts = registry().enlist();
+  // A cast made by another thread_local's destructor after ours ran keeps
+  // its slot for good rather than revive a destroyed object.
+  if (!t_exited) {
+    static thread_local RetireAtThreadExit retire;
+    retire.counts = t_counts;
   }
-  return total;
+  return t_counts;
 }
 
-thread_local ThreadCounts t_counts;
+ThreadCounts& thread_counts() {
+  ThreadCounts* counts = t_counts;
+  return C10_LIKELY(counts != nullptr) ? *counts : *enlist_this_thread();
+}
 
-void count(std::atomic<int64_t>& counter) {
-  counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+void count(std::atomic<int64_t> ThreadCounts::*counter) {
+  std::atomic<int64_t>& c = thread_counts().*counter;
+  c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
 
 struct Key {
@@ -104,14 +135,14 @@ class CastCache {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = entries_.find(key);
       if (it != entries_.end() && is_fresh(it->second, t)) {
-        count(t_counts.hits);
+        count(&ThreadCounts::hits);
         CallRecord::note_cache_hit();
         return it->second.copy;
       }
     }
     at::Tensor copy = t.to(to);  // outside the lock: casts of other weights run in parallel
-    count(t_counts.casts);
-    CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
+    count(&ThreadCounts::casts);
+    CallRecord::note_cast(copy);
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl,
                                                                  c10::UndefinedTensorImpl>(
@@ -168,9 +199,11 @@ bool is_view_of_weight(const at::Tensor& t) {
 // Not under InferenceMode, nor in a disable_cast_cache region (LibTorch's
 // thread-local autocast cache switch, as torch.autocast(cache_enabled=False)).
 bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
+  // Without autograd metadata a tensor is neither a weight nor a view (views
+  // always carry it): a pointer read instead of two calls through autograd.
   return is_low_precision(to) && t.scalar_type() == at::kFloat &&
-         (is_weight(t) || is_view_of_weight(t)) && !c10::InferenceMode::is_enabled() &&
-         at::autocast::is_autocast_cache_enabled();
+         t.unsafeGetTensorImpl()->autograd_meta() != nullptr && (is_weight(t) || is_view_of_weight(t)) &&
+         !c10::InferenceMode::is_enabled() && at::autocast::is_autocast_cache_enabled();
 }
 
 at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
@@ -183,8 +216,8 @@ at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
   if (is_cacheable(t, to)) return cached_cast(t, to);
   at::Tensor copy = t.to(to);
-  count(t_counts.casts);
-  CallRecord::note_cast(static_cast<int64_t>(copy.nbytes()));
+  count(&ThreadCounts::casts);
+  CallRecord::note_cast(copy);
   return copy;
 }
 

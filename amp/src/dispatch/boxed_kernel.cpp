@@ -64,7 +64,7 @@ class BoxedKernel final : public c10::OperatorKernel {
   explicit BoxedKernel(const OpBinding* binding) : binding_(binding) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
+    c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->reentry_keys);
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const size_t num_args = op.schema().arguments().size();
     const BoxedArgs view(torch::jit::last(stack, num_args));

@@ -27,10 +27,10 @@ void CallRecord::finish(std::string output_dtype) {
   add_op_stats(row_);
 }
 
-void CallRecord::note_cast(int64_t bytes) {
+void CallRecord::note_cast(const at::Tensor& copy) {
   if (CallRecord* r = t_current) {
     r->row_.casts += 1;
-    r->row_.bytes_cast += bytes;
+    r->row_.bytes_cast += static_cast<int64_t>(copy.nbytes());
   }
 }
 

@@ -40,7 +40,7 @@ class CallRecord {
   void finish(std::string output_dtype);
 
   // Called by the cast path for the thread's current record, if any.
-  static void note_cast(int64_t bytes);
+  static void note_cast(const at::Tensor& copy);  // its bytes are read only while recording
   static void note_cache_hit();
 
  private:

@@ -16,7 +16,9 @@ namespace amp::detail {
 // Floating tensors of the kernel's device are cast; float64 never is (as in
 // LibTorch's autocast).
 inline bool is_castable(const at::Tensor& t, c10::DeviceType device) {
-  if (!t.defined() || !t.is_floating_point() || t.scalar_type() == at::kDouble) return false;
+  if (!t.defined()) return false;
+  const at::ScalarType dtype = t.scalar_type();  // inline, unlike Tensor::is_floating_point()
+  if (!c10::isFloatingType(dtype) || dtype == at::kDouble) return false;
   return device == c10::DeviceType::CUDA ? t.is_cuda() : (t.is_cpu() || t.is_mkldnn());
 }
 

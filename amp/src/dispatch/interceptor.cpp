@@ -154,6 +154,7 @@ void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, Cast
   auto binding = std::make_unique<OpBinding>();
   binding->display_name = display;
   binding->casting = &casting;
+  binding->reentry_keys = c10::DispatchKeySet(casting.autocast_key);
   binding->banned_because.store(banned_because);
   binding->set_policy(policy);
   const std::string ns = op.name.substr(0, op.name.find("::"));

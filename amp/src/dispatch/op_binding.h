@@ -5,6 +5,7 @@
 
 #include <ATen/core/operator_name.h>
 #include <c10/core/DispatchKey.h>
+#include <c10/core/DispatchKeySet.h>
 #include <c10/core/ScalarType.h>
 
 #include <atomic>
@@ -31,6 +32,9 @@ struct DeviceCasting {
 struct OpBinding {
   std::string display_name;  // "aten::softmax.int"
   const DeviceCasting* casting;
+  // {casting->autocast_key}, which the kernel excludes while it runs; built
+  // once here, as building a key set from a key costs tens of instructions.
+  c10::DispatchKeySet reentry_keys;
   // The policy the kernel applies: the table's policy after the device's
   // settings (fp32_ops, allow_banned) are folded in, so the hot path reads
   // one value.

@@ -56,7 +56,7 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
   explicit TypedKernel(const OpBinding* binding) : binding_(binding) {}
 
   Ret operator()(Args... args) const {
-    c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->casting->autocast_key);
+    c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->reentry_keys);
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const TypedArgs<Args...> view(args...);
     if (C10_UNLIKELY(recording())) {

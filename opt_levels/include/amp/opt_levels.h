@@ -68,8 +68,9 @@ const char* to_string(OptLevel level);
 // Every level, in table order.
 std::vector<OptLevel> all_opt_levels();
 
-// float16 or bfloat16: the dtypes amp computes in.
-bool is_low_precision(c10::ScalarType dtype);
+// float16 or bfloat16: the dtypes amp computes in. Inline: every casting
+// call asks.
+inline bool is_low_precision(c10::ScalarType dtype) { return dtype == c10::kHalf || dtype == c10::kBFloat16; }
 
 // What the optimizer steps and how gradients are scaled.
 struct LossScale {

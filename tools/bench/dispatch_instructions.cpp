@@ -1,0 +1,67 @@
+// Instructions per call of the dispatch cases of cpu_benchmarks' section 1,
+// counted by valgrind's callgrind: plain LibTorch, native autocast and amp O1
+// on the same calls. Counts do not move with the load of a shared machine, so
+// they settle differences of a few percent that timings there cannot. Each
+// (case, mode) is one callgrind dump; tools/bench/dispatch_instructions.sh
+// runs this under valgrind and prints the table.
+#include <amp/amp.h>
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+#include <valgrind/callgrind.h>
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kCalls = 2000;
+
+struct OpCase {
+  std::string name;
+  std::function<void()> call;
+};
+
+}  // namespace
+
+int main() {
+  if (!RUNNING_ON_VALGRIND) {
+    std::fprintf(stderr, "run me through tools/bench/dispatch_instructions.sh (valgrind --tool=callgrind)\n");
+    return 2;
+  }
+  at::set_num_threads(1);
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  const auto a_low = a.to(at::kBFloat16), b_low = b.to(at::kBFloat16);
+  const auto weight = torch::randn({4, 4}, torch::requires_grad()), bias = torch::randn({4}, torch::requires_grad());
+  torch::NoGradGuard no_grad;  // dispatch, not graph building, as in cpu_benchmarks
+  const std::vector<OpCase> cases = {
+      {"mm fp32 (casts)", [&] { at::mm(a, b); }},
+      {"mm bf16 (no cast)", [&] { at::mm(a_low, b_low); }},
+      {"linear, cached weight", [&] { at::linear(a, weight, bias); }},
+      {"cat bf16+fp32", [&] { at::cat({a_low, b}); }},
+      {"relu (not intercepted)", [&] { at::relu(a); }},
+  };
+  const char* modes[] = {"plain", "native", "amp"};
+  for (int mode = 0; mode < 3; ++mode) {
+    std::unique_ptr<amp::Handle> handle;
+    if (mode == 1) at::autocast::set_autocast_enabled(at::kCPU, true);
+    if (mode == 2) {
+      amp::Options options = amp::O1;
+      options.verbosity = 0;
+      handle = std::make_unique<amp::Handle>();
+      handle->initialize(std::vector<amp::ModulePtr>{}, {}, options);
+    }
+    for (const OpCase& c : cases) {
+      c.call();  // warm: caches filled, kernels looked up
+      CALLGRIND_ZERO_STATS;
+      for (int i = 0; i < kCalls; ++i) c.call();
+      const std::string label = std::string(modes[mode]) + "|" + c.name + "|" + std::to_string(kCalls);
+      CALLGRIND_DUMP_STATS_AT(label.c_str());
+    }
+    if (mode == 1) at::autocast::set_autocast_enabled(at::kCPU, false);
+  }
+  return 0;
+}
