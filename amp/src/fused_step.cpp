@@ -80,7 +80,8 @@ void FusedStep::step(std::vector<torch::optim::OptimizerParamGroup>& groups, Sta
                      const at::Tensor& found_inf) {
   at::NoGradGuard no_grad;
   attempts_.emplace_back();
-  const at::Tensor advance = (1 - found_inf).reshape({});  // step counts move only if taken
+  // Adam's step counts move only if the step is taken; SGD keeps none.
+  const at::Tensor advance = kind_ == Kind::kSgd ? at::Tensor() : (1 - found_inf).reshape({});
   for (auto& group : groups) {
     switch (kind_) {
       case Kind::kAdam:

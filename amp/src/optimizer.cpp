@@ -58,7 +58,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(
       wrapped_(std::move(wrapped)),
       lifecycle_(std::make_unique<detail::GradientLifecycle>(context, master_weights)),
       fused_(fused_step ? detail::FusedStep::make(*wrapped_) : nullptr) {
-  lifecycle_->on_settle([this](bool skipped) { fused_->settle(skipped, state_); });
+  if (fused_) lifecycle_->on_settle([this](bool skipped) { fused_->settle(skipped, state_); });
   param_groups_ = std::move(wrapped_->param_groups());
   state_ = std::move(wrapped_->state());
   wrapped_->state().clear();

@@ -5,14 +5,14 @@
 
 #include "context.h"
 #include "gradient_lifecycle.h"
+#include "non_finite_check.h"
 #include "unscale_plan.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <exception>
-#include <map>
-#include <tuple>
+#include <vector>
 
 namespace amp {
 namespace {
@@ -101,23 +101,16 @@ void scale_loss::unscale() {
 
 void scale_loss::check_kept_gradients() {
   if (!verdict_) return;  // nothing can skip (static scale)
-  // The fused check takes one device and dtype per call.
-  std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
+  std::vector<at::Tensor> kept;
   for (detail::GradientLifecycle* lifecycle : lifecycles_) {
     for (const detail::ParamSlot& s : lifecycle->slots()) {
-      const at::Tensor& g = s.accumulator();
-      if (!g.defined() || g.layout() != at::kStrided) continue;
-      groups[{static_cast<int>(g.device().type()), g.device().index(), static_cast<int>(g.scalar_type())}]
-          .push_back(g);
+      if (s.accumulator().defined()) kept.push_back(s.accumulator());
     }
   }
   at::Tensor flag = verdict_->snapshot.narrow(0, 0, 1);
-  for (auto& [where, grads] : groups) {
-    at::Tensor seen = at::zeros({1}, flag.options().device(grads.front().device()));
-    const at::Tensor one = at::ones({1}, seen.options());
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, seen, one);  // x * 1: a check only
-    flag.copy_(at::maximum(flag, seen.to(flag.device())));
-  }
+  at::Tensor seen = at::zeros({1}, flag.options());
+  detail::non_finite_check_and_unscale(kept, seen, at::ones({1}, flag.options()));  // x * 1: a check only
+  flag.copy_(at::maximum(flag, seen));
 }
 
 void scale_loss::unscale_gradients() {
