@@ -4,7 +4,7 @@
 #include <amp/state.h>
 
 #include "context.h"
-#include "gradient_lifecycle.h"
+#include "optimizer_state_load.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -15,43 +15,45 @@
 namespace amp {
 namespace {
 
-using MasterMap = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
-
-MasterMap masters_of(const std::vector<OptimizerPtr>& optimizers) {
-  MasterMap masters;
-  for (const auto& optimizer : optimizers) {
-    TORCH_CHECK(optimizer != nullptr, "amp: checkpoints take the optimizers returned by "
-                "amp::initialize, got a null one.");
-    for (const auto& slot : detail::lifecycle_of(*optimizer).slots()) {
-      if (slot.has_master()) masters[slot.model.unsafeGetTensorImpl()] = slot.master;
-    }
-  }
-  return masters;
+// Float32 values of a model's tensors: master weights as they are, other
+// low-precision tensors widened exactly (model_weights.h).
+at::Tensor fp32_value(const at::Tensor& t) {
+  const auto context = detail::live_context();
+  if (context) return context->weights().fp32_value(t);
+  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
 }
 
-// Float32 values of a parameter or buffer: its master when it has one, an
-// exact widening of low-precision values otherwise.
-at::Tensor fp32_value(const at::Tensor& t, const MasterMap& masters) {
-  auto it = masters.find(t.unsafeGetTensorImpl());
-  if (it != masters.end()) return it->second.detach();
-  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
+torch::nn::Module& model_of(const ModelRef& ref) {
+  TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's models; got a null one.");
+  return *ref.get();
 }
 
 // torch::nn::Module::save's layout, in float32, masters in place of their
 // parameters.
-void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
-                  const MasterMap& masters) {
+void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
-    archive.write(p.key(), fp32_value(p.value(), masters));
+    archive.write(p.key(), fp32_value(p.value()));
   }
   for (const auto& b : module.named_buffers(/*recurse=*/false)) {
-    archive.write(b.key(), fp32_value(b.value(), masters), /*is_buffer=*/true);
+    archive.write(b.key(), fp32_value(b.value()), /*is_buffer=*/true);
   }
   for (const auto& child : module.named_children()) {
     torch::serialize::OutputArchive nested(archive.compilation_unit());
-    write_module(*child.value(), nested, masters);
+    write_module(*child.value(), nested);
     archive.write(child.key(), nested);
   }
+}
+
+// Pending fused steps settled, so the state's host step counts are current.
+std::vector<torch::optim::Optimizer*> settled(detail::Context& context,
+                                              const std::vector<OptimizerRef>& optimizers) {
+  std::vector<torch::optim::Optimizer*> out;
+  for (const OptimizerRef& ref : optimizers) {
+    TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's optimizers; got a null one.");
+    if (detail::OptimizerStep* step = context.step_of(*ref.get())) step->settle(/*wait=*/true);
+    out.push_back(ref.get());
+  }
+  return out;
 }
 
 struct PendingCopy {
@@ -86,13 +88,14 @@ void read_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const std::vector<ModulePtr>& models,
-                     const std::vector<OptimizerPtr>& optimizers) {
-  const MasterMap masters = masters_of(optimizers);
+void save_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
+                     const std::vector<OptimizerRef>& optimizer_refs) {
+  auto context = detail::require_live_context("amp::save_checkpoint");
+  const auto optimizers = settled(*context, optimizer_refs);
   torch::serialize::OutputArchive archive;
   for (size_t i = 0; i < models.size(); ++i) {
     torch::serialize::OutputArchive model(archive.compilation_unit());
-    write_module(*models[i], model, masters);
+    write_module(model_of(models[i]), model);
     archive.write("model" + std::to_string(i), model);
   }
   for (size_t i = 0; i < optimizers.size(); ++i) {
@@ -106,9 +109,10 @@ void save_checkpoint(const std::string& path, const std::vector<ModulePtr>& mode
   archive.save_to(path);
 }
 
-void load_checkpoint(const std::string& path, const std::vector<ModulePtr>& models,
-                     const std::vector<OptimizerPtr>& optimizers) {
-  const MasterMap masters = masters_of(optimizers);
+void load_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
+                     const std::vector<OptimizerRef>& optimizer_refs) {
+  auto context = detail::require_live_context("amp::load_checkpoint");
+  const auto optimizers = settled(*context, optimizer_refs);
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);
@@ -121,7 +125,7 @@ void load_checkpoint(const std::string& path, const std::vector<ModulePtr>& mode
     torch::serialize::InputArchive model;
     TORCH_CHECK(archive.try_read("model" + std::to_string(i), model), "amp: checkpoint '", path,
                 "' has no model", i, "; it holds fewer models than were passed.");
-    read_module(*models[i], model, "", copies);
+    read_module(model_of(models[i]), model, "", copies);
   }
   std::vector<torch::serialize::InputArchive> optimizer_archives(optimizers.size());
   for (size_t i = 0; i < optimizers.size(); ++i) {
@@ -133,37 +137,31 @@ void load_checkpoint(const std::string& path, const std::vector<ModulePtr>& mode
 
   // Scalers and optimizers load all-or-nothing: if one part is refused, the
   // parts already loaded go back to their state before this call.
-  auto context = detail::require_live_context("amp::load_checkpoint");
   std::vector<LossScaler::State> scalers_before;
   for (int i = 0; i < context->num_losses(); ++i) scalers_before.push_back(context->scaler(i).state());
   std::vector<std::string> optimizers_before;
-  for (const auto& optimizer : optimizers) {
-    torch::serialize::OutputArchive saved;
-    optimizer->save(saved);
-    std::ostringstream bytes;
-    saved.save_to(bytes);
-    optimizers_before.push_back(bytes.str());
-  }
+  for (const auto* optimizer : optimizers) optimizers_before.push_back(detail::state_bytes(*optimizer));
   size_t loaded = 0;
   try {
     load_state(amp);
-    for (; loaded < optimizers.size(); ++loaded) optimizers[loaded]->load(optimizer_archives[loaded]);
+    for (; loaded < optimizers.size(); ++loaded) {
+      detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded],
+                                   optimizers_before[loaded]);
+    }
   } catch (...) {
     for (int i = 0; i < context->num_losses(); ++i) context->scaler(i).restore(scalers_before[i]);
-    for (size_t i = 0; i < loaded; ++i) {
-      std::istringstream bytes(optimizers_before[i]);
-      torch::serialize::InputArchive saved;
-      saved.load_from(bytes);
-      optimizers[i]->load(saved);
-    }
+    for (size_t i = 0; i < loaded; ++i) detail::restore_state_bytes(*optimizers[i], optimizers_before[i]);
     throw;
   }
+  context->weights().finish_backward();  // master weights take the values in float32
   at::NoGradGuard no_grad;
-  for (const auto& c : copies) {
-    auto it = masters.find(c.target.unsafeGetTensorImpl());
-    if (it != masters.end()) it->second.copy_(c.value);
-    c.target.copy_(c.value);
-  }
+  for (const auto& c : copies) c.target.copy_(c.value);
+}
+
+void save_fp32_weights(ModelRef model, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  write_module(model_of(model), archive);
+  archive.save_to(path);
 }
 
 }  // namespace amp

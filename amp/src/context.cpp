@@ -6,6 +6,7 @@
 #include "casting_scope_internal.h"
 #include "dispatch/interceptor.h"
 #include "log.h"
+#include "optimizer_kinds.h"
 #include "policy_registry.h"
 
 #include <c10/util/Exception.h>
@@ -18,25 +19,32 @@ namespace {
 std::mutex g_live_mutex;
 std::shared_ptr<Context> g_live;
 
-std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o) {
+std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights) {
   if (!p.intercepts_ops()) return {};
   const bool weights_decide = p.weights_decide_op_dtype();
   const bool fp32_ops = p.runs_fp32_policies();
+  ModelWeights* lowered = weights->mode() == ModelWeights::Mode::kNone ? nullptr : weights;
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
-       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype)},
+       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered},
       {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
-       fp32_ops, o.allow_banned},
+       fp32_ops, o.allow_banned, true, lowered},
   };
 }
 
 }  // namespace
 
-Context::Context(const Properties& properties, const Options& options, const RegistrationLock& held)
+Context::Context(const Properties& properties, const Options& options, const RegistrationLock& held,
+                 std::unique_ptr<ModelWeights> weights,
+                 const std::vector<torch::optim::Optimizer*>& optimizers)
     : properties_(properties),
       options_(options),
-      casting_(casting_for(properties, options)),
-      owner_(std::this_thread::get_id()) {
+      casting_(casting_for(properties, options, weights.get())),
+      owner_(std::this_thread::get_id()),
+      weights_(std::move(weights)) {
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));
+  }
   for (int i = 0; i < options.num_losses; ++i) {
     scalers_.push_back(
         std::make_unique<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
@@ -64,7 +72,33 @@ void Context::teardown() {
   interceptor_.reset();
   owner_casting_.reset();
   clear_cast_cache();
+  weights_->finish_backward();  // O2/O5 models end in float32
+  for (auto& [optimizer, step] : steps_) {
+    try {
+      step->settle(/*wait=*/true);  // host step counts of pending fused steps
+    } catch (const std::exception& e) {
+      log_line(std::string("error: ") + e.what());
+    }
+  }
   shut_down_ = true;
+}
+
+OptimizerStep* Context::step_of(const torch::optim::Optimizer& optimizer) {
+  auto it = steps_.find(&optimizer);
+  return it == steps_.end() ? nullptr : it->second.get();
+}
+
+OptimizerStep& Context::require_step(const torch::optim::Optimizer* optimizer, const char* what) {
+  TORCH_CHECK(optimizer != nullptr, "amp: ", what, " got a null optimizer.");
+  OptimizerStep* step = step_of(*optimizer);
+  TORCH_CHECK(step != nullptr, "amp: ", what, " got an optimizer that was not passed to the live "
+              "amp::initialize; pass every optimizer that steps these parameters to "
+              "amp::initialize(model, optimizer, opt_level).");
+  return *step;
+}
+
+void Context::rethrow_deferred_error() {
+  if (deferred_error_) std::rethrow_exception(std::exchange(deferred_error_, nullptr));
 }
 
 LossScaler& Context::scaler(int loss_id) {
@@ -99,12 +133,19 @@ std::shared_ptr<Context> require_live_context(const char* what) {
   return context;
 }
 
-std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options) {
+std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
+                                            std::unique_ptr<ModelWeights> weights,
+                                            const std::vector<torch::optim::Optimizer*>& optimizers) {
   const RegistrationLock held;
-  auto context = std::make_shared<Context>(properties, options, held);
+  auto context = std::make_shared<Context>(properties, options, held, std::move(weights), optimizers);
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live = context;
   return context;
+}
+
+OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer) {
+  const std::shared_ptr<Context> context = live_context();
+  return context ? context->step_of(optimizer) : nullptr;
 }
 
 void end_live_context(const std::shared_ptr<Context>& context) {

@@ -6,11 +6,17 @@
 #include <amp/options.h>
 
 #include "dispatch/op_binding.h"
+#include "model_weights.h"
+#include "optimizer_step.h"
+
+#include <torch/optim/optimizer.h>
 
 #include <atomic>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace amp::detail {
@@ -28,8 +34,12 @@ struct SkipLog {
 class Context {
  public:
   // `held`: the user's registrations cannot change while the interceptor
-  // reads them (see start_live_context).
-  Context(const Properties& properties, const Options& options, const RegistrationLock& held);
+  // reads them (see start_live_context). `weights`: the models' lowered
+  // weights; `optimizers`: the program's optimizers, stepped through
+  // OptimizerStep state machines.
+  Context(const Properties& properties, const Options& options, const RegistrationLock& held,
+          std::unique_ptr<ModelWeights> weights,
+          const std::vector<torch::optim::Optimizer*>& optimizers);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -44,6 +54,16 @@ class Context {
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
   const std::vector<DeviceCasting>& casting() const { return casting_; }
+
+  ModelWeights& weights() { return *weights_; }
+  // The state machine of an optimizer passed to initialize, or null.
+  OptimizerStep* step_of(const torch::optim::Optimizer& optimizer);
+  // Like step_of, but throws "not passed to amp::initialize" for `what`.
+  OptimizerStep& require_step(const torch::optim::Optimizer* optimizer, const char* what);
+
+  // An error a guard's destructor could not throw; the next guard raises it.
+  void defer_error(std::exception_ptr error) { deferred_error_ = std::move(error); }
+  void rethrow_deferred_error();
 
   // Applies a user registration (register_op) to the interceptor; the
   // caller holds the RegistrationLock.
@@ -75,6 +95,9 @@ class Context {
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;
   bool shut_down_ = false;
+  std::unique_ptr<ModelWeights> weights_;
+  std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
+  std::exception_ptr deferred_error_;
   std::function<void(at::Tensor&)> overflow_reducer_;
 };
 
@@ -88,7 +111,12 @@ std::shared_ptr<Context> live_context();
 // Like live_context(), but throws "amp is not initialized" with `what`.
 std::shared_ptr<Context> require_live_context(const char* what);
 // Builds a context and makes it the live one.
-std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options);
+std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
+                                            std::unique_ptr<ModelWeights> weights,
+                                            const std::vector<torch::optim::Optimizer*>& optimizers);
+// The live initialization's state machine of `optimizer`, or null when amp
+// is not live or the optimizer was not passed to it.
+OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer);
 // Shuts `context` (the live one) down and clears the live slot. On error
 // (see Context::shutdown) it stays live.
 void end_live_context(const std::shared_ptr<Context>& context);

@@ -5,11 +5,13 @@
 
 #include "context.h"
 #include "log.h"
+#include "module_walk.h"
+#include "optimizer_kinds.h"
 
 #include <c10/util/Exception.h>
 
+#include <ATen/EmptyTensor.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/optim.h>
 
 #include <mutex>
 #include <optional>
@@ -19,26 +21,12 @@ namespace amp {
 namespace {
 
 std::mutex g_initialize_mutex;
-std::vector<std::weak_ptr<torch::nn::Module>> g_converted_models;
-std::vector<std::weak_ptr<torch::optim::Optimizer>> g_wrapped_optimizers;
 
-template <class T>
-bool contains(std::vector<std::weak_ptr<T>>& seen, const std::shared_ptr<T>& item) {
-  bool found = false;
-  for (auto it = seen.begin(); it != seen.end();) {
-    if (it->expired()) {
-      it = seen.erase(it);
-      continue;
-    }
-    found = found || it->lock() == item;
-    ++it;
-  }
-  return found;
-}
+using Modules = std::vector<torch::nn::Module*>;
+using Optimizers = std::vector<torch::optim::Optimizer*>;
 
 // The one device every parameter and buffer lives on (CPU when there are none).
-c10::Device common_device(const std::vector<ModulePtr>& models,
-                          const std::vector<OptimizerPtr>& optimizers) {
+c10::Device common_device(const Modules& models, const Optimizers& optimizers) {
   std::optional<c10::Device> device;
   auto visit = [&](const at::Tensor& t, const std::string& where) {
     if (!device) device = t.device();
@@ -58,7 +46,7 @@ c10::Device common_device(const std::vector<ModulePtr>& models,
   return device.value_or(c10::Device(c10::kCPU));
 }
 
-void warn_about_dtypes(const std::vector<ModulePtr>& models, const Properties& p, int verbosity) {
+void warn_about_dtypes(const Modules& models, const Properties& p, int verbosity) {
   if (verbosity < 1 || !p.cast_model_type) return;
   for (const auto& model : models) {
     for (const auto& param : model->named_parameters()) {
@@ -82,16 +70,7 @@ void warn_about_dtypes(const std::vector<ModulePtr>& models, const Properties& p
 // Without fp32 masters the optimizer updates low-precision parameters, and an
 // epsilon that rounds to zero in their dtype turns zero gradients into 0/0
 // (Adam's eps=1e-8 in float16: O3 with Adam is NaN after one step).
-std::optional<double> optimizer_eps(const torch::optim::OptimizerOptions& o) {
-  if (auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&o)) return adam->eps();
-  if (auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) return adamw->eps();
-  if (auto* rms = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) return rms->eps();
-  if (auto* adagrad = dynamic_cast<const torch::optim::AdagradOptions*>(&o)) return adagrad->eps();
-  return std::nullopt;
-}
-
-void warn_about_optimizer_eps(const std::vector<OptimizerPtr>& optimizers, const Properties& p,
-                              int verbosity) {
+void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p, int verbosity) {
   if (verbosity < 1 || p.master_weights || !p.cast_model_type ||
       *p.cast_model_type == c10::kFloat) {
     return;
@@ -99,7 +78,7 @@ void warn_about_optimizer_eps(const std::vector<OptimizerPtr>& optimizers, const
   const c10::ScalarType dtype = *p.cast_model_type;
   for (const auto& optimizer : optimizers) {
     for (const auto& group : optimizer->param_groups()) {
-      const std::optional<double> eps = optimizer_eps(group.options());
+      const std::optional<double> eps = detail::optimizer_eps(group.options());
       if (!eps || *eps == 0 || at::scalar_tensor(*eps, dtype).item<double>() != 0) continue;
       std::ostringstream line;
       line << "warning: the optimizer's eps " << *eps << " is 0 in " << c10::toString(dtype)
@@ -120,18 +99,18 @@ void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbo
 
 // Sparse gradients are unscaled and checked at the levels that keep the model
 // fp32; the master-weight and low-precision paths are written for dense ones.
-void check_no_sparse_gradients(const std::vector<ModulePtr>& models, const Properties& p) {
+void check_no_sparse_gradients(const Modules& models, const Properties& p) {
   if (!p.cast_model_type || *p.cast_model_type == c10::kFloat) return;
   for (const auto& model : models) {
-    for (const auto& item : model->named_modules()) {
-      const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get());
-      const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get());
+    detail::for_each_module(*model, [&](const std::string& name, torch::nn::Module& module) {
+      const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module);
+      const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&module);
       const bool sparse = (embedding && embedding->options.sparse()) || (bag && bag->options.sparse());
-      TORCH_CHECK(!sparse, "amp: module '", item.key().empty() ? model->name() : item.key(), "' (",
-                  item.value()->name(), " with sparse=true) produces sparse gradients, which amp "
+      TORCH_CHECK(!sparse, "amp: module '", name.empty() ? model->name() : name, "' (",
+                  module.name(), " with sparse=true) produces sparse gradients, which amp "
                   "supports at O0, O1 and O4 (the levels that keep the model float32), not at ",
                   to_string(p.opt_level), ". Use O1, or sparse=false.");
-    }
+    });
   }
 }
 
@@ -143,11 +122,60 @@ Properties disabled_properties(c10::Device device) {
   return p;
 }
 
+
+// A tensor whose storage holds another dtype's bytes: LibTorch's
+// InputArchive copies a checkpoint's bytes into a tensor of another dtype
+// without converting them (a float32 checkpoint loaded into a float16 model).
+void check_storages(const Modules& models) {
+  for (const torch::nn::Module* model : models) {
+    auto check = [](const std::string& name, const at::Tensor& t) {
+      if (!t.defined() || t.numel() == 0 || t.element_size() != 2 || !t.is_floating_point()) return;
+      const size_t as_fp32 = at::detail::computeStorageNbytes(t.sizes(), t.strides(), 4, t.storage_offset());
+      TORCH_CHECK(t.storage().nbytes() < as_fp32, "amp: '", name,
+                  "' is ", t.scalar_type(), " but its storage holds ", t.storage().nbytes(),
+                  " bytes, as many as float32 values take: a torch::load of a float32 "
+                  "checkpoint into the ", t.scalar_type(), " model, whose bytes LibTorch does "
+                  "not convert. Load float32 checkpoints into the float32 model, before "
+                  "converting it (or let amp::initialize convert it).");
+    };
+    for (const auto& p : model->named_parameters()) check(p.key(), p.value());
+    for (const auto& b : model->named_buffers()) check(b.key(), b.value());
+  }
+}
+
+// The models' lowered weights for the level: converted now for good, or
+// float32 masters amp lowers for forward and backward.
+std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool any_optimizer,
+                                                    const Properties& p, const Options& options) {
+  using Mode = detail::ModelWeights::Mode;
+  if (!p.cast_model_type || *p.cast_model_type == c10::kFloat) {
+    return std::make_unique<detail::ModelWeights>();
+  }
+  const c10::ScalarType low = *p.cast_model_type;
+  const Mode mode = p.master_weights && any_optimizer ? Mode::kMasters : Mode::kConverted;
+  std::vector<detail::ModelWeights::Entry> entries;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < models.size(); ++i) {
+    const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "." : "";
+    for (LoweredTensor& t : lowered_tensors(*models[i], p.keep_batchnorm_fp32, options.keep_fp32)) {
+      const c10::ScalarType target = mode == Mode::kMasters ? c10::kFloat : low;
+      if (t.tensor.scalar_type() != target) t.tensor.set_data(t.tensor.variable_data().to(target));
+      detail::ModelWeights::Entry entry;
+      entry.name = prefix + t.name;
+      entry.tensor = t.tensor;
+      entry.is_buffer = t.is_buffer;
+      entry.low = low;
+      entries.push_back(std::move(entry));
+    }
+  }
+  return std::make_unique<detail::ModelWeights>(mode, std::move(entries));
+}
+
 }  // namespace
 
-std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>& models,
-                                                    std::vector<OptimizerPtr> optimizers,
-                                                    const Options& options) {
+void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
+                             const std::vector<OptimizerRef>& optimizer_refs,
+                             const Options& options) {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
   if (auto live = detail::live_context()) {
     TORCH_CHECK(false, "amp: amp is already initialized (opt_level ",
@@ -157,26 +185,28 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   TORCH_CHECK(options.num_losses >= 1, "amp: num_losses must be >= 1, got ", options.num_losses);
   TORCH_CHECK(options.verbosity >= 0 && options.verbosity <= 2,
               "amp: verbosity must be 0, 1 or 2, got ", options.verbosity);
-  for (const auto& model : models) {
+  Modules models;
+  for (const ModelRef& ref : model_refs) {
+    torch::nn::Module* model = ref.get();
     TORCH_CHECK(model != nullptr, "amp: initialize got a null model.");
     TORCH_CHECK(model->name().find("DataParallel") == std::string::npos, "amp: the model is "
                 "wrapped in ", model->name(), ". Call amp::initialize on the bare model and wrap "
                 "it for data parallelism afterwards.");
-    TORCH_CHECK(!contains(g_converted_models, model), "amp: this model was already converted "
-                "by an earlier amp::initialize; its float32 values are gone. Pass a fresh "
-                "float32 model (or load an fp32 checkpoint into it) before initializing again.");
+    models.push_back(model);
   }
-  for (const auto& optimizer : optimizers) {
+  Optimizers optimizers;
+  for (const OptimizerRef& ref : optimizer_refs) {
+    torch::optim::Optimizer* optimizer = ref.get();
     TORCH_CHECK(optimizer != nullptr, "amp: initialize got a null optimizer.");
-    TORCH_CHECK(dynamic_cast<MixedPrecisionOptimizer*>(optimizer.get()) == nullptr &&
-                    !contains(g_wrapped_optimizers, optimizer),
-                "amp: this optimizer was already passed through amp::initialize. Create a new "
-                "optimizer for a new initialization.");
+    TORCH_CHECK(std::find(optimizers.begin(), optimizers.end(), optimizer) == optimizers.end(),
+                "amp: initialize got the same optimizer twice.");
+    optimizers.push_back(optimizer);
   }
   const c10::Device device = common_device(models, optimizers);
   const Properties requested = resolve_properties(options.opt_level, options, device.type());
   const Properties properties = options.enabled ? requested : disabled_properties(device);
   check_no_sparse_gradients(models, properties);
+  check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);
     warn_about_optimizer_eps(optimizers, properties, options.verbosity);
@@ -184,26 +214,9 @@ std::vector<OptimizerPtr> Handle::initialize_models(const std::vector<ModulePtr>
   }
 
   // Everything is validated; from here on amp changes state.
-  std::vector<std::pair<at::Tensor, at::Tensor>> fp32_originals;
-  const bool convert = properties.cast_model_type && *properties.cast_model_type != c10::kFloat;
-  for (const auto& model : models) {
-    if (!convert) continue;
-    for (auto& c : convert_model(*model, *properties.cast_model_type,
-                                 properties.keep_batchnorm_fp32, options.keep_fp32)) {
-      fp32_originals.emplace_back(c.parameter, c.fp32_original);
-    }
-    g_converted_models.push_back(model);
-  }
-  auto context = detail::start_live_context(properties, options);
-  context_ = context;
-  std::vector<OptimizerPtr> wrapped;
-  for (auto& optimizer : optimizers) {
-    g_wrapped_optimizers.push_back(optimizer);
-    wrapped.push_back(std::make_shared<MixedPrecisionOptimizer>(
-        optimizer, properties.master_weights, fp32_originals, context, options.fused_step));
-  }
+  auto weights = lower_weights(models, !optimizers.empty(), properties, options);
+  context_ = detail::start_live_context(properties, options, std::move(weights), optimizers);
   if (options.verbosity >= 1) std::cerr << describe(properties);
-  return wrapped;
 }
 
 Handle::~Handle() {

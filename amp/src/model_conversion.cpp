@@ -2,10 +2,14 @@
 
 #include <amp/opt_levels.h>
 
+#include "module_walk.h"
+
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/batchnorm.h>
 
 #include <ATen/core/grad_mode.h>
+
+#include <unordered_set>
 
 namespace amp {
 namespace {
@@ -16,22 +20,31 @@ bool affine_batchnorm_as(const torch::nn::Module& module) {
   return bn != nullptr && bn->options.affine();
 }
 
-// Converts one tensor in place: same TensorImpl, new data, so optimizers and
-// other references keep pointing at it.
-at::Tensor convert_in_place(at::Tensor& t, c10::ScalarType dtype) {
-  // variable_data(): the fp32 data with its own version counter, so updates
-  // of a master built from it do not count as edits of the parameter.
-  at::Tensor original = t.variable_data();
-  t.set_data(original.to(dtype));
-  return original;
-}
-
 }  // namespace
 
 bool is_affine_batchnorm(const torch::nn::Module& module) {
   return affine_batchnorm_as<torch::nn::BatchNorm1dImpl>(module) ||
          affine_batchnorm_as<torch::nn::BatchNorm2dImpl>(module) ||
          affine_batchnorm_as<torch::nn::BatchNorm3dImpl>(module);
+}
+
+std::vector<LoweredTensor> lowered_tensors(
+    torch::nn::Module& model, bool keep_batchnorm_fp32,
+    const std::function<bool(const torch::nn::Module&)>& keep_fp32) {
+  std::vector<LoweredTensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;  // shared (tied) tensors once
+  detail::for_each_module(model, [&](const std::string& name, torch::nn::Module& module) {
+    if (keep_batchnorm_fp32 && is_affine_batchnorm(module)) return;
+    if (keep_fp32 && keep_fp32(module)) return;
+    const std::string prefix = name.empty() ? "" : name + ".";
+    auto add = [&](const std::string& name, const at::Tensor& t, bool is_buffer) {
+      if (!t.defined() || !t.is_floating_point() || t.scalar_type() == at::kDouble) return;
+      if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back({prefix + name, t, is_buffer});
+    };
+    for (const auto& p : module.named_parameters(/*recurse=*/false)) add(p.key(), p.value(), false);
+    for (const auto& b : module.named_buffers(/*recurse=*/false)) add(b.key(), b.value(), true);
+  });
+  return out;
 }
 
 std::vector<ConvertedParameter> convert_model(
@@ -41,20 +54,14 @@ std::vector<ConvertedParameter> convert_model(
               "amp: convert_model converts to float16 or bfloat16, got ", dtype);
   at::NoGradGuard no_grad;
   std::vector<ConvertedParameter> converted;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules = model.modules(/*include_self=*/false);
-  std::vector<torch::nn::Module*> all{&model};
-  for (const auto& m : modules) all.push_back(m.get());
-  for (torch::nn::Module* module : all) {
-    if (keep_batchnorm_fp32 && is_affine_batchnorm(*module)) continue;
-    if (keep_fp32 && keep_fp32(*module)) continue;
-    for (auto& param : module->named_parameters(/*recurse=*/false)) {
-      if (!param.value().is_floating_point() || param.value().scalar_type() == dtype) continue;
-      at::Tensor original = convert_in_place(param.value(), dtype);
-      converted.push_back({param.value(), original});
-    }
-    for (auto& buffer : module->named_buffers(/*recurse=*/false)) {
-      if (buffer.value().is_floating_point()) convert_in_place(buffer.value(), dtype);
-    }
+  for (LoweredTensor& lowered : lowered_tensors(model, keep_batchnorm_fp32, keep_fp32)) {
+    at::Tensor& t = lowered.tensor;
+    if (t.scalar_type() == dtype) continue;
+    // variable_data(): the old data with its own version counter; the
+    // tensor itself (its TensorImpl, which optimizers hold) gets new data.
+    at::Tensor original = t.variable_data();
+    t.set_data(original.to(dtype));
+    if (!lowered.is_buffer) converted.push_back({t, original});
   }
   return converted;
 }

@@ -1,11 +1,8 @@
 #include "optimizer_state_load.h"
 
+#include "optimizer_kinds.h"
+
 #include <c10/util/Exception.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
 #include <torch/serialize/output-archive.h>
 
 #include <cmath>
@@ -16,64 +13,6 @@
 
 namespace amp::detail {
 namespace {
-
-// State tensors of the optimizers LibTorch ships, with whether they must exist.
-struct StateTensor {
-  const char* name;
-  at::Tensor value;
-  bool required;
-};
-
-std::vector<StateTensor> state_tensors(const torch::optim::OptimizerParamState& state, int64_t& step) {
-  using namespace torch::optim;
-  if (auto* s = dynamic_cast<const SGDParamState*>(&state)) return {{"momentum_buffer", s->momentum_buffer(), false}};
-  if (auto* s = dynamic_cast<const AdamParamState*>(&state)) {
-    step = s->step();
-    return {{"exp_avg", s->exp_avg(), true}, {"exp_avg_sq", s->exp_avg_sq(), true},
-            {"max_exp_avg_sq", s->max_exp_avg_sq(), false}};
-  }
-  if (auto* s = dynamic_cast<const AdamWParamState*>(&state)) {
-    step = s->step();
-    return {{"exp_avg", s->exp_avg(), true}, {"exp_avg_sq", s->exp_avg_sq(), true},
-            {"max_exp_avg_sq", s->max_exp_avg_sq(), false}};
-  }
-  if (auto* s = dynamic_cast<const AdagradParamState*>(&state)) {
-    step = s->step();
-    return {{"sum", s->sum(), true}};
-  }
-  if (auto* s = dynamic_cast<const RMSpropParamState*>(&state)) {
-    step = s->step();
-    return {{"square_avg", s->square_avg(), true}, {"momentum_buffer", s->momentum_buffer(), false},
-            {"grad_avg", s->grad_avg(), false}};
-  }
-  return {};  // another optimizer: its own load is trusted
-}
-
-// The numeric options of LibTorch's optimizers: steps compute with them in
-// the parameters' dtype, so each must be finite and fit float32.
-std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options) {
-  using namespace torch::optim;
-  if (auto* o = dynamic_cast<const SGDOptions*>(&options)) {
-    return {{"lr", o->lr()}, {"momentum", o->momentum()}, {"dampening", o->dampening()}, {"weight_decay", o->weight_decay()}};
-  }
-  if (auto* o = dynamic_cast<const AdamOptions*>(&options)) {
-    return {{"lr", o->lr()}, {"beta1", std::get<0>(o->betas())}, {"beta2", std::get<1>(o->betas())},
-            {"eps", o->eps()}, {"weight_decay", o->weight_decay()}};
-  }
-  if (auto* o = dynamic_cast<const AdamWOptions*>(&options)) {
-    return {{"lr", o->lr()}, {"beta1", std::get<0>(o->betas())}, {"beta2", std::get<1>(o->betas())},
-            {"eps", o->eps()}, {"weight_decay", o->weight_decay()}};
-  }
-  if (auto* o = dynamic_cast<const AdagradOptions*>(&options)) {
-    return {{"lr", o->lr()}, {"lr_decay", o->lr_decay()}, {"weight_decay", o->weight_decay()},
-            {"initial_accumulator_value", o->initial_accumulator_value()}, {"eps", o->eps()}};
-  }
-  if (auto* o = dynamic_cast<const RMSpropOptions*>(&options)) {
-    return {{"lr", o->lr()}, {"alpha", o->alpha()}, {"eps", o->eps()}, {"weight_decay", o->weight_decay()},
-            {"momentum", o->momentum()}};
-  }
-  return {};
-}
 
 void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
   size_t index = 0, group_index = 0;
@@ -110,21 +49,29 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
-  std::stringstream before;
-  {
-    torch::serialize::OutputArchive saved;
-    optimizer.save(saved);
-    saved.save_to(before);
-  }
+std::string state_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive saved;
+  optimizer.save(saved);
+  std::ostringstream bytes;
+  saved.save_to(bytes);
+  return bytes.str();
+}
+
+void restore_state_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive saved;
+  saved.load_from(in);
+  optimizer.state().clear();
+  optimizer.load(saved);
+}
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
+                          const std::string& before) {
   try {
     optimizer.load(archive);
     check_state_fits_params(optimizer);
   } catch (const std::exception& e) {
-    torch::serialize::InputArchive saved;
-    saved.load_from(before);
-    optimizer.state().clear();
-    optimizer.load(saved);
+    restore_state_bytes(optimizer, before);
     TORCH_CHECK(false, "amp: cannot load the optimizer's state; nothing was changed. Was it saved from "
                 "the same model and optimizer? Cause: ", message_of(e));
   }

@@ -12,12 +12,18 @@
 
 namespace amp::detail {
 
-// Loads `archive` into `optimizer`. Errors (c10::Error; the optimizer is
-// unchanged): any error of the optimizer's own load, translated; a state
-// tensor that is missing, or whose shape, dtype or device differs from its
-// parameter's; a negative step count; a numeric option (lr, betas, eps, ...)
-// that is not a finite float32 value.
-void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
+// The optimizer's state as the bytes of its archive, and back.
+std::string state_bytes(const torch::optim::Optimizer& optimizer);
+void restore_state_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes);
+
+// Loads `archive` into `optimizer`; `before` is its state_bytes, restored on
+// error. Errors (c10::Error; the optimizer is unchanged): any error of the
+// optimizer's own load, translated; a state tensor that is missing, or whose
+// shape, dtype or device differs from its parameter's; a negative step
+// count; a numeric option (lr, betas, eps, ...) that is not a finite float32
+// value.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
+                          const std::string& before);
 
 // The message of any exception, without C++ frames for c10::Error.
 std::string message_of(const std::exception& e);

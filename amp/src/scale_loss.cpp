@@ -1,10 +1,9 @@
 #include <amp/scale_loss.h>
 
 #include <amp/cast_cache.h>
-#include <amp/optimizer.h>
+#include <amp/casting_scope.h>
 
 #include "context.h"
-#include "gradient_lifecycle.h"
 #include "non_finite_check.h"
 #include "unscale_plan.h"
 
@@ -12,33 +11,44 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace amp {
-namespace {
 
-detail::GradientLifecycle& lifecycle_for_guard(const std::shared_ptr<torch::optim::Optimizer>& optimizer,
-                                               const detail::Context& context) {
-  TORCH_CHECK(optimizer != nullptr, "amp: scale_loss got a null optimizer.");
-  detail::GradientLifecycle& lifecycle = detail::lifecycle_of(*optimizer);
-  TORCH_CHECK(lifecycle.context().get() == &context, "amp: this optimizer was returned by an "
-              "earlier amp::initialize that has since been deinitialized; initialize amp again "
-              "with a fresh optimizer.");
-  return lifecycle;
-}
+// The guard's transaction: what it covers, what it set aside, how far it got.
+class scale_loss::State {
+ public:
+  enum class Stage { kOpen, kUnscaled, kFinished };
 
-}  // namespace
+  State(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers, ScaleLossOptions options);
 
-scale_loss::scale_loss(const at::Tensor& loss,
-                       const std::shared_ptr<torch::optim::Optimizer>& optimizer,
-                       ScaleLossOptions options)
-    : scale_loss(loss, std::vector<std::shared_ptr<torch::optim::Optimizer>>{optimizer}, options) {}
+  void unscale_gradients();
+  void check_kept_gradients();
+  void commit();
+  void unwind() noexcept;
 
-scale_loss::scale_loss(const at::Tensor& loss,
-                       const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
-                       ScaleLossOptions options)
-    : options_(options), uncaught_at_entry_(std::uncaught_exceptions()) {
-  std::shared_ptr<detail::Context> context = detail::require_live_context("amp::scale_loss");
+  std::shared_ptr<detail::Context> context;
+  std::vector<detail::OptimizerStep*> steps;  // of the optimizers passed in
+  std::vector<detail::GradSlot> slots;        // their parameters
+  // Master weights of other optimizers, with the gradients they had: a
+  // backward through them leaves scratch scaled by this loss, discarded.
+  std::vector<std::pair<at::Tensor, at::Tensor>> held;
+  ScaleLossOptions options;
+  at::Tensor scaled_loss;
+  bool passthrough = false;  // static scale 1 without masters: no multiply, no unscale
+  Stage stage = Stage::kOpen;
+  std::optional<LossScaler::State> scaler_before;  // set by unscale(): to unwind its update
+  std::shared_ptr<detail::OverflowVerdict> verdict;
+  int uncaught_at_entry = std::uncaught_exceptions();
+  disable_casts no_casts;
+};
+
+scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers,
+                         ScaleLossOptions guard_options)
+    : context(detail::require_live_context("amp::scale_loss")), options(guard_options) {
+  context->rethrow_deferred_error();
   TORCH_CHECK(loss.defined(), "amp: scale_loss got an undefined loss tensor.");
   TORCH_CHECK(loss.is_floating_point(), "amp: scale_loss needs a floating-point loss, got ",
               loss.scalar_type());
@@ -49,107 +59,165 @@ scale_loss::scale_loss(const at::Tensor& loss,
               context->num_losses(), " (loss_id 0..", context->num_losses() - 1, ").");
   TORCH_CHECK(!optimizers.empty(), "amp: scale_loss needs the optimizer(s) that will step "
               "these gradients.");
-  bool any_masters = false;
-  for (const auto& optimizer : optimizers) {  // validate everything before changing anything
-    detail::GradientLifecycle& lifecycle = lifecycle_for_guard(optimizer, *context);
-    lifecycle.settle_before_guard();
-    lifecycle.check_can_open(options.loss_id, options.delay_unscale);
-    any_masters = any_masters || lifecycle.master_weights();
-    lifecycles_.push_back(&lifecycle);
+  for (const OptimizerRef& ref : optimizers) {  // validate everything before changing anything
+    detail::OptimizerStep& step = context->require_step(ref.get(), "amp::scale_loss");
+    TORCH_CHECK(std::find(steps.begin(), steps.end(), &step) == steps.end(),
+                "amp: scale_loss got the same optimizer twice.");
+    step.check_can_open(options.loss_id, options.delay_unscale);
+    steps.push_back(&step);
+  }
+  detail::ModelWeights& weights = context->weights();
+  weights.prepare_backward();
+  for (detail::OptimizerStep* step : steps) step->settle_before_guard();
+
+  // Everything is checked; from here on the guard changes state.
+  std::unordered_set<const c10::TensorImpl*> covered;
+  for (detail::OptimizerStep* step : steps) {
+    const bool scaled = step->state() == detail::OptimizerStep::State::kAccumulating;
+    for (auto& group : step->optimizer().param_groups()) {
+      for (at::Tensor& p : group.params()) {
+        if (!covered.insert(p.unsafeGetTensorImpl()).second) continue;
+        const at::ScalarType grad_dtype = weights.is_master(p) ? at::kFloat : p.scalar_type();
+        slots.push_back({p, std::exchange(p.mutable_grad(), at::Tensor()), grad_dtype, scaled});
+      }
+    }
+    step->open();
+  }
+  for (const auto& e : weights.entries()) {
+    if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;
+    held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
   const LossScale& configured = context->properties().loss_scale;
-  passthrough_ = !configured.dynamic && configured.value == 1.0 && !any_masters;
+  passthrough = !configured.dynamic && configured.value == 1.0 &&
+                weights.mode() != detail::ModelWeights::Mode::kMasters;
   const at::Tensor fp32_loss = loss.to(at::kFloat);
-  scaled_loss_ = passthrough_ ? fp32_loss
-                              : fp32_loss * context->scaler(options.loss_id)
-                                                .scale_tensor(loss.device())
-                                                .reshape(loss.sizes());
-  for (size_t i = 0; i < optimizers.size(); ++i) {
-    lifecycles_[i]->adopt(*optimizers[i]);  // parameter groups added since the last step
-    lifecycles_[i]->open();
-  }
-  context_ = std::move(context);
+  scaled_loss = passthrough ? fp32_loss
+                            : fp32_loss * context->scaler(options.loss_id)
+                                              .scale_tensor(loss.device())
+                                              .reshape(loss.sizes());
 }
 
-scale_loss::~scale_loss() noexcept(false) {
-  if (stage_ == Stage::kFinished) return;
-  if (std::uncaught_exceptions() > uncaught_at_entry_) {
-    unwind();
-    return;
-  }
-  finish();
+void scale_loss::State::unscale_gradients() {
+  detail::UnscalePlan plan(slots);
+  LossScaler& scaler = context->scaler(options.loss_id);
+  const bool unscaling = !options.delay_unscale && !passthrough;
+  at::Tensor found_inf;
+  if (unscaling) found_inf = at::zeros({1}, scaler.scale_tensor(scaled_loss.device()).options());
+  plan.run(unscaling ? &scaler : nullptr, found_inf);
+  if (!unscaling || !scaler.dynamic()) return;  // a static scale never skips
+  context->reduce_overflow(found_inf);
+  verdict = std::make_shared<detail::OverflowVerdict>();
+  verdict->snapshot = scaler.update(found_inf);
+  verdict->loss_id = options.loss_id;
+  verdict->context = context;
 }
 
-void scale_loss::backward(std::optional<bool> retain_graph, bool create_graph) {
-  scaled_loss_.backward({}, retain_graph, create_graph);
-}
-
-at::Tensor scale_loss::loss_scale() const {
-  return context_->scaler(options_.loss_id).scale_tensor(scaled_loss_.device());
-}
-
-void scale_loss::unscale() {
-  TORCH_CHECK(stage_ == Stage::kOpen, "amp: unscale() was already called for this scale_loss, "
-              "or the guard has finished; gradients are unscaled at most once per backward.");
-  TORCH_CHECK(!options_.delay_unscale, "amp: unscale() contradicts delay_unscale=true; unscale "
-              "in the last micro-batch's guard (delay_unscale=false).");
-  scaler_before_ = context_->scaler(options_.loss_id).state();
-  unscale_gradients();
-  if (lifecycles_.size() > 1) check_kept_gradients();
-  stage_ = Stage::kUnscaled;
-}
-
-void scale_loss::check_kept_gradients() {
-  if (!verdict_) return;  // nothing can skip (static scale)
+void scale_loss::State::check_kept_gradients() {
+  if (!verdict) return;  // nothing can skip (static scale)
   std::vector<at::Tensor> kept;
-  for (detail::GradientLifecycle* lifecycle : lifecycles_) {
-    for (const detail::ParamSlot& s : lifecycle->slots()) {
-      if (s.accumulator().defined()) kept.push_back(s.accumulator());
-    }
+  for (const detail::GradSlot& s : slots) {
+    if (s.aside.defined()) kept.push_back(s.aside);
   }
-  at::Tensor flag = verdict_->snapshot.narrow(0, 0, 1);
+  at::Tensor flag = verdict->snapshot.narrow(0, 0, 1);
   at::Tensor seen = at::zeros({1}, flag.options());
   detail::non_finite_check_and_unscale(kept, seen, at::ones({1}, flag.options()));  // x * 1: a check only
   flag.copy_(at::maximum(flag, seen));
 }
 
-void scale_loss::unscale_gradients() {
-  detail::UnscalePlan plan;
-  for (detail::GradientLifecycle* lifecycle : lifecycles_) lifecycle->plan_unscale(plan);
-  LossScaler& scaler = context_->scaler(options_.loss_id);
-  const bool unscaling = !options_.delay_unscale && !passthrough_;
-  at::Tensor found_inf;
-  if (unscaling) found_inf = at::zeros({1}, scaler.scale_tensor(scaled_loss_.device()).options());
-  plan.run(unscaling ? &scaler : nullptr, found_inf);
-  if (!unscaling || !scaler.dynamic()) return;  // a static scale never skips
-  context_->reduce_overflow(found_inf);
-  verdict_ = std::make_shared<detail::OverflowVerdict>();
-  verdict_->snapshot = scaler.update(found_inf);
-  verdict_->loss_id = options_.loss_id;
-  verdict_->context = context_;
+void scale_loss::State::commit() {
+  for (auto& [param, aside] : held) param.mutable_grad() = std::move(aside);
+  // LibTorch's optimizers step on whatever gradients they find: the host
+  // must know the verdict now. amp's fused ones take it on the device.
+  bool host_reads = false;
+  for (const detail::OptimizerStep* step : steps) host_reads = host_reads || !step->fused();
+  std::exception_ptr error;
+  if (verdict && host_reads) {
+    bool overflow = true;
+    try {
+      overflow = detail::read_verdicts({verdict});
+    } catch (...) {  // an overflow at the floor with AtFloor::kRaise
+      error = std::current_exception();
+    }
+    for (detail::OptimizerStep* step : steps) overflow ? step->skip() : step->record_clean();
+  }
+  for (detail::OptimizerStep* step : steps) {
+    step->commit(host_reads ? nullptr : verdict, options.delay_unscale, options.loss_id);
+  }
+  stage = Stage::kFinished;
+  context->weights().finish_backward();
+  clear_cast_cache();
+  if (error) std::rethrow_exception(error);
+}
+
+void scale_loss::State::unwind() noexcept {
+  for (detail::GradSlot& s : slots) s.param.mutable_grad() = s.aside;
+  for (auto& [param, aside] : held) param.mutable_grad() = aside;
+  if (scaler_before) context->scaler(options.loss_id).restore(*scaler_before);
+  for (detail::OptimizerStep* step : steps) step->unwind();
+  verdict.reset();
+  stage = Stage::kFinished;
+  context->weights().finish_backward();
+  clear_cast_cache();
+}
+
+scale_loss::scale_loss(const at::Tensor& loss, OptimizerRef optimizer, ScaleLossOptions options)
+    : scale_loss(loss, std::vector<OptimizerRef>{optimizer}, options, 0) {}
+
+scale_loss::scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+                       ScaleLossOptions options)
+    : scale_loss(loss, std::vector<OptimizerRef>(optimizers), options, 0) {}
+
+scale_loss::scale_loss(const at::Tensor& loss, std::vector<OptimizerRef> optimizers,
+                       ScaleLossOptions options, int)
+    : state_(std::make_unique<State>(loss, optimizers, options)) {}
+
+scale_loss::~scale_loss() {
+  if (state_->stage == State::Stage::kFinished) return;
+  if (std::uncaught_exceptions() > state_->uncaught_at_entry) {
+    state_->unwind();
+    return;
+  }
+  try {
+    finish();
+  } catch (...) {
+    state_->context->defer_error(std::current_exception());
+  }
+}
+
+const at::Tensor& scale_loss::scaled_loss() const { return state_->scaled_loss; }
+
+void scale_loss::backward(std::optional<bool> retain_graph, bool create_graph) {
+  state_->scaled_loss.backward({}, retain_graph, create_graph);
+}
+
+at::Tensor scale_loss::loss_scale() const {
+  return state_->context->scaler(state_->options.loss_id).scale_tensor(state_->scaled_loss.device());
+}
+
+void scale_loss::unscale() {
+  State& s = *state_;
+  TORCH_CHECK(s.stage == State::Stage::kOpen, "amp: unscale() was already called for this "
+              "scale_loss, or the guard has finished; gradients are unscaled at most once per "
+              "backward.");
+  TORCH_CHECK(!s.options.delay_unscale, "amp: unscale() contradicts delay_unscale=true; unscale "
+              "in the last micro-batch's guard (delay_unscale=false).");
+  s.scaler_before = s.context->scaler(s.options.loss_id).state();
+  s.unscale_gradients();
+  if (s.steps.size() > 1) s.check_kept_gradients();
+  s.stage = State::Stage::kUnscaled;
 }
 
 void scale_loss::finish() {
-  TORCH_CHECK(stage_ != Stage::kFinished, "amp: finish() was already called for this scale_loss.");
+  State& s = *state_;
+  TORCH_CHECK(s.stage != State::Stage::kFinished, "amp: finish() was already called for this "
+              "scale_loss.");
   try {
-    if (stage_ == Stage::kOpen) unscale_gradients();
+    if (s.stage == State::Stage::kOpen) s.unscale_gradients();
   } catch (...) {
-    unwind();
+    s.unwind();
     throw;
   }
-  const std::optional<int> scaled_by =
-      options_.delay_unscale ? std::optional<int>(options_.loss_id) : std::nullopt;
-  for (detail::GradientLifecycle* lifecycle : lifecycles_) lifecycle->commit(verdict_, scaled_by);
-  stage_ = Stage::kFinished;
-  clear_cast_cache();
-}
-
-void scale_loss::unwind() noexcept {
-  for (detail::GradientLifecycle* lifecycle : lifecycles_) lifecycle->unwind();
-  if (scaler_before_) context_->scaler(options_.loss_id).restore(*scaler_before_);
-  verdict_.reset();
-  stage_ = Stage::kFinished;
-  clear_cast_cache();
+  s.commit();
 }
 
 }  // namespace amp

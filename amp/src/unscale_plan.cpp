@@ -19,23 +19,27 @@ void add_asides(Items& items, Pick pick) {
 
 }  // namespace
 
-void UnscalePlan::add(ParamSlot& slot, bool aside_scaled) {
-  at::Tensor fresh = slot.has_master() ? slot.scratch() : slot.accumulator();
-  if (!fresh.defined() && !slot.aside.defined()) return;  // no gradient at all
-  items_.push_back({&slot, std::move(fresh), {}, aside_scaled});
+UnscalePlan::UnscalePlan(std::vector<GradSlot>& slots) {
+  for (GradSlot& slot : slots) {
+    at::Tensor fresh = slot.param.grad();
+    if (!fresh.defined() && !slot.aside.defined()) continue;  // no gradient at all
+    items_.push_back({&slot, std::move(fresh), {}});
+  }
 }
 
 void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
-  // 1. Results from fresh gradients: fp32 copies of scratch gradients with
-  //    master weights, the new .grad itself otherwise; asides alone stand in
-  //    for slots without one (copied when they will be unscaled in place).
+  // 1. Results from fresh gradients: copies in the slot's gradient dtype of
+  //    low-precision scratch gradients, the new .grad itself otherwise;
+  //    asides alone stand in for slots without one (copied when they will be
+  //    unscaled in place).
   std::vector<at::Tensor> copy_dst, copy_src;
   for (Item& item : items_) {
-    const ParamSlot& s = *item.slot;
+    const GradSlot& s = *item.slot;
     if (!item.fresh.defined()) {
-      item.result = scaler && item.aside_scaled ? s.aside.clone() : s.aside;
-    } else if (s.has_master()) {
-      item.result = at::empty_like(s.master, at::MemoryFormat::Preserve);
+      item.result = scaler && s.aside_scaled ? s.aside.clone() : s.aside;
+    } else if (item.fresh.scalar_type() != s.grad_dtype) {
+      item.result = at::empty_like(item.fresh, item.fresh.options().dtype(s.grad_dtype),
+                                   at::MemoryFormat::Preserve);
       copy_dst.push_back(item.result);
       copy_src.push_back(item.fresh);
     } else {
@@ -45,7 +49,7 @@ void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
   if (!copy_dst.empty()) at::_foreach_copy_(copy_dst, copy_src);
 
   auto joins = [](const Item& item, bool scaled) {
-    return item.fresh.defined() && item.slot->aside.defined() && item.aside_scaled == scaled;
+    return item.fresh.defined() && item.slot->aside.defined() && item.slot->aside_scaled == scaled;
   };
   // 2. Asides still scaled join before unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/true); });
@@ -55,17 +59,14 @@ void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
   if (scaler) {
     std::vector<at::Tensor> scaled;
     for (const Item& item : items_) {
-      if (item.fresh.defined() || item.aside_scaled) scaled.push_back(item.result);
+      if (item.fresh.defined() || item.slot->aside_scaled) scaled.push_back(item.result);
     }
     scaler->unscale(scaled, found_inf);
   }
   // 4. Asides holding true values join after unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/false); });
 
-  for (Item& item : items_) {
-    item.slot->accumulator() = item.result;
-    if (item.slot->has_master()) item.slot->scratch() = at::Tensor();
-  }
+  for (Item& item : items_) item.slot->param.mutable_grad() = item.result;
 }
 
 }  // namespace amp::detail

@@ -1,9 +1,10 @@
 // Private: the fused multi-tensor work of one scale_loss guard's unscale,
-// over every slot of every optimizer the guard covers.
+// over every parameter of every optimizer the guard covers.
 //
-// For each slot with a gradient from this backward ("fresh": the scratch
-// gradient with master weights, else the parameter's new .grad) or an
-// accumulator set aside when the guard opened, the new accumulator is
+// For each slot with a gradient from this backward ("fresh": the
+// parameter's .grad after backward) or a gradient set aside when the guard
+// opened, the new gradient, in the slot's gradient dtype (float32 for O2's
+// master weights, whose fresh gradients are low-precision scratch), is
 //   fresh/scale + aside          (aside holds true values)
 //   (fresh + aside)/scale        (aside still scaled: an accumulation ends)
 //   fresh + aside, kept scaled   (delay_unscale)
@@ -13,33 +14,38 @@
 // can still unwind to them.
 #pragma once
 
-#include "gradient_lifecycle.h"
-
 #include <amp/loss_scaler.h>
+
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
 namespace amp::detail {
 
+// One parameter a guard covers.
+struct GradSlot {
+  at::Tensor param;
+  at::Tensor aside;                       // its gradient when the guard opened
+  at::ScalarType grad_dtype = at::kFloat;  // the dtype its gradient is kept in
+  bool aside_scaled = false;  // the aside holds values scaled by this loss (delay_unscale)
+};
+
 class UnscalePlan {
  public:
-  // `aside_scaled`: the slot's aside holds values scaled by this loss's
-  // scaler (delay_unscale accumulation in progress).
-  void add(ParamSlot& slot, bool aside_scaled);
+  explicit UnscalePlan(std::vector<GradSlot>& slots);
 
-  // Computes the new accumulators and installs them, freeing scratch
-  // gradients. With `scaler`, unscales them and sets `found_inf` (a
-  // 1-element float32 tensor on the scale's device) when any scaled value
-  // is inf or NaN; without (delay_unscale, or a static
-  // scale of 1 without masters), leaves values as they are.
+  // Computes the new gradients and installs them as the parameters' .grad.
+  // With `scaler`, unscales them and sets `found_inf` (a 1-element float32
+  // tensor on the scale's device) when any scaled value is inf or NaN;
+  // without (delay_unscale, or a static scale of 1 without masters), leaves
+  // values as they are.
   void run(LossScaler* scaler, at::Tensor& found_inf);
 
  private:
   struct Item {
-    ParamSlot* slot;
+    GradSlot* slot;
     at::Tensor fresh;   // this backward's gradient, scaled (undefined if none)
-    at::Tensor result;  // the new accumulator
-    bool aside_scaled;
+    at::Tensor result;  // the new gradient
   };
   std::vector<Item> items_;
 };

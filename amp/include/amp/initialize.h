@@ -1,35 +1,66 @@
 // amp::initialize: the front door (Apex's amp.initialize).
 //
-//   std::shared_ptr<torch::optim::Optimizer> optimizer =
-//       std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
-//   std::tie(model, optimizer) = amp::initialize(model, optimizer, amp::O2);
+//   Net model;                                              // as the program holds it
+//   torch::optim::Adam optimizer(model.parameters(), 1e-3);
+//   amp::initialize(model, optimizer, amp::O2);             // or "O2", or amp::Options
 //
-// Converts the model(s) per the opt level (O2/O3: low precision with fp32
-// affine BatchNorm at O2), starts amp's dispatcher interception (O1-O5), and
-// returns each optimizer wrapped as a MixedPrecisionOptimizer (master
-// weights at O2, skipped steps after overflows). Models are converted in place
-// and returned as given (a std::shared_ptr<Net> or a ModuleHolder); hold the
-// optimizer as std::shared_ptr<torch::optim::Optimizer> to assign the result.
-// Without optimizers (inference) only the model side applies.
+// amp changes the program's own objects in place; nothing is returned that
+// must be used instead. The model is prepared for the opt level, and amp's
+// dispatcher interception starts (O1-O5). The program keeps calling its own
+// optimizer.step(), zero_grad(), add_param_group(), torch::save / torch::load
+// and LR schedulers, and passes its objects to functions taking
+// torch::optim::Optimizer& as before.
+//
+// Models and optimizers are taken as the program holds them (refs.h): objects
+// by value or by reference, TORCH_MODULE holders, std::shared_ptr to a module
+// or to an optimizer of any class. Several of each go in braces:
+//
+//   amp::initialize({generator, discriminator}, {opt_g, opt_d}, options);
+//
+// What the levels do to the program's objects (opt_levels.h has the table):
+//   - O0, O1, O4: nothing; the model stays float32.
+//   - O2, O5 (master weights): between iterations every parameter and buffer
+//     of the models keeps its float32 value - the master weight the
+//     program's optimizer steps, torch::save writes and torch::load fills.
+//     For forward and backward amp holds them in the low dtype (float16 /
+//     bfloat16), except affine BatchNorm and keep_fp32 modules: from the
+//     first intercepted op that records a graph on them until the end of
+//     the scale_loss guard. Evaluation under torch::NoGradGuard reads the
+//     float32 weights and casts per op.
+//   - O3 (and O2/O5 without an optimizer, or with master_weights = false):
+//     the models are converted to the low dtype for good.
+// Optimizers are not changed: their parameter groups, state and algorithm
+// stay theirs. amp's scale_loss guard decides, per optimizer, whether its
+// next step() may run: after a gradient overflow it leaves the optimizer no
+// gradients, so its own step() changes nothing (fused.h has optimizers whose
+// step needs no host read for that).
+//
+// Code written for the form that returned the objects keeps working: with
+// shared pointers (or holders) the call returns them, so
+//   std::tie(model, optimizer) = amp::initialize(model, optimizer, amp::O2);
+// assigns the same objects back.
 //
 // amp stays active until amp::deinitialize() - or, for an initialization
 // made through a Handle, until handle.deinitialize() or the handle's
 // destruction - which removes every dispatcher registration and thread-state
-// change amp made: LibTorch (native at::autocast included) behaves exactly as
-// before. Call it on the thread that called initialize, once no other thread
-// uses amp's casting. At most one initialization is live at a time.
+// change amp made and leaves O2/O5 models in float32: LibTorch (native
+// at::autocast included) behaves exactly as before, and the same objects may
+// be initialized again. Call it on the thread that called initialize, once
+// no other thread uses amp's casting. At most one initialization is live.
 //
 // Errors (c10::Error; nothing is changed when initialize throws):
 //   - amp is already initialized (deinitialize first);
 //   - an invalid opt level or override (see opt_levels.h), num_losses < 1,
 //     verbosity outside 0..2;
-//   - a null model or optimizer; an optimizer already returned by (or passed
-//     to) initialize;
+//   - a null model or optimizer; the same optimizer twice;
 //   - a model wrapped in a data-parallel wrapper (wrap after initialize);
-//   - a model already converted by amp;
 //   - parameters on more than one device;
+//   - a parameter or buffer whose storage holds another dtype's bytes (an
+//     earlier torch::load of a checkpoint with other dtypes);
 //   - at O2/O3/O5, an Embedding or EmbeddingBag with sparse=true (sparse
 //     gradients are supported at O0, O1 and O4).
+// Compile errors: an argument that is no model or optimizer, or more than
+// three arguments (static_assert messages say what to pass).
 // Warnings (stderr, verbosity >= 1): a model that is already low precision
 // when initialize converts it, or not float32 at O0; an optimizer (Adam,
 // AdamW, RMSprop, Adagrad) whose eps is 0 in the dtype it would update
@@ -38,13 +69,12 @@
 
 #include <amp/loss_scaler.h>
 #include <amp/options.h>
-#include <amp/optimizer.h>
+#include <amp/refs.h>
 
-#include <torch/nn/module.h>
-#include <torch/nn/pimpl.h>
-#include <torch/optim/optimizer.h>
-
+#include <initializer_list>
 #include <memory>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -52,34 +82,22 @@ namespace amp {
 
 namespace detail {
 class Context;
-
-inline std::shared_ptr<torch::nn::Module> as_module(std::shared_ptr<torch::nn::Module> m) {
-  return m;
-}
-template <class T>
-std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {
-  return m;
-}
-template <class T>
-std::shared_ptr<torch::nn::Module> as_module(const torch::nn::ModuleHolder<T>& m) {
-  return m.ptr();
-}
 }  // namespace detail
 
-using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
+using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 
 // Owns one initialization of amp, for code that wants it scoped:
 //
 //   {
 //     amp::Handle handle;
-//     std::tie(model, optimizer) = handle.initialize(model, optimizer, amp::O2);
+//     handle.initialize(model, optimizer, amp::O2);
 //     ...                                   // amp is live
 //   }                                       // ended here, LibTorch as before
 //
 // Only its handle ends it: amp::deinitialize() refuses (see below), so code
 // elsewhere cannot end a scope's mixed precision under it. The free
-// amp::initialize() uses a process-wide handle (global_handle()).
+// amp::initialize() uses a process-wide handle.
 class Handle {
  public:
   Handle() = default;
@@ -89,26 +107,22 @@ class Handle {
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 
-  template <class Model>
-  std::pair<Model, OptimizerPtr> initialize(Model model, OptimizerPtr optimizer,
-                                            const Options& options = {}) {
-    auto optimizers = initialize_models({detail::as_module(model)}, {std::move(optimizer)}, options);
-    return {std::move(model), std::move(optimizers.front())};
-  }
+  // (model), (model, level), (model, optimizer) or (model, optimizer, level);
+  // a std::vector of models and one of optimizers work the same way. Returns
+  // what it was given - the model, or the pair (model, optimizer) - when
+  // that is shared pointers or holders (or vectors of them); nothing
+  // otherwise.
+  template <class Model, class... Rest>
+  decltype(auto) initialize(Model&& model, Rest&&... rest);
 
-  template <class Model>
-  Model initialize(Model model, const Options& options) {
-    initialize_models({detail::as_module(model)}, {}, options);
-    return model;
+  // Several models and optimizers, each held any way refs.h accepts.
+  void initialize(std::initializer_list<ModelRef> models,
+                  std::initializer_list<OptimizerRef> optimizers, const Options& options = {}) {
+    initialize_refs(std::vector<ModelRef>(models), std::vector<OptimizerRef>(optimizers), options);
   }
-
-  std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
-      std::vector<ModulePtr> models, std::vector<OptimizerPtr> optimizers,
-      const Options& options = {}) {
-    auto wrapped = initialize_models(models, std::move(optimizers), options);
-    return {std::move(models), std::move(wrapped)};
+  void initialize(std::initializer_list<ModelRef> models, const Options& options) {
+    initialize_refs(std::vector<ModelRef>(models), {}, options);
   }
-
   // Ends this handle's initialization if it is still live; a no-op
   // otherwise. Errors: as amp::deinitialize(), except that it ends a
   // handle's initialization.
@@ -117,9 +131,8 @@ class Handle {
   bool active() const;
 
  private:
-  std::vector<OptimizerPtr> initialize_models(const std::vector<ModulePtr>& models,
-                                              std::vector<OptimizerPtr> optimizers,
-                                              const Options& options);
+  void initialize_refs(const std::vector<ModelRef>& models,
+                       const std::vector<OptimizerRef>& optimizers, const Options& options);
 
   std::shared_ptr<detail::Context> context_;
 };
@@ -127,23 +140,17 @@ class Handle {
 // The process-wide handle behind the free functions below (never destroyed).
 Handle& global_handle();
 
-template <class Model>
-std::pair<Model, OptimizerPtr> initialize(Model model, OptimizerPtr optimizer,
-                                          const Options& options = {}) {
-  return global_handle().initialize(std::move(model), std::move(optimizer), options);
+template <class Model, class... Rest>
+decltype(auto) initialize(Model&& model, Rest&&... rest) {
+  return global_handle().initialize(std::forward<Model>(model), std::forward<Rest>(rest)...);
 }
-
-template <class Model>
-Model initialize(Model model, const Options& options) {
-  return global_handle().initialize(std::move(model), options);
+inline void initialize(std::initializer_list<ModelRef> models,
+                       std::initializer_list<OptimizerRef> optimizers, const Options& options = {}) {
+  global_handle().initialize(models, optimizers, options);
 }
-
-inline std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
-    std::vector<ModulePtr> models, std::vector<OptimizerPtr> optimizers,
-    const Options& options = {}) {
-  return global_handle().initialize(std::move(models), std::move(optimizers), options);
+inline void initialize(std::initializer_list<ModelRef> models, const Options& options) {
+  global_handle().initialize(models, options);
 }
-
 // Ends the initialization made by amp::initialize. Errors (nothing changes):
 // amp is not initialized; the live initialization belongs to an amp::Handle
 // (end it with handle.deinitialize() or by destroying the handle); called
@@ -161,5 +168,84 @@ double loss_scale(int loss_id = 0);
 
 // The live initialization's scaler for `loss_id` (tests, advanced use).
 LossScaler& loss_scaler(int loss_id = 0);
+
+// ---- Implementation ----
+
+namespace refs {
+
+template <class T>
+struct VectorElement {
+  using type = void;
+};
+template <class T>
+struct VectorElement<std::vector<T>> {
+  using type = T;
+};
+template <class T>
+using Element = typename VectorElement<std::decay_t<T>>::type;
+
+// Shared pointers and holders: what initialize hands back.
+template <class T>
+inline constexpr bool kIsHandle =
+    kIsSharedPtr<T, torch::nn::Module> || kIsSharedPtr<T, torch::optim::Optimizer> ||
+    std::is_base_of_v<torch::detail::ModuleHolderIndicator, std::decay_t<T>>;
+template <class T>
+inline constexpr bool kReturnable = kIsHandle<T> || kIsHandle<Element<T>>;
+
+template <class T>
+inline constexpr bool kIsModels =
+    kIsModel<T> || std::is_same_v<Element<T>, ModelRef> || kIsModel<Element<T>>;
+template <class T>
+inline constexpr bool kIsOptimizers =
+    kIsOptimizer<T> || std::is_same_v<Element<T>, OptimizerRef> || kIsOptimizer<Element<T>>;
+
+template <class Ref, class T>
+std::vector<Ref> to_refs(T& x) {
+  if constexpr (std::is_void_v<Element<T>>) {
+    return {Ref(x)};
+  } else {
+    return std::vector<Ref>(x.begin(), x.end());
+  }
+}
+
+}  // namespace refs
+
+template <class Model, class... Rest>
+decltype(auto) Handle::initialize(Model&& model, Rest&&... rest) {
+  static_assert(refs::kIsModels<Model>,
+                "amp::initialize(model, optimizer, opt_level): pass the model as the program holds "
+                "it: a torch::nn::Module object, a TORCH_MODULE holder, or a std::shared_ptr to a "
+                "module (several models go in braces: {a, b})");
+  static_assert(sizeof...(Rest) <= 2, "amp::initialize takes (model, optimizer, opt_level)");
+  if constexpr (sizeof...(Rest) == 0) {
+    initialize_refs(refs::to_refs<ModelRef>(model), {}, Options{});
+    if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
+  } else {
+    auto&& second = std::get<0>(std::forward_as_tuple(rest...));
+    using Second = decltype(second);
+    if constexpr (std::is_convertible_v<Second, Options>) {
+      static_assert(sizeof...(Rest) == 1, "amp::initialize(model, opt_level): the opt level comes last");
+      initialize_refs(refs::to_refs<ModelRef>(model), {}, Options(second));
+      if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
+    } else {
+      static_assert(refs::kIsOptimizers<Second>,
+                    "amp::initialize(model, optimizer, opt_level): pass the optimizer as the "
+                    "program holds it: a torch::optim::Optimizer object, a reference to one, or a "
+                    "std::shared_ptr to one; the opt level is amp::O2, \"O2\" or amp::Options");
+      Options options;
+      if constexpr (sizeof...(Rest) == 2) {
+        auto&& third = std::get<1>(std::forward_as_tuple(rest...));
+        static_assert(std::is_convertible_v<decltype(third), Options>,
+                      "amp::initialize(model, optimizer, opt_level): the opt level is amp::O2, "
+                      "\"O2\" or amp::Options");
+        options = Options(third);
+      }
+      initialize_refs(refs::to_refs<ModelRef>(model), refs::to_refs<OptimizerRef>(second), options);
+      if constexpr (refs::kReturnable<Model> && refs::kReturnable<Second>) {
+        return std::pair<std::decay_t<Model>, std::decay_t<Second>>(model, second);
+      }
+    }
+  }
+}
 
 }  // namespace amp

@@ -23,6 +23,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace amp {
@@ -38,5 +39,17 @@ std::vector<ConvertedParameter> convert_model(
 
 // True for BatchNorm1d/2d/3d modules with affine parameters.
 bool is_affine_batchnorm(const torch::nn::Module& module);
+
+// The floating parameters and buffers that a conversion lowers (the rule
+// above), with their names as named_parameters() / named_buffers() give
+// them, each tensor once.
+struct LoweredTensor {
+  std::string name;
+  at::Tensor tensor;
+  bool is_buffer = false;
+};
+std::vector<LoweredTensor> lowered_tensors(
+    torch::nn::Module& model, bool keep_batchnorm_fp32,
+    const std::function<bool(const torch::nn::Module&)>& keep_fp32 = {});
 
 }  // namespace amp

@@ -4,7 +4,7 @@
 //   options.keep_batchnorm_fp32 = false;    // Apex property overrides
 //   options.loss_scale = amp::LossScale::Static(128);
 //   options.num_losses = 3;
-//   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+//   amp::initialize(model, optimizer, options);
 //
 // initialize validates everything once (see opt_levels.h for the property
 // errors); bad values are errors that name the field and the fix.
@@ -38,14 +38,6 @@ struct Options : PropertyOverrides {
   // uncover a typo. For comparing runs from one flag:
   //   options.enabled = absl::GetFlag(FLAGS_amp);
   bool enabled = true;
-  // Step torch::optim::Adam, AdamW and SGD with ATen's fused kernels, which
-  // skip overflowed steps on the device: no host sync per step. Values
-  // agree with LibTorch's own step within a few float32 roundings per step.
-  // false: LibTorch's own step, bit for bit, after one host read per step.
-  // Applies where gradients are unscaled by a dynamic loss scale, to fp32
-  // parameters (O1, O4) and masters (O2, O5); elsewhere the optimizer's own
-  // step runs.
-  bool fused_step = true;
   // Independent losses, each with its own loss scaler (scale_loss's loss_id).
   int num_losses = 1;
   // 0: silent. 1: the resolved properties at initialize, one line per skipped

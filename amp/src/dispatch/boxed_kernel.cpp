@@ -68,6 +68,9 @@ class BoxedKernel final : public c10::OperatorKernel {
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const size_t num_args = op.schema().arguments().size();
     const BoxedArgs view(torch::jit::last(stack, num_args));
+    if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
+      weights->on_op(view);
+    }
     if (C10_UNLIKELY(recording())) {
       CallRecord record(*binding_, policy, describe_tensors(view));
       apply(decide(record.policy(), *binding_->casting, view), op, stack, num_args);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "cast.h"
+#include "model_weights.h"
 #include "op_binding.h"
 
 #include <ATen/autocast_mode.h>
@@ -55,15 +56,18 @@ CastDecision cast_to(at::ScalarType to, c10::DeviceType device, const Args& args
   return {CastDecision::Action::kCastTo, to};
 }
 
-// kLowerPrecision at O2/O3: the dtype of the first weight among the tensor
-// arguments (a floating leaf that requires grad), so fp32 inputs meet a
-// low-precision model and modules kept fp32 compute in fp32.
+// kLowerPrecision at O2/O3/O5: the dtype of the first weight among the
+// tensor arguments (a floating leaf that requires grad), so fp32 inputs meet
+// a low-precision model and modules kept fp32 compute in fp32. A master
+// weight at rest (O2/O5 outside forward and backward, e.g. evaluation under
+// no_grad) computes in the low dtype.
 template <class Args>
-at::ScalarType weights_dtype(at::ScalarType low, c10::DeviceType device, const Args& args) {
+at::ScalarType weights_dtype(at::ScalarType low, const DeviceCasting& c, const Args& args) {
   std::optional<at::ScalarType> found;
   args.for_each_tensor([&](const at::Tensor& t, bool in_list) {
-    if (!found && !in_list && is_castable(t, device) && t.requires_grad() && t.is_leaf()) {
+    if (!found && !in_list && is_castable(t, c.device) && t.requires_grad() && t.is_leaf()) {
       found = t.scalar_type();
+      if (*found == at::kFloat && c.weights != nullptr && c.weights->is_master(t)) found = low;
     }
   });
   return found.value_or(low);
@@ -120,7 +124,7 @@ CastDecision decide(CastPolicy policy, const DeviceCasting& c, const Args& args)
   switch (policy) {
     case CastPolicy::kLowerPrecision: {
       const at::ScalarType low = thread_low_dtype(c.device);
-      return d::cast_to(c.weights_decide ? d::weights_dtype(low, c.device, args) : low, c.device, args);
+      return d::cast_to(c.weights_decide ? d::weights_dtype(low, c, args) : low, c.device, args);
     }
     case CastPolicy::kFp32:
       return d::cast_to(at::kFloat, c.device, args);

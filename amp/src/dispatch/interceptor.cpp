@@ -1,9 +1,13 @@
 #include "dispatch/interceptor.h"
 
+#include "model_weights.h"
+
 #include "policy_tables/table_entry.h"
 #include "policy_registry.h"
 
+#include <ATen/Operators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <unordered_map>
@@ -26,6 +30,25 @@ class DropOverrideWarning final : public c10::WarningHandler {
 
  private:
   c10::WarningHandler* next_;
+};
+
+// torch::load's way into a model: LibTorch's InputArchive gives each
+// parameter and buffer the tensor it read with `set_`, which keeps the
+// target's dtype and reinterprets the source's bytes (a float32 checkpoint
+// read into a float16 model becomes garbage). For the weights amp lowered,
+// this kernel hands the values to ModelWeights instead, which converts them
+// (model_weights.h); every other call runs as LibTorch's.
+class WeightLoadKernel {
+ public:
+  explicit WeightLoadKernel(const DeviceCasting* casting) : casting_(casting) {}
+  at::Tensor& operator()(at::Tensor& self, const at::Tensor& source) const {
+    c10::impl::ExcludeDispatchKeyGuard no_reentry(c10::DispatchKeySet(casting_->autocast_key));
+    if (!casting_->weights->load_into(self, source)) at::_ops::set__source_Tensor::call(self, source);
+    return self;
+  }
+
+ private:
+  const DeviceCasting* casting_;
 };
 
 bool has_optional_dtype_argument(const c10::FunctionSchema& schema) {
@@ -117,7 +140,17 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices, const Regist
     for (const auto& [op, policy] : user_registrations(held, casting.device)) {
       bind(op, casting, policy, kernel_factory_for(op), built_in_banned_reason(op));
     }
+    if (casting.weights != nullptr) {
+      library_for("aten", casting.autocast_key)
+          .impl("set_.source_Tensor", torch::CppFunction(WeightLoadKernel(&casting)));
+    }
   }
+}
+
+torch::Library& Interceptor::library_for(const std::string& ns, c10::DispatchKey key) {
+  auto& library = libraries_[{ns, key}];
+  if (!library) library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+  return *library;
 }
 
 Interceptor::~Interceptor() {
@@ -157,13 +190,8 @@ void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, Cast
   binding->reentry_keys = c10::DispatchKeySet(casting.autocast_key);
   binding->banned_because.store(banned_because);
   binding->set_policy(policy);
-  const std::string ns = op.name.substr(0, op.name.find("::"));
-  auto& library = libraries_[{ns, casting.autocast_key}];
-  if (!library) {
-    library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, casting.autocast_key,
-                                               __FILE__, __LINE__);
-  }
-  library->impl(display.c_str(), make_kernel(binding.get()));
+  library_for(op.name.substr(0, op.name.find("::")), casting.autocast_key)
+      .impl(display.c_str(), make_kernel(binding.get()));
   bindings_.emplace(std::make_pair(display, casting.device), std::move(binding));
 }
 

@@ -6,7 +6,8 @@
 // those ops). Destroying it drops the libraries, which unregisters every amp
 // kernel and brings the native ones back: native at::autocast works again.
 // Kernels run only on threads whose autocast keys are enabled (see
-// casting_scope.h).
+// casting_scope.h). At the levels that lower the models' weights it also
+// registers aten::set_ (torch::load's way into a model; model_weights.h).
 #pragma once
 
 #include "dispatch/op_binding.h"
@@ -40,6 +41,7 @@ class Interceptor {
  private:
   void bind(const c10::OperatorName& op, DeviceCasting& casting, CastPolicy policy,
             KernelFactory make_kernel, const char* banned_because = nullptr);
+  torch::Library& library_for(const std::string& ns, c10::DispatchKey key);
 
   std::vector<std::unique_ptr<DeviceCasting>> devices_;
   std::map<std::pair<std::string, c10::DeviceType>, std::unique_ptr<OpBinding>> bindings_;

@@ -13,6 +13,8 @@
 
 namespace amp::detail {
 
+class ModelWeights;
+
 // How amp casts on one device while an Interceptor lives. Fixed for its life.
 // The flags are Properties' answers (opt_levels.h), copied for the hot path.
 struct DeviceCasting {
@@ -25,6 +27,9 @@ struct DeviceCasting {
   // oneDNN runs its low-precision primitives in low_dtype on this device
   // (always true on CUDA); rows that need them run in float32 otherwise.
   bool onednn_low_precision = true;
+  // The models' lowered weights (O2/O3/O5), which an op may have to prepare
+  // first (model_weights.h); null at the other levels.
+  ModelWeights* weights = nullptr;
 };
 
 // One intercepted (operator, device) pair. Its address is stable for the

@@ -59,6 +59,9 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->reentry_keys);
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const TypedArgs<Args...> view(args...);
+    if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
+      weights->on_op(view);
+    }
     if (C10_UNLIKELY(recording())) {
       CallRecord record(*binding_, policy, describe_tensors(view));
       Ret result = apply(decide(record.policy(), *binding_->casting, view), args...);

@@ -1,0 +1,143 @@
+// Private: the models' weights at the levels that lower them (O2, O3, O5).
+//
+// Masters (O2/O5 with optimizers). Each lowered parameter and buffer keeps
+// one TensorImpl for good - the one the module, the program's optimizer and
+// its state map hold - and amp moves its data between two residences:
+//
+//   resting    float32: the master weight. The program's optimizer steps it,
+//              torch::save writes it, torch::load fills it, clipping reads
+//              its float32 gradient. Between iterations, and under no_grad.
+//   computing  the low dtype: a buffer amp refreshes from the master, for
+//              forward and backward.
+//
+//   event                               residence   gradient (.grad)
+//   ----------------------------------  ----------  -----------------------------------
+//   initialize, guard ends              resting     float32 (the step's), or none
+//   first intercepted op that records   computing   unchanged: float32 or none, so
+//     a graph on a master (grad mode)               zero_grad after forward still works
+//   guard opens                         computing   set aside by the guard; backward
+//                                                   writes a low-precision scratch one
+//   guard ends                          resting     float32: unscaled scratch + aside
+//
+// Entering refreshes every low-precision buffer from the float32 data the
+// weight holds at that moment, so whatever changed it at rest (a step, a
+// torch::load, a user edit) is what forward sees; reads before the first
+// intercepted op see that float32 data. Leaving copies back the buffers'
+// values forward wrote (BatchNorm running statistics). A guard enters too,
+// so a graph recorded before an earlier guard ended backpropagates through
+// the dtypes it was recorded in.
+//
+// Writes behind amp's back while computing are found when a guard opens:
+// a storage replaced by torch::load (LibTorch copies a float32 checkpoint's
+// bytes into a float16 tensor without converting them) is read back as the
+// float32 values it holds; an in-place write is taken into the master (from
+// its low-precision value, with a warning), unless the weight carries a
+// low-precision gradient - then a backward ran outside amp::scale_loss and
+// the optimizer stepped on it: an error.
+//
+// Converted (O3, or O2/O5 without master weights): the weights are lowered
+// for good. A torch::load of a float32 checkpoint into them (the same
+// unconverted bytes) is found at the first intercepted op after
+// initialize or a guard, and at every guard opening, and repaired from the
+// float32 values the storage holds.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+class ModelWeights {
+ public:
+  enum class Mode { kNone, kMasters, kConverted };
+  struct Entry {
+    std::string name;         // "fc1.weight", "model1.bn.running_mean"
+    at::Tensor tensor;        // the module's own parameter or buffer
+    bool is_buffer = false;
+    at::ScalarType low = at::kHalf;  // its dtype while computing (converted: always)
+    at::Tensor rest;          // masters: the float32 data, while computing
+    at::Tensor compute;       // masters: the low-precision buffer
+    int64_t version = 0;      // tensor's version when it last entered computing
+    const void* storage = nullptr;  // converted: the storage last seen
+  };
+
+  ModelWeights() = default;
+  ModelWeights(Mode mode, std::vector<Entry> entries);
+  ModelWeights(const ModelWeights&) = delete;
+  ModelWeights& operator=(const ModelWeights&) = delete;
+
+  Mode mode() const { return mode_; }
+  const std::vector<Entry>& entries() const { return entries_; }
+  bool resting() const { return mode_ != Mode::kMasters || resting_; }
+
+  // Hot path: whether an intercepted op must call on_op() first.
+  bool pending() const { return pending_.load(std::memory_order_relaxed); }
+  // Masters: enters computing if the op records a graph on a master.
+  // Converted: checks the weights' storages. Errors: as enter_compute.
+  template <class Args>
+  void on_op(const Args& args);
+
+  // Masters: resting -> computing (nothing if computing). Errors (nothing
+  // changes): a weight that is no longer float32 at rest.
+  void enter_compute();
+  // At a guard's opening: enters computing (masters) and checks for writes
+  // behind amp's back (see above). Errors: a master with a low-precision
+  // gradient; those of enter_compute.
+  void prepare_backward();
+  // At a guard's end (and deinitialize). Masters: computing -> resting
+  // (nothing if resting). Converted: the next intercepted op checks again.
+  void finish_backward() noexcept;
+
+  // torch::load's `self.set_(source)` into a lowered weight: takes the
+  // source's values in the weight's dtype (a master's float32 data, and its
+  // low-precision copy while computing) instead of reinterpreting its bytes.
+  // Returns false, changing nothing, for other tensors.
+  bool load_into(at::Tensor& self, const at::Tensor& source);
+
+  // Whether `t` is one of the masters (O2's float32 weights at rest).
+  bool is_master(const at::Tensor& t) const {
+    return mode_ == Mode::kMasters && masters_.count(t.unsafeGetTensorImpl()) != 0;
+  }
+  // The float32 value of a model tensor: a master's float32 data in either
+  // residence; a low-precision tensor widened; others as they are.
+  at::Tensor fp32_value(const at::Tensor& t) const;
+
+ private:
+  void check_converted();
+  void check_computing();
+  const Entry* find(const at::Tensor& t) const;
+  Entry* find(const at::Tensor& t) { return const_cast<Entry*>(std::as_const(*this).find(t)); }
+
+  Mode mode_ = Mode::kNone;
+  std::vector<Entry> entries_;
+  std::unordered_set<const c10::TensorImpl*> masters_;
+  std::unordered_map<const c10::TensorImpl*, size_t> index_;  // entries by TensorImpl
+  std::mutex mutex_;
+  bool resting_ = true;
+  std::atomic<bool> pending_{false};
+  bool warned_ = false;
+};
+
+template <class Args>
+void ModelWeights::on_op(const Args& args) {
+  if (mode_ == Mode::kConverted) {
+    check_converted();
+    return;
+  }
+  if (!at::GradMode::is_enabled()) return;  // no graph: the op reads the float32 weights
+  bool master = false;
+  args.for_each_tensor([&](const at::Tensor& t, bool) {
+    master = master || (t.defined() && t.requires_grad() && is_master(t));
+  });
+  if (master) enter_compute();
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,36 @@
+// Private: what amp knows about LibTorch's optimizer classes (SGD, Adam,
+// AdamW, Adagrad, RMSprop) and amp's fused ones - the one place that names
+// them. A new optimizer kind is a row in each function here.
+#pragma once
+
+#include <amp/fused.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+// amp's fused optimizer behind `optimizer`, or null.
+optim::Fused* fused_optimizer(torch::optim::Optimizer& optimizer);
+
+// The epsilon of Adam, AdamW, RMSprop and Adagrad options.
+std::optional<double> optimizer_eps(const torch::optim::OptimizerOptions& options);
+
+// A per-parameter state tensor, and whether the state must hold it.
+struct StateTensor {
+  const char* name;
+  at::Tensor value;
+  bool required;
+};
+// The state tensors of a known optimizer's parameter state (empty for
+// others); `step` receives its step count where it keeps one.
+std::vector<StateTensor> state_tensors(const torch::optim::OptimizerParamState& state, int64_t& step);
+
+// The numeric options of a known optimizer (empty for others).
+std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options);
+
+}  // namespace amp::detail

@@ -1,0 +1,186 @@
+#include "optimizer_step.h"
+
+#include "fused_stepping.h"
+
+#include <c10/util/Exception.h>
+
+namespace amp::detail {
+
+struct OptimizerStep::PendingStep {
+  DeferredVerdicts verdicts;
+  optim::FusedAttempt attempt;
+  bool gradients_live = true;  // the gradients are still this step's
+};
+
+const char* to_string(OptimizerStep::State state) {
+  switch (state) {
+    case OptimizerStep::State::kReady:
+      return "ready";
+    case OptimizerStep::State::kInGuard:
+      return "inside a live scale_loss guard";
+    case OptimizerStep::State::kAccumulating:
+      return "accumulating scaled gradients (delay_unscale)";
+  }
+  return "?";
+}
+
+OptimizerStep::OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused)
+    : optimizer_(&optimizer), fused_(fused) {}
+
+OptimizerStep::~OptimizerStep() = default;
+
+bool OptimizerStep::holds_gradients() const {
+  for (const auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) return true;
+    }
+  }
+  return false;
+}
+
+void OptimizerStep::drop_gradients() {
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+std::vector<int64_t> OptimizerStep::parameter_versions() const {
+  std::vector<int64_t> versions;
+  for (const auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) versions.push_back(p._version());
+  }
+  return versions;
+}
+
+// ---- scale_loss guards ------------------------------------------------------
+
+void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
+  TORCH_CHECK(state_ != State::kInGuard, "amp: the optimizer is ", to_string(state_), "; end that "
+              "guard's scope before starting another over the same optimizer.");
+  if (state_ == State::kAccumulating) {
+    TORCH_CHECK(scaled_by_ == loss_id, "amp: the optimizer is ", to_string(state_), " from "
+                "loss_id ", scaled_by_, "; finish it (delay_unscale=false) with the same loss_id "
+                "before scaling loss ", loss_id, ".");
+    TORCH_CHECK(parameter_versions() == versions_, "amp: the optimizer stepped while it was ",
+                to_string(state_), ": its parameters took a step with gradients still multiplied "
+                "by the loss scale. Step only after the last micro-batch's guard, which uses "
+                "delay_unscale=false and unscales the sum.");
+  }
+  TORCH_CHECK(!delay_unscale || state_ == State::kAccumulating || !holds_gradients(),
+              "amp: delay_unscale=true while the optimizer's gradients hold unscaled values; "
+              "call zero_grad() before the first micro-batch of an accumulation.");
+}
+
+void OptimizerStep::settle_before_guard() {
+  // Gradients kept from a pending step are discarded if it was skipped, so
+  // its outcome is needed now; without any, the guard need not wait, and a
+  // verdict no longer judges anything (zero_grad cleared what it judged).
+  const bool kept = holds_gradients();
+  if (!kept) {
+    for (PendingStep& p : pending_) p.gradients_live = false;
+    queued_.clear();
+  }
+  settle(/*wait=*/kept);
+}
+
+void OptimizerStep::open() {
+  before_guard_ = state_;
+  state_ = State::kInGuard;
+}
+
+void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale,
+                           int loss_id) {
+  TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: commit outside a guard");
+  if (device_verdict) queued_.push_back(std::move(device_verdict));
+  state_ = delay_unscale ? State::kAccumulating : State::kReady;
+  scaled_by_ = loss_id;
+  if (delay_unscale) versions_ = parameter_versions();
+}
+
+void OptimizerStep::skip() {
+  drop_gradients();
+  queued_.clear();  // the step they judged will not run
+  record_outcome(/*skipped=*/true);
+}
+
+void OptimizerStep::record_clean() { record_outcome(/*skipped=*/false); }
+
+void OptimizerStep::unwind() noexcept { state_ = before_guard_; }
+
+void OptimizerStep::record_outcome(bool skipped) {
+  last_step_skipped_ = skipped;
+  if (skipped) ++skipped_steps_;
+}
+
+// ---- amp's fused step() -------------------------------------------------------
+
+OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply) {
+  TORCH_CHECK(state_ == State::kReady, "amp: step() while the optimizer is ", to_string(state_),
+              state_ == State::kInGuard
+                  ? "; end the guard's scope (it unscales the gradients) before stepping."
+                  : "; the last micro-batch's guard must use delay_unscale=false so the "
+                    "accumulated gradients are unscaled and checked.");
+  // A pending step that created state must be known taken before that
+  // state is used again (on a GPU: once, after the first step).
+  bool created = false;
+  for (const PendingStep& p : pending_) created = created || !p.attempt.created.empty();
+  settle(/*wait=*/created);
+  FusedDecision decision;
+  if (queued_.empty() || !holds_gradients()) {
+    queued_.clear();
+    return decision;
+  }
+  bool unread = true;
+  for (const auto& v : queued_) unread = unread && !v->resolved;
+  if (kernels_apply && unread) {
+    decision.found_inf = combined_found_inf(queued_);
+    decision.verdicts = std::exchange(queued_, {});
+    return decision;
+  }
+  Verdicts verdicts = std::exchange(queued_, {});
+  try {
+    decision.skip = read_verdicts(verdicts);
+  } catch (...) {  // an overflow at the floor with AtFloor::kRaise: skipped
+    drop_gradients();
+    record_outcome(true);
+    throw;
+  }
+  if (decision.skip) drop_gradients();
+  record_outcome(decision.skip);
+  return decision;
+}
+
+void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, Verdicts verdicts) {
+  pending_.push_back({DeferredVerdicts(std::move(verdicts)), std::move(attempt), true});
+  settle(/*wait=*/false);
+}
+
+void OptimizerStep::settle(bool wait) {
+  while (!pending_.empty() && (wait || pending_.front().verdicts.ready())) {
+    PendingStep step = std::move(pending_.front());
+    pending_.pop_front();
+    bool skipped = true;
+    std::exception_ptr error;
+    try {
+      skipped = step.verdicts.resolve();
+    } catch (...) {  // an overflow at the floor with AtFloor::kRaise: the step was skipped
+      error = std::current_exception();
+    }
+    fused_->stepping().settle(step.attempt, skipped, optimizer_->state());
+    if (skipped && step.gradients_live) drop_gradients();
+    record_outcome(skipped);
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+int64_t OptimizerStep::skipped_steps() {
+  settle(/*wait=*/true);
+  return skipped_steps_;
+}
+
+bool OptimizerStep::last_step_skipped() {
+  settle(/*wait=*/true);
+  return last_step_skipped_;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,113 @@
+// Private: one optimizer's side of the training step - the state machine
+// that scale_loss guards and amp's fused step() drive. Every transition is
+// in optimizer_step.cpp; errors name the state.
+//
+//   state          meaning                                   leaves by
+//   -------------  ----------------------------------------  --------------------------------
+//   kReady         gradients, if any, hold true values;      a guard opening -> kInGuard
+//                  step() may run
+//   kInGuard       a scale_loss guard over it is open        commit -> kReady or kAccumulating
+//                                                            (delay_unscale); unwind -> before
+//   kAccumulating  delay_unscale: gradients hold values      a guard for the same loss
+//                  scaled by loss `scaled_by`                opening -> kInGuard
+//
+// Overflow verdicts. A guard over LibTorch's optimizers reads its verdict on
+// the host when it ends and, after an overflow, calls skip(): the optimizer
+// loses its gradients, so its own step() changes nothing. A guard whose
+// optimizers are all amp's fused ones (fused.h) queues the device verdict
+// instead (commit); their step() hands the combined flag to the kernels
+// and leaves a pending step - the one queue - until the verdicts reach the
+// host (settle): then the step is counted or, if skipped, the state it
+// created is dropped and gradients it left are discarded (a loop that never
+// zeroes must not carry inf/NaN into the next step).
+//
+// amp cannot see LibTorch's own step(), so a step taken in kAccumulating
+// (scaled gradients) is found at the next guard from the parameters'
+// versions.
+#pragma once
+
+#include "overflow_verdict.h"
+
+#include <amp/fused.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace amp::optim {
+struct FusedAttempt;
+}
+
+namespace amp::detail {
+
+class OptimizerStep {
+ public:
+  enum class State : uint8_t { kReady, kInGuard, kAccumulating };
+
+  OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused);
+  ~OptimizerStep();
+
+  State state() const { return state_; }
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  bool fused() const { return fused_ != nullptr; }
+
+  // ---- scale_loss guards -------------------------------------------------
+  // Throws, changing nothing, when a guard for `loss_id` cannot open now.
+  void check_can_open(int loss_id, bool delay_unscale) const;
+  // Learns what a guard opening now must know of pending fused steps:
+  // gradients kept from a step the device skipped are discarded.
+  void settle_before_guard();
+  void open();  // kReady | kAccumulating -> kInGuard
+  // The guard ended well. `device_verdict` (fused optimizers, dynamic
+  // scale) judges the next step on the device.
+  void commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale, int loss_id);
+  // The guard read its verdict on the host (before commit).
+  void skip();          // overflow: the gradients are dropped
+  void record_clean();  // no overflow
+  void unwind() noexcept;  // kInGuard -> the state before open()
+
+  // ---- amp's fused step() ------------------------------------------------
+  struct FusedDecision {
+    bool skip = false;      // decided on the host: do not step
+    at::Tensor found_inf;   // defined: the kernels decide (exactly 0 or 1)
+    Verdicts verdicts;      // what found_inf combines
+  };
+  // Errors: a step inside a guard or during delay_unscale accumulation; an
+  // overflow at the floor with AtFloor::kRaise (the step is skipped).
+  FusedDecision begin_fused_step(bool kernels_apply);
+  // The kernels ran on `decision.found_inf`: pending until its verdicts
+  // reach the host.
+  void end_fused_step(optim::FusedAttempt attempt, Verdicts verdicts);
+
+  int64_t skipped_steps();
+  bool last_step_skipped();
+  // Learns the outcome of pending fused steps whose verdicts reached the
+  // host, or with `wait`, of all of them.
+  void settle(bool wait);
+
+ private:
+  struct PendingStep;
+  bool holds_gradients() const;
+  void drop_gradients();
+  void record_outcome(bool skipped);
+  std::vector<int64_t> parameter_versions() const;
+
+  torch::optim::Optimizer* optimizer_;
+  optim::Fused* fused_;
+  State state_ = State::kReady;
+  State before_guard_ = State::kReady;
+  int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry
+  std::vector<int64_t> versions_;         // kAccumulating: parameter versions at commit
+  Verdicts queued_;                       // device verdicts for the next fused step
+  std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
+  int64_t skipped_steps_ = 0;
+  bool last_step_skipped_ = false;
+};
+
+const char* to_string(OptimizerStep::State state);
+
+}  // namespace amp::detail
