@@ -7,7 +7,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <sstream>
+#include <string>
 
 // Expects `statement` to throw a c10::Error whose message contains `substring`.
 #define EXPECT_AMP_ERROR(statement, substring)                          \
@@ -54,6 +58,12 @@ inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optim
     }
   }
   return out;
+}
+
+// A path in the temp directory, unique to this process (tests run in
+// parallel under ctest).
+inline std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("amp_test_" + std::to_string(getpid()) + "_" + name)).string();
 }
 
 // Loads amp's state from the bytes of a saved archive.

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <unordered_set>
 
 namespace amp {
 namespace {
@@ -154,21 +155,24 @@ std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool 
   const c10::ScalarType low = *p.cast_model_type;
   const Mode mode = p.master_weights && any_optimizer ? Mode::kMasters : Mode::kConverted;
   std::vector<detail::ModelWeights::Entry> entries;
+  std::unordered_set<const c10::TensorImpl*> seen;  // tensors shared by two models: once
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < models.size(); ++i) {
     const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "." : "";
     for (LoweredTensor& t : lowered_tensors(*models[i], p.keep_batchnorm_fp32, options.keep_fp32)) {
+      if (!seen.insert(t.tensor.unsafeGetTensorImpl()).second) continue;
       const c10::ScalarType target = mode == Mode::kMasters ? c10::kFloat : low;
       if (t.tensor.scalar_type() != target) t.tensor.set_data(t.tensor.variable_data().to(target));
       detail::ModelWeights::Entry entry;
       entry.name = prefix + t.name;
       entry.tensor = t.tensor;
+      entry.model = i;
       entry.is_buffer = t.is_buffer;
       entry.low = low;
       entries.push_back(std::move(entry));
     }
   }
-  return std::make_unique<detail::ModelWeights>(mode, std::move(entries));
+  return std::make_unique<detail::ModelWeights>(mode, std::move(entries), models.size());
 }
 
 }  // namespace

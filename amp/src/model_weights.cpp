@@ -48,22 +48,29 @@ void copy_all(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>&
 
 }  // namespace
 
-ModelWeights::ModelWeights(Mode mode, std::vector<Entry> entries)
-    : mode_(mode), entries_(std::move(entries)) {
+ModelWeights::ModelWeights(Mode mode, std::vector<Entry> entries, size_t models)
+    : mode_(mode), entries_(std::move(entries)), resting_(models, true) {
   for (size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = entries_[i];
-    if (mode_ == Mode::kMasters) masters_.insert(e.tensor.unsafeGetTensorImpl());
     index_[e.tensor.unsafeGetTensorImpl()] = i;
     e.storage = e.tensor.storage().unsafeGetStorageImpl();
   }
   pending_.store(mode_ != Mode::kNone && !entries_.empty());
 }
 
-void ModelWeights::enter_compute() {
-  if (mode_ != Mode::kMasters) return;
+void ModelWeights::update_pending() {
+  bool any = false;
+  for (bool r : resting_) any = any || r;
+  pending_.store(any);
+}
+
+// Masters: the `models` that rest enter computing. Errors (nothing
+// changes): a weight that is no longer float32 at rest.
+void ModelWeights::enter_compute(const std::vector<bool>& models) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!resting_) return;
+  auto entering = [&](const Entry& e) { return models[e.model] && resting_[e.model]; };
   for (const Entry& e : entries_) {
+    if (!entering(e)) continue;
     TORCH_CHECK(e.tensor.scalar_type() == at::kFloat, "amp: ", describe(e), " is ",
                 e.tensor.scalar_type(), " between iterations, but with master weights amp keeps "
                 "it in float32 and lowers it to ", e.low, " only for forward and backward. "
@@ -73,6 +80,7 @@ void ModelWeights::enter_compute() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> dst, src;
   for (Entry& e : entries_) {
+    if (!entering(e)) continue;
     e.rest = e.tensor.variable_data();  // the float32 data it holds now, whoever wrote it
     if (!e.compute.defined() || e.compute.sizes() != e.rest.sizes() ||
         e.compute.device() != e.rest.device()) {
@@ -83,23 +91,23 @@ void ModelWeights::enter_compute() {
   }
   copy_all(dst, src);
   for (Entry& e : entries_) {
+    if (!entering(e)) continue;
     e.tensor.set_data(e.compute);
     e.version = e.tensor._version();
   }
-  resting_ = false;
-  pending_.store(false);
+  for (size_t m = 0; m < models.size(); ++m) resting_[m] = resting_[m] && !models[m];
+  update_pending();
 }
 
 void ModelWeights::finish_backward() noexcept {
   if (mode_ == Mode::kConverted) pending_.store(true);  // check again before the next forward
   if (mode_ != Mode::kMasters) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (resting_) return;
   try {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> dst, src;
     for (const Entry& e : entries_) {
-      if (!e.is_buffer) continue;
+      if (!e.is_buffer || resting_[e.model]) continue;
       dst.push_back(e.rest);
       src.push_back(e.compute);
     }
@@ -108,17 +116,18 @@ void ModelWeights::finish_backward() noexcept {
     log_line(std::string("error: copying buffers back to float32 failed: ") + e.what());
   }
   for (Entry& e : entries_) {
+    if (resting_[e.model]) continue;
     e.tensor.set_data(e.rest);
     e.rest = at::Tensor();
   }
-  resting_ = true;
-  pending_.store(true);
+  resting_.assign(resting_.size(), true);
+  pending_.store(!entries_.empty());
 }
 
 void ModelWeights::prepare_backward() {
   if (mode_ == Mode::kConverted) check_converted();
   if (mode_ != Mode::kMasters) return;
-  enter_compute();
+  enter_compute(std::vector<bool>(resting_.size(), true));
   std::lock_guard<std::mutex> lock(mutex_);
   check_computing();
 }
@@ -183,7 +192,7 @@ bool ModelWeights::load_into(at::Tensor& self, const at::Tensor& source) {
     return true;
   }
   const at::Tensor fp32 = source.to(at::kFloat);
-  if (resting_) {
+  if (resting_[e->model]) {
     at::_ops::set__source_Tensor::call(self, fp32);
     return true;
   }

@@ -49,7 +49,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -61,6 +60,7 @@ class ModelWeights {
   struct Entry {
     std::string name;         // "fc1.weight", "model1.bn.running_mean"
     at::Tensor tensor;        // the module's own parameter or buffer
+    size_t model = 0;         // which of initialize's models it belongs to
     bool is_buffer = false;
     at::ScalarType low = at::kHalf;  // its dtype while computing (converted: always)
     at::Tensor rest;          // masters: the float32 data, while computing
@@ -70,30 +70,32 @@ class ModelWeights {
   };
 
   ModelWeights() = default;
-  ModelWeights(Mode mode, std::vector<Entry> entries);
+  ModelWeights(Mode mode, std::vector<Entry> entries, size_t models);
   ModelWeights(const ModelWeights&) = delete;
   ModelWeights& operator=(const ModelWeights&) = delete;
 
   Mode mode() const { return mode_; }
   const std::vector<Entry>& entries() const { return entries_; }
-  bool resting() const { return mode_ != Mode::kMasters || resting_; }
 
-  // Hot path: whether an intercepted op must call on_op() first.
+  // Hot path: whether an intercepted op must call on_op() first (a model
+  // rests, or converted weights await their check).
   bool pending() const { return pending_.load(std::memory_order_relaxed); }
-  // Masters: enters computing if the op records a graph on a master.
-  // Converted: checks the weights' storages. Errors: as enter_compute.
+  // Masters: a graph-recording op where a model's masters meet other
+  // floating tensors (forward: weights meet activations) enters that model
+  // into computing; ops over masters alone (a logged weight norm) read them
+  // in float32. Converted: checks the weights' storages. Errors: as
+  // enter_compute.
   template <class Args>
   void on_op(const Args& args);
 
-  // Masters: resting -> computing (nothing if computing). Errors (nothing
-  // changes): a weight that is no longer float32 at rest.
-  void enter_compute();
-  // At a guard's opening: enters computing (masters) and checks for writes
-  // behind amp's back (see above). Errors: a master with a low-precision
-  // gradient; those of enter_compute.
+  // At a guard's opening: enters every model into computing (a graph
+  // recorded before an earlier guard ended backpropagates in the dtypes it
+  // was recorded in) and checks for writes behind amp's back (see above).
+  // Errors (nothing changes): a master with a low-precision gradient, or
+  // one that is no longer float32 at rest.
   void prepare_backward();
-  // At a guard's end (and deinitialize). Masters: computing -> resting
-  // (nothing if resting). Converted: the next intercepted op checks again.
+  // At a guard's end (and deinitialize). Masters: every model back to rest.
+  // Converted: the next intercepted op checks again.
   void finish_backward() noexcept;
 
   // torch::load's `self.set_(source)` into a lowered weight: takes the
@@ -104,24 +106,25 @@ class ModelWeights {
 
   // Whether `t` is one of the masters (O2's float32 weights at rest).
   bool is_master(const at::Tensor& t) const {
-    return mode_ == Mode::kMasters && masters_.count(t.unsafeGetTensorImpl()) != 0;
+    return mode_ == Mode::kMasters && index_.count(t.unsafeGetTensorImpl()) != 0;
   }
   // The float32 value of a model tensor: a master's float32 data in either
   // residence; a low-precision tensor widened; others as they are.
   at::Tensor fp32_value(const at::Tensor& t) const;
 
  private:
+  void enter_compute(const std::vector<bool>& models);
   void check_converted();
   void check_computing();
+  void update_pending();
   const Entry* find(const at::Tensor& t) const;
   Entry* find(const at::Tensor& t) { return const_cast<Entry*>(std::as_const(*this).find(t)); }
 
   Mode mode_ = Mode::kNone;
   std::vector<Entry> entries_;
-  std::unordered_set<const c10::TensorImpl*> masters_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // entries by TensorImpl
   std::mutex mutex_;
-  bool resting_ = true;
+  std::vector<bool> resting_;  // per model
   std::atomic<bool> pending_{false};
   bool warned_ = false;
 };
@@ -133,11 +136,19 @@ void ModelWeights::on_op(const Args& args) {
     return;
   }
   if (!at::GradMode::is_enabled()) return;  // no graph: the op reads the float32 weights
-  bool master = false;
+  std::vector<bool> models;
+  bool other = false;
   args.for_each_tensor([&](const at::Tensor& t, bool) {
-    master = master || (t.defined() && t.requires_grad() && is_master(t));
+    if (!t.defined() || !t.is_floating_point()) return;
+    const Entry* e = t.requires_grad() ? find(t) : nullptr;
+    if (e == nullptr) {
+      other = true;
+      return;
+    }
+    if (models.empty()) models.resize(resting_.size());
+    models[e->model] = true;
   });
-  if (master) enter_compute();
+  if (other && !models.empty()) enter_compute(models);
 }
 
 }  // namespace amp::detail

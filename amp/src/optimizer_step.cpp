@@ -44,14 +44,6 @@ void OptimizerStep::drop_gradients() {
   }
 }
 
-std::vector<int64_t> OptimizerStep::parameter_versions() const {
-  std::vector<int64_t> versions;
-  for (const auto& group : optimizer_->param_groups()) {
-    for (const auto& p : group.params()) versions.push_back(p._version());
-  }
-  return versions;
-}
-
 // ---- scale_loss guards ------------------------------------------------------
 
 void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
@@ -61,10 +53,6 @@ void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
     TORCH_CHECK(scaled_by_ == loss_id, "amp: the optimizer is ", to_string(state_), " from "
                 "loss_id ", scaled_by_, "; finish it (delay_unscale=false) with the same loss_id "
                 "before scaling loss ", loss_id, ".");
-    TORCH_CHECK(parameter_versions() == versions_, "amp: the optimizer stepped while it was ",
-                to_string(state_), ": its parameters took a step with gradients still multiplied "
-                "by the loss scale. Step only after the last micro-batch's guard, which uses "
-                "delay_unscale=false and unscales the sum.");
   }
   TORCH_CHECK(!delay_unscale || state_ == State::kAccumulating || !holds_gradients(),
               "amp: delay_unscale=true while the optimizer's gradients hold unscaled values; "
@@ -85,7 +73,23 @@ void OptimizerStep::settle_before_guard() {
 
 void OptimizerStep::open() {
   before_guard_ = state_;
+  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/true);
   state_ = State::kInGuard;
+}
+
+// kAccumulating keeps the scaled sum away from the optimizer, so a step()
+// taken before the guard that ends the accumulation changes nothing.
+void OptimizerStep::move_scaled_gradients(bool to_parameters) {
+  if (to_parameters) {
+    for (auto& [param, grad] : scaled_) param.mutable_grad() = std::move(grad);
+    scaled_.clear();
+    return;
+  }
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) scaled_.emplace_back(p, std::exchange(p.mutable_grad(), at::Tensor()));
+    }
+  }
 }
 
 void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale,
@@ -94,7 +98,7 @@ void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool
   if (device_verdict) queued_.push_back(std::move(device_verdict));
   state_ = delay_unscale ? State::kAccumulating : State::kReady;
   scaled_by_ = loss_id;
-  if (delay_unscale) versions_ = parameter_versions();
+  if (delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
 }
 
 void OptimizerStep::skip() {
@@ -105,7 +109,10 @@ void OptimizerStep::skip() {
 
 void OptimizerStep::record_clean() { record_outcome(/*skipped=*/false); }
 
-void OptimizerStep::unwind() noexcept { state_ = before_guard_; }
+void OptimizerStep::unwind() noexcept {
+  state_ = before_guard_;
+  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/false);
+}
 
 void OptimizerStep::record_outcome(bool skipped) {
   last_step_skipped_ = skipped;

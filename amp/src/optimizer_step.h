@@ -8,8 +8,9 @@
 //                  step() may run
 //   kInGuard       a scale_loss guard over it is open        commit -> kReady or kAccumulating
 //                                                            (delay_unscale); unwind -> before
-//   kAccumulating  delay_unscale: gradients hold values      a guard for the same loss
-//                  scaled by loss `scaled_by`                opening -> kInGuard
+//   kAccumulating  delay_unscale: amp holds the gradients,   a guard for the same loss
+//                  scaled by loss `scaled_by`, away from     opening -> kInGuard
+//                  the optimizer (its step() does nothing)
 //
 // Overflow verdicts. A guard over LibTorch's optimizers reads its verdict on
 // the host when it ends and, after an overflow, calls skip(): the optimizer
@@ -21,9 +22,9 @@
 // created is dropped and gradients it left are discarded (a loop that never
 // zeroes must not carry inf/NaN into the next step).
 //
-// amp cannot see LibTorch's own step(), so a step taken in kAccumulating
-// (scaled gradients) is found at the next guard from the parameters'
-// versions.
+// amp cannot see LibTorch's own step(): in kAccumulating the optimizer sees
+// no gradients, so a step() taken then changes nothing instead of applying
+// gradients multiplied by the loss scale.
 #pragma once
 
 #include "overflow_verdict.h"
@@ -94,14 +95,16 @@ class OptimizerStep {
   bool holds_gradients() const;
   void drop_gradients();
   void record_outcome(bool skipped);
-  std::vector<int64_t> parameter_versions() const;
+  void move_scaled_gradients(bool to_parameters);
 
   torch::optim::Optimizer* optimizer_;
   optim::Fused* fused_;
   State state_ = State::kReady;
   State before_guard_ = State::kReady;
   int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry
-  std::vector<int64_t> versions_;         // kAccumulating: parameter versions at commit
+  // kAccumulating: the scaled sum, off the parameters until the guard that
+  // ends the accumulation.
+  std::vector<std::pair<at::Tensor, at::Tensor>> scaled_;
   Verdicts queued_;                       // device verdicts for the next fused step
   std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
   int64_t skipped_steps_ = 0;

@@ -74,6 +74,7 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
   std::unordered_set<const c10::TensorImpl*> covered;
   for (detail::OptimizerStep* step : steps) {
     const bool scaled = step->state() == detail::OptimizerStep::State::kAccumulating;
+    step->open();
     for (auto& group : step->optimizer().param_groups()) {
       for (at::Tensor& p : group.params()) {
         if (!covered.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -81,7 +82,6 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
         slots.push_back({p, std::exchange(p.mutable_grad(), at::Tensor()), grad_dtype, scaled});
       }
     }
-    step->open();
   }
   for (const auto& e : weights.entries()) {
     if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;

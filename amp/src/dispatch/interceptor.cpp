@@ -35,16 +35,20 @@ class DropOverrideWarning final : public c10::WarningHandler {
 // torch::load's way into a model: LibTorch's InputArchive gives each
 // parameter and buffer the tensor it read with `set_`, which keeps the
 // target's dtype and reinterprets the source's bytes (a float32 checkpoint
-// read into a float16 model becomes garbage). For the weights amp lowered,
-// this kernel hands the values to ModelWeights instead, which converts them
-// (model_weights.h); every other call runs as LibTorch's.
+// read into a float16 model becomes garbage; a float16 one into a float32
+// model fails). While amp is live a floating tensor takes the source's
+// values converted to its dtype instead; the weights amp lowered go through
+// ModelWeights (model_weights.h), which keeps their masters. Every other
+// call runs as LibTorch's.
 class WeightLoadKernel {
  public:
   explicit WeightLoadKernel(const DeviceCasting* casting) : casting_(casting) {}
   at::Tensor& operator()(at::Tensor& self, const at::Tensor& source) const {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(c10::DispatchKeySet(casting_->autocast_key));
-    if (!casting_->weights->load_into(self, source)) at::_ops::set__source_Tensor::call(self, source);
-    return self;
+    if (casting_->weights != nullptr && casting_->weights->load_into(self, source)) return self;
+    const bool converts = self.is_floating_point() && source.is_floating_point() &&
+                          self.scalar_type() != source.scalar_type() && self.device() == source.device();
+    return at::_ops::set__source_Tensor::call(self, converts ? source.to(self.scalar_type()) : source);
   }
 
  private:
@@ -140,10 +144,8 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices, const Regist
     for (const auto& [op, policy] : user_registrations(held, casting.device)) {
       bind(op, casting, policy, kernel_factory_for(op), built_in_banned_reason(op));
     }
-    if (casting.weights != nullptr) {
-      library_for("aten", casting.autocast_key)
-          .impl("set_.source_Tensor", torch::CppFunction(WeightLoadKernel(&casting)));
-    }
+    library_for("aten", casting.autocast_key)
+        .impl("set_.source_Tensor", torch::CppFunction(WeightLoadKernel(&casting)));
   }
 }
 

@@ -6,8 +6,8 @@
 // those ops). Destroying it drops the libraries, which unregisters every amp
 // kernel and brings the native ones back: native at::autocast works again.
 // Kernels run only on threads whose autocast keys are enabled (see
-// casting_scope.h). At the levels that lower the models' weights it also
-// registers aten::set_ (torch::load's way into a model; model_weights.h).
+// casting_scope.h). It also registers aten::set_, torch::load's way into a
+// model, so that checkpoints of other dtypes load converted.
 #pragma once
 
 #include "dispatch/op_binding.h"
