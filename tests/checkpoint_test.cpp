@@ -27,8 +27,8 @@ class CheckpointTest : public AmpTest {
     b_ = torch::nn::Linear(6, 4);
     OptimizerPtr oa = std::make_shared<torch::optim::Adam>(a_->parameters(), 1e-2);
     OptimizerPtr ob = std::make_shared<torch::optim::Adam>(b_->parameters(), 1e-2);
-    auto [models, optimizers] = handle_.initialize({a_.ptr(), b_.ptr()}, {oa, ob}, quiet(O1));
-    optimizers_ = optimizers;
+    handle_.initialize({a_, b_}, {oa, ob}, quiet(O1));
+    optimizers_ = {oa, ob};
     step(0);
   }
   void step(int i) {
@@ -114,30 +114,33 @@ TEST_F(CheckpointTest, LoadStateRefusesScalesThatAreNotFiniteAndPositiveAndNegat
 }
 
 TEST_F(CheckpointTest, OptimizerStateOfOtherShapesIsRefusedAndChangesNothing) {
-  // b's Adam state has the same number of tensors as a's, transposed shapes:
-  // LibTorch's own load accepts it and the next step would fail.
-  std::ostringstream saved;
-  torch::save(*optimizers_[1], saved);
+  // b's Adam state in a's entry: the same number of tensors, transposed
+  // shapes. LibTorch's own load accepts it and the next step would fail.
+  const std::string file = path("_other_shapes.pt");
+  write_checkpoint(file, {[&](auto& a) { a_->save(a); }, [&](auto& a) { b_->save(a); }},
+                   {optimizers_[1], optimizers_[1]});
   step(1);
   const auto before = everything();
-  std::istringstream in(saved.str());
-  EXPECT_AMP_ERROR(torch::load(*optimizers_[0], in), "exp_avg' of parameter 0 is Float[4, 6]");
+  EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_),
+                   "exp_avg' of parameter 0 is Float[4, 6]");
   expect_same(before, everything());
   step(2);  // still trains
+  std::remove(file.c_str());
 }
 
 TEST_F(CheckpointTest, OptimizerOptionsThatFloat32CannotHoldAreRefused) {
   auto& options = static_cast<torch::optim::AdamOptions&>(optimizers_[0]->param_groups()[0].options());
   options.lr(1e300);  // saved like this, a step would fail converting it
-  std::ostringstream saved;
-  torch::save(*optimizers_[0], saved);
+  const std::string file = path("_huge_lr.pt");
+  save_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_);
   options.lr(1e-2);
   step(1);
   const auto before = everything();
-  std::istringstream in(saved.str());
-  EXPECT_AMP_ERROR(torch::load(*optimizers_[0], in), "has lr=1e+300, which is not a finite float32 value");
+  EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_),
+                   "has lr=1e+300, which is not a finite float32 value");
   expect_same(before, everything());
   EXPECT_EQ(optimizers_[0]->param_groups()[0].options().get_lr(), 1e-2);
+  std::remove(file.c_str());
 }
 
 TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
@@ -148,7 +151,7 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   step(1);  // everything moves on from the file's values, the scaler too
   loss_scaler().update(torch::ones({1}));
   const auto before = everything();
-  EXPECT_AMP_ERROR(load_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_), "cannot load the optimizer's state");
+  EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_), "cannot load the optimizer's state");
   expect_same(before, everything());
   std::remove(file.c_str());
 }
@@ -156,7 +159,7 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
 TEST_F(CheckpointTest, CheckpointEntryOfAnotherKindOfDtypeIsRefused) {
   const std::string file = path("_int_weights.pt");
   const std::string good = path("_good.pt");
-  save_checkpoint(good, {a_.ptr(), b_.ptr()}, optimizers_);
+  save_checkpoint(good, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_);
   write_checkpoint(file,  // the same file with model0's weight as integers
                    {[&](auto& a) {
                       a.write("weight", a_->weight.detach().to(at::kInt));
@@ -166,9 +169,9 @@ TEST_F(CheckpointTest, CheckpointEntryOfAnotherKindOfDtypeIsRefused) {
                    optimizers_);
   step(1);
   const auto before = everything();
-  EXPECT_AMP_ERROR(load_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_), "'weight' holds Int values");
+  EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_), "'weight' holds Int values");
   expect_same(before, everything());
-  load_checkpoint(good, {a_.ptr(), b_.ptr()}, optimizers_);  // the intact file loads
+  load_checkpoint(good, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_);  // the intact file loads
   std::remove(file.c_str());
   std::remove(good.c_str());
 }

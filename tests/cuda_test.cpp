@@ -126,9 +126,10 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
       torch::manual_seed(0);
       auto model = TinyNet();
       model->to(torch::kCUDA);
-      OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-2);
+      OptimizerPtr optimizer;
+      if (fused) optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), 1e-2);
+      if (!fused) optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-2);
       Options options = quiet(level);
-      options.fused_step = fused;
       Handle handle;
       std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
       torch::manual_seed(1);

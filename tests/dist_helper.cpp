@@ -17,8 +17,11 @@
 
 namespace {
 
+// After an overflow every rank's guard dropped the gradients (the step does
+// nothing): there is nothing to average then.
 void average_gradients(const std::vector<at::Tensor>& params, c10d::Backend& group, int world) {
   for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
     std::vector<at::Tensor> grad{p.grad()};
     group.allreduce(grad)->wait();
     p.grad().div_(world);

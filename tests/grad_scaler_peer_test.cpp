@@ -105,16 +105,21 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
 
   PeerModel model(init);
   OptimizerPtr optimizer;
-  if (optimizer_name.rfind("sgd", 0) == 0) {
-    optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const bool fused = optimizer_name.find("_fused") != std::string::npos;
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true);
+  if (optimizer_name == "sgd") {
+    optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), sgd);
+  } else if (optimizer_name == "sgd_fused") {
+    optimizer = std::make_shared<amp::optim::FusedSGD>(model->parameters(), sgd);
   } else if (optimizer_name == "adamw_fused") {
-    optimizer = std::make_shared<torch::optim::AdamW>(
-        model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true));
+    optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), adamw);
+  } else if (fused) {
+    optimizer = std::make_shared<amp::optim::FusedAdam>(model->parameters(), 1e-2);
   } else {
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
   }
   Options options = quiet(O1);
-  options.fused_step = optimizer_name.find("_fused") != std::string::npos;
   options.loss_scale = LossScale::Dynamic(kInitScale);
   options.dynamic_scaling.growth_interval = kGrowthInterval;
   Handle handle;

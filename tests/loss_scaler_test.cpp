@@ -127,19 +127,27 @@ TEST_F(ScaleSequenceTest, RaiseAtTheFloorIsAClearError) {
   options.dynamic_scaling.at_floor = AtFloor::kRaise;
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
-  auto overflow_step = [&] {
+  auto overflow_step = [&](bool finish) {
     optimizer->zero_grad();
     {
       scale_loss scaled(model(torch::randn({2, 3})).to(at::kFloat).sum(), optimizer);
       scaled.backward();
       model->bias.grad()[0] = std::numeric_limits<float>::infinity();
+      if (finish) scaled.finish();  // errors raised here
     }
     optimizer->step();
   };
-  overflow_step();  // 65536 -> 32768, the floor
+  overflow_step(false);  // 65536 -> 32768, the floor
   EXPECT_EQ(loss_scale(), 32768.0);
-  EXPECT_AMP_ERROR(overflow_step(), "already at its floor");
+  EXPECT_AMP_ERROR(overflow_step(true), "already at its floor");
   EXPECT_EQ(loss_scale(), 32768.0);
+  EXPECT_FALSE(model->bias.grad().defined()) << "the step was skipped";
+  // Without finish(), the guard's end cannot throw; the next guard raises it.
+  overflow_step(false);
+  EXPECT_FALSE(model->bias.grad().defined());
+  const auto loss = model(torch::randn({2, 3})).sum();
+  EXPECT_AMP_ERROR(scale_loss(loss, optimizer), "already at its floor");
+  { scale_loss scaled(loss, optimizer); }  // raised once
 }
 
 TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {

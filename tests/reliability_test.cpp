@@ -262,19 +262,19 @@ std::vector<BadInput> bad_inputs() {
       {"NumLossesZero", [] { initialize_with(with([](Options& o) { o.num_losses = 0; })); }, "num_losses must be >= 1"},
       {"IntegerLoss", [] { Live live; scale_loss(torch::ones({}, at::kInt), live.optimizer); }, "floating-point loss"},
       {"VectorLoss", [] { Live live; scale_loss(torch::ones({3}), live.optimizer); }, "scalar loss"},
-      {"UnknownOptimizer", [] { Live live; scale_loss(torch::ones({}), std::make_shared<torch::optim::SGD>(live.model->parameters(), 0.1)); }, "amp::initialize did not return"},
-      {"MasterParamsOfUnknownOptimizer", [] { torch::optim::SGD sgd(TinyNet()->parameters(), 0.1); master_params(sgd); }, "returned by amp::initialize"},
+      {"UnknownOptimizer", [] { Live live; scale_loss(torch::ones({}), std::make_shared<torch::optim::SGD>(live.model->parameters(), 0.1)); }, "not passed to the live amp::initialize"},
+      {"MasterParamsOfUnknownOptimizer", [] { Live live; torch::optim::SGD sgd(live.model->parameters(), 0.1); master_params(sgd); }, "not passed to the live amp::initialize"},
       {"ModelOnMixedDevices", [] {
          auto m = std::make_shared<torch::nn::Module>();
          m->register_parameter("cpu", torch::zeros({1}));
          m->register_parameter("meta", torch::zeros({1}, torch::kMeta));
          amp::initialize(m, Live::AmpTest_quiet(O2));
        }, "one device"},
-      {"ModelConvertedTwice", [] {
+      {"SameOptimizerTwice", [] {
          TinyNet m;
-         { Handle h; h.initialize(m, Live::AmpTest_quiet(O2)); }
-         amp::initialize(m, Live::AmpTest_quiet(O2));
-       }, "already converted"},
+         torch::optim::SGD o(m->parameters(), 0.1);
+         amp::initialize({m}, {o, o}, Live::AmpTest_quiet(O2));
+       }, "the same optimizer twice"},
       {"StateMissingEntries", [] { Live live; torch::serialize::InputArchive empty; load_state(empty); }, "'opt_level'"},
       {"StateOtherNumLosses", [] { const auto s = saved_state(3, O1); Live live; load_state_bytes(s); }, "num_losses=3"},
       {"StateOtherOptLevel", [] { const auto s = saved_state(1, O2); Live live; load_state_bytes(s); }, "saved at opt_level O2"},

@@ -173,20 +173,20 @@ TEST_P(EquivalenceTest, TwoModelsTwoOptimizersTwoLossesMatchFp32) {
   options.num_losses = 2;
   options.loss_scale = LossScale::Dynamic(scale);
   Handle handle;
-  auto [models, optimizers] = handle.initialize({a.ptr(), b.ptr()}, {opt_a, opt_b}, options);
-  opt_a = optimizers[0];
-  opt_b = optimizers[1];
+  handle.initialize({a, b}, {opt_a, opt_b}, options);
   for (size_t step = 0; step < plans().size(); ++step) {
     opt_a->zero_grad();
     opt_b->zero_grad();
     const auto x = grid_input(step);
+    // Apex's multiple-loss example: the losses first, then a guard each.
+    const auto loss0 = a(x).sum() + b(x).sum(), loss1 = b(x).sum() * 2;
     {
-      scale_loss scaled(a(x).sum() + b(x).sum(), {opt_a, opt_b}, {/*loss_id=*/0});
+      scale_loss scaled(loss0, {opt_a, opt_b}, {/*loss_id=*/0});
       scaled.backward();
       if (plans()[step].overflow_a_in_loss0) a->w.grad()[0][0] = kInf;
     }
     {
-      scale_loss scaled(b(x).sum() * 2, opt_b, {/*loss_id=*/1});
+      scale_loss scaled(loss1, opt_b, {/*loss_id=*/1});
       scaled.backward();
       if (plans()[step].overflow_b_in_loss1) b->w.grad()[1][0] = kInf;
     }
@@ -402,9 +402,8 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
   EXPECT_AMP_ERROR(scale_loss(torch::ones({}, at::kLong), optimizer), "floating-point loss");
   EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer, {/*loss_id=*/1}), "num_losses=1");
   auto stranger = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  EXPECT_AMP_ERROR(scale_loss(out.sum(), stranger), "amp::initialize did not return");
-  EXPECT_AMP_ERROR(scale_loss(out.sum(), plain), "amp::initialize did not return");
-  EXPECT_AMP_ERROR(optimizer->step([] { return torch::zeros({}); }), "closure");
+  EXPECT_AMP_ERROR(scale_loss(out.sum(), stranger), "not passed to the live amp::initialize");
+  EXPECT_AMP_ERROR(scale_loss(out.sum(), {optimizer, optimizer}), "the same optimizer twice");
   const auto params = model->parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(BitEqual(params[i], params_before[i])) << "parameter " << i;
@@ -414,8 +413,7 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
   EXPECT_TRUE(BitEqual(loss_scaler().state().growth_tracker, scaler_before.growth_tracker));
   {
     scale_loss scaled(out.sum(), optimizer);
-    EXPECT_AMP_ERROR(optimizer->step(), "inside a live amp::scale_loss");
-    EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer), "already inside a live scale_loss");
+    EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer), "inside a live scale_loss guard");
     scaled.backward();
   }
   optimizer->step();  // the guard's state is consistent after all the refusals
@@ -592,46 +590,53 @@ TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing)
   EXPECT_EQ(loss_scale(1), 32768.0);
 }
 
-// A clip across two optimizers after another loss overflowed into one of
-// them: the joint norm would zero the other's clean gradients, so the guard
-// that unscaled for the clip skips both. Without unscale() (no clip inside)
-// the clean optimizer steps. The second loss's scale never moves.
+// A guard that unscales for clipping across several optimizers checks the
+// gradients they kept from earlier guards: with amp's fused optimizers an
+// overflow's inf/NaN stay there until the device's verdict skips the step,
+// and a joint norm would carry them into every gradient, so the guard that
+// unscaled for the clip skips all of them. Without unscale() (no clip
+// inside) the clean optimizer steps. LibTorch's own optimizers lose an
+// overflowed guard's gradients at once: nothing poisoned is kept.
 TEST_F(ScaleLossTest, ClipAcrossOptimizersAfterAnOverflowSkipsAllOfThem) {
-  for (bool clip : {true, false}) {
-    SCOPED_TRACE(clip ? "clip inside the guard" : "no clip");
-    TinyNet a, b;
-    OptimizerPtr opt_a = std::make_shared<torch::optim::Adam>(a->parameters(), 1e-2);
-    OptimizerPtr opt_b = std::make_shared<torch::optim::Adam>(b->parameters(), 1e-2);
-    Options options = quiet(O1);
-    options.num_losses = 2;
-    Handle handle;
-    auto [models, optimizers] = handle.initialize({a.ptr(), b.ptr()}, {opt_a, opt_b}, options);
-    opt_a = optimizers[0];
-    opt_b = optimizers[1];
-    const auto x = torch::randn({4, 8});
-    {
-      scale_loss scaled(b(x).sum(), opt_b, {/*loss_id=*/0});
-      scaled.backward();
-      b->fc1->bias.mutable_grad().fill_(std::numeric_limits<float>::infinity());
-    }
-    const auto a_before = a->fc1->weight.clone();
-    {
-      scale_loss scaled(a(x).sum() + b(x).sum(), {opt_a, opt_b}, {/*loss_id=*/1});
-      scaled.backward();
-      if (clip) {
-        scaled.unscale();
-        std::vector<at::Tensor> all = master_params(*opt_a);
-        for (const auto& p : master_params(*opt_b)) all.push_back(p);
-        torch::nn::utils::clip_grad_norm_(all, 1.0);
+  for (bool fused : {true, false}) {
+    for (bool clip : {true, false}) {
+      SCOPED_TRACE(std::string(fused ? "fused" : "LibTorch's Adam") + (clip ? ", clip inside the guard" : ", no clip"));
+      TinyNet a, b;
+      auto make = [fused](TinyNet& m) -> OptimizerPtr {
+        if (fused) return std::make_shared<amp::optim::FusedAdam>(m->parameters(), 1e-2);
+        return std::make_shared<torch::optim::Adam>(m->parameters(), 1e-2);
+      };
+      OptimizerPtr opt_a = make(a), opt_b = make(b);
+      Options options = quiet(O1);
+      options.num_losses = 2;
+      Handle handle;
+      handle.initialize({a, b}, {opt_a, opt_b}, options);
+      const auto x = torch::randn({4, 8});
+      {
+        scale_loss scaled(b(x).sum(), opt_b, {/*loss_id=*/0});
+        scaled.backward();
+        b->fc1->bias.mutable_grad().fill_(std::numeric_limits<float>::infinity());
       }
+      EXPECT_EQ(b->fc1->bias.grad().defined(), fused) << "LibTorch's optimizers keep nothing poisoned";
+      const auto a_before = a->fc1->weight.clone();
+      {
+        scale_loss scaled(a(x).sum() + b(x).sum(), {opt_a, opt_b}, {/*loss_id=*/1});
+        scaled.backward();
+        if (clip) {
+          scaled.unscale();
+          std::vector<at::Tensor> all = master_params(*opt_a);
+          for (const auto& p : master_params(*opt_b)) all.push_back(p);
+          torch::nn::utils::clip_grad_norm_(all, 1.0);
+        }
+      }
+      opt_a->step();
+      opt_b->step();
+      EXPECT_EQ(last_step_skipped(*opt_b), fused);
+      EXPECT_EQ(last_step_skipped(*opt_a), fused && clip);
+      EXPECT_EQ(torch::equal(a->fc1->weight, a_before), fused && clip);
+      EXPECT_EQ(loss_scale(0), 32768.0) << "the overflowing loss backs off";
+      EXPECT_EQ(loss_scale(1), 65536.0) << "the clipping loss's own gradients were finite";
     }
-    opt_a->step();
-    opt_b->step();
-    EXPECT_TRUE(last_step_skipped(*opt_b));
-    EXPECT_EQ(last_step_skipped(*opt_a), clip);
-    EXPECT_EQ(torch::equal(a->fc1->weight, a_before), clip);
-    EXPECT_EQ(loss_scale(0), 32768.0) << "the overflowing loss backs off";
-    EXPECT_EQ(loss_scale(1), 65536.0) << "the clipping loss's own gradients were finite";
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include "fused_stepping.h"
 
+#include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
 
 namespace amp::detail {
@@ -105,9 +106,16 @@ void OptimizerStep::skip() {
   drop_gradients();
   queued_.clear();  // the step they judged will not run
   record_outcome(/*skipped=*/true);
+  skipped_before_graph_ = at::sequence_number::peek();
 }
 
-void OptimizerStep::record_clean() { record_outcome(/*skipped=*/false); }
+void OptimizerStep::record_clean(uint64_t loss_graph) {
+  if (loss_graph < skipped_before_graph_) {  // the overflowed iteration goes on: still skipped
+    drop_gradients();
+    return;
+  }
+  record_outcome(/*skipped=*/false);
+}
 
 void OptimizerStep::unwind() noexcept {
   state_ = before_guard_;

@@ -22,7 +22,10 @@
 // created is dropped and gradients it left are discarded (a loop that never
 // zeroes must not carry inf/NaN into the next step).
 //
-// amp cannot see LibTorch's own step(): in kAccumulating the optimizer sees
+// amp cannot see LibTorch's own step(), so an overflow ends what the
+// optimizer accumulated: later guards in the same iteration (over losses
+// recorded before the overflow) drop theirs too; a guard over a loss
+// recorded after it starts afresh. In kAccumulating the optimizer sees
 // no gradients, so a step() taken then changes nothing instead of applying
 // gradients multiplied by the loss scale.
 #pragma once
@@ -66,9 +69,11 @@ class OptimizerStep {
   // The guard ended well. `device_verdict` (fused optimizers, dynamic
   // scale) judges the next step on the device.
   void commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale, int loss_id);
-  // The guard read its verdict on the host (before commit).
-  void skip();          // overflow: the gradients are dropped
-  void record_clean();  // no overflow
+  // The guard read its verdict on the host (before commit), for a loss
+  // whose graph autograd numbered up to `loss_graph` (its root node's
+  // sequence number).
+  void skip();  // overflow: the gradients are dropped
+  void record_clean(uint64_t loss_graph);
   void unwind() noexcept;  // kInGuard -> the state before open()
 
   // ---- amp's fused step() ------------------------------------------------
@@ -109,6 +114,11 @@ class OptimizerStep {
   std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
   int64_t skipped_steps_ = 0;
   bool last_step_skipped_ = false;
+  // After an overflow dropped the gradients: autograd's next sequence number
+  // then. A later guard's loss recorded before it belongs to the same
+  // iteration (Apex's losses computed first, then a guard each), so the
+  // step stays skipped.
+  uint64_t skipped_before_graph_ = 0;
 };
 
 const char* to_string(OptimizerStep::State state);

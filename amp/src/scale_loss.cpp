@@ -8,6 +8,7 @@
 #include "unscale_plan.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
 #include <c10/util/Exception.h>
 
 #include <exception>
@@ -37,6 +38,7 @@ class scale_loss::State {
   std::vector<std::pair<at::Tensor, at::Tensor>> held;
   ScaleLossOptions options;
   at::Tensor scaled_loss;
+  uint64_t loss_graph = 0;  // the loss's root node's autograd sequence number
   bool passthrough = false;  // static scale 1 without masters: no multiply, no unscale
   Stage stage = Stage::kOpen;
   std::optional<LossScaler::State> scaler_before;  // set by unscale(): to unwind its update
@@ -87,6 +89,7 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;
     held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
+  if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
   const LossScale& configured = context->properties().loss_scale;
   passthrough = !configured.dynamic && configured.value == 1.0 &&
                 weights.mode() != detail::ModelWeights::Mode::kMasters;
@@ -138,7 +141,7 @@ void scale_loss::State::commit() {
     } catch (...) {  // an overflow at the floor with AtFloor::kRaise
       error = std::current_exception();
     }
-    for (detail::OptimizerStep* step : steps) overflow ? step->skip() : step->record_clean();
+    for (detail::OptimizerStep* step : steps) overflow ? step->skip() : step->record_clean(loss_graph);
   }
   for (detail::OptimizerStep* step : steps) {
     step->commit(host_reads ? nullptr : verdict, options.delay_unscale, options.loss_id);

@@ -123,6 +123,15 @@ class Handle {
   void initialize(std::initializer_list<ModelRef> models, const Options& options) {
     initialize_refs(std::vector<ModelRef>(models), {}, options);
   }
+  // Vectors of shared pointers, as code written for the form that returned
+  // them passes (the variadic form above takes vectors too).
+  std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
+      const std::vector<ModulePtr>& models, const std::vector<OptimizerPtr>& optimizers,
+      const Options& options = {}) {
+    initialize_refs(std::vector<ModelRef>(models.begin(), models.end()),
+                    std::vector<OptimizerRef>(optimizers.begin(), optimizers.end()), options);
+    return {models, optimizers};
+  }
   // Ends this handle's initialization if it is still live; a no-op
   // otherwise. Errors: as amp::deinitialize(), except that it ends a
   // handle's initialization.
@@ -150,6 +159,11 @@ inline void initialize(std::initializer_list<ModelRef> models,
 }
 inline void initialize(std::initializer_list<ModelRef> models, const Options& options) {
   global_handle().initialize(models, options);
+}
+inline std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
+    const std::vector<ModulePtr>& models, const std::vector<OptimizerPtr>& optimizers,
+    const Options& options = {}) {
+  return global_handle().initialize(models, optimizers, options);
 }
 // Ends the initialization made by amp::initialize. Errors (nothing changes):
 // amp is not initialized; the live initialization belongs to an amp::Handle
