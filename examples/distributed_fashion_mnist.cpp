@@ -72,9 +72,8 @@ int train(int rank, int world, const std::string& store_path) {
                                                       absl::GetFlag(FLAGS_train_limit));
   torch::manual_seed(0);  // identical replicas
   examples::FashionNet model;
-  std::shared_ptr<torch::optim::Optimizer> optimizer =
-      std::make_shared<torch::optim::Adam>(model->parameters(), absl::GetFlag(FLAGS_lr));
-  std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+  torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  amp::initialize(model, optimizer, options);
 
   const int64_t n = train_set.images.size(0), batch = absl::GetFlag(FLAGS_batch_size);
   examples::Progress progress(50);
@@ -83,20 +82,20 @@ int train(int rank, int world, const std::string& store_path) {
     const auto order = torch::randperm(n);  // same on every rank (same seed)
     for (int64_t first = 0; first + batch <= n; first += batch) {
       const auto index = order.narrow(0, first, batch).narrow(0, rank * (batch / world), batch / world);
-      optimizer->zero_grad();
+      optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(train_set.images.index_select(0, index)),
                                                   train_set.labels.index_select(0, index));
       {
         amp::scale_loss scaled(loss, optimizer);
         scaled.backward();
       }
-      for (const auto& p : amp::master_params(*optimizer)) {
+      for (const auto& p : model->parameters()) {
         if (!p.grad().defined()) continue;
         std::vector<at::Tensor> grad{p.grad()};
         group->allreduce(grad)->wait();
         p.grad().div_(world);
       }
-      optimizer->step();
+      optimizer.step();
       if (rank == 0) progress.update(++step, loss.item<double>(), amp::loss_scale(), batch);
     }
   }
@@ -108,7 +107,7 @@ int train(int rank, int world, const std::string& store_path) {
   const auto correct = model->forward(test.images).argmax(1).eq(test.labels).sum().item<int64_t>();
   std::printf("world_size %d  opt_level %s  test accuracy %.2f%%  skipped steps %lld\n", world,
               amp::to_string(options.opt_level), 100.0 * correct / test.images.size(0),
-              static_cast<long long>(amp::skipped_steps(*optimizer)));
+              static_cast<long long>(amp::skipped_steps(optimizer)));
   return 0;
 }
 

@@ -2,7 +2,8 @@
 //
 //   fashion_mnist --opt_level=O2 --epochs=2
 //
-// The model and loop are plain LibTorch; amp adds two things: the
+// The model and loop are plain LibTorch, written as LibTorch's own examples
+// write them (the optimizer held by value); amp adds two things: the
 // amp::initialize call and the amp::scale_loss guard around backward.
 #include <amp/amp.h>
 
@@ -70,13 +71,12 @@ int run() {
   torch::manual_seed(absl::GetFlag(FLAGS_seed));
   Net model;
   model->to(device);
-  std::shared_ptr<torch::optim::Optimizer> optimizer =
-      std::make_shared<torch::optim::Adam>(model->parameters(), absl::GetFlag(FLAGS_lr));
+  torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
 
-  std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+  amp::initialize(model, optimizer, options);
 
   if (!absl::GetFlag(FLAGS_resume).empty()) {
-    amp::load_checkpoint(absl::GetFlag(FLAGS_resume), {model.ptr()}, {optimizer});
+    amp::load_checkpoint(absl::GetFlag(FLAGS_resume), {model}, {optimizer});
     std::cout << "resumed from " << absl::GetFlag(FLAGS_resume) << "\n";
   }
   std::ofstream csv;
@@ -98,13 +98,13 @@ int run() {
       const auto images = train.images.index_select(0, index).to(device);
       const auto labels = train.labels.index_select(0, index).to(device);
 
-      optimizer->zero_grad();
+      optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(images), labels);
       {
         amp::scale_loss scaled(loss, optimizer);
         scaled.backward();
       }
-      optimizer->step();
+      optimizer.step();
 
       ++step;
       const double loss_value = loss.item<double>();
@@ -116,12 +116,12 @@ int run() {
   }
   progress.finish();
   if (!absl::GetFlag(FLAGS_checkpoint).empty()) {
-    amp::save_checkpoint(absl::GetFlag(FLAGS_checkpoint), {model.ptr()}, {optimizer});
+    amp::save_checkpoint(absl::GetFlag(FLAGS_checkpoint), {model}, {optimizer});
   }
   std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB\n",
               amp::to_string(options.opt_level), accuracy(model, test, device, 512),
               epochs > 0 ? seconds / epochs : 0.0, step > 0 ? 1000 * seconds / step : 0.0,
-              static_cast<long long>(amp::skipped_steps(*optimizer)), examples::peak_rss_mib());
+              static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib());
   return 0;
 }
 

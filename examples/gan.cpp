@@ -46,12 +46,10 @@ int run() {
   generator->to(device);
   discriminator->to(device);
   const auto adam = torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)).betas({0.5, 0.999});
-  std::shared_ptr<torch::optim::Optimizer> opt_g = std::make_shared<torch::optim::Adam>(generator->parameters(), adam);
-  std::shared_ptr<torch::optim::Optimizer> opt_d = std::make_shared<torch::optim::Adam>(discriminator->parameters(), adam);
+  torch::optim::Adam opt_g(generator->parameters(), adam);
+  torch::optim::Adam opt_d(discriminator->parameters(), adam);
 
-  auto [models, optimizers] = amp::initialize({generator.ptr(), discriminator.ptr()}, {opt_g, opt_d}, options);
-  opt_g = optimizers[0];
-  opt_d = optimizers[1];
+  amp::initialize({generator, discriminator}, {opt_g, opt_d}, options);
 
   // A generator loss backpropagates through the discriminator; its gradients
   // there must never reach the discriminator's optimizer. Measured at batch
@@ -76,51 +74,51 @@ int run() {
     const auto noise = torch::randn({batch, examples::kLatent}, device);
     const auto fake = generator->forward(noise);
 
-    // Discriminator: real and fake batches, two losses with their own scalers.
-    opt_d->zero_grad();
+    // Discriminator: real and fake batches, two losses with their own
+    // scalers; computed first, then a guard each (an overflow in either
+    // skips the discriminator's step).
+    opt_d.zero_grad();
     const auto err_real = torch::binary_cross_entropy_with_logits(discriminator->forward(real), ones);
+    const auto err_fake = torch::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()), zeros);
     {
       amp::scale_loss scaled(err_real, opt_d, {/*loss_id=*/0});
       scaled.backward();
     }
-    const auto err_fake = torch::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()), zeros);
     {
       amp::scale_loss scaled(err_fake, opt_d, {/*loss_id=*/1});
       scaled.backward();
     }
     if (check) {
-      auto d64 = examples::float64_copy(discriminator, *opt_d);
+      auto d64 = examples::float64_copy(discriminator, opt_d);
       (torch::binary_cross_entropy_with_logits(d64->forward(real.to(torch::kDouble)), ones.to(torch::kDouble)) +
        torch::binary_cross_entropy_with_logits(d64->forward(fake.detach().to(torch::kDouble)), zeros.to(torch::kDouble)))
           .backward();
-      check_error(examples::relative_gradient_error(*opt_d, *d64), worst_d, "the discriminator", step);
+      check_error(examples::relative_gradient_error(opt_d, *d64), worst_d, "the discriminator", step);
     }
-    opt_d->step();
+    opt_d.step();
 
     // Generator: fool the discriminator.
-    opt_g->zero_grad();
+    opt_g.zero_grad();
     const auto err_g = torch::binary_cross_entropy_with_logits(discriminator->forward(fake), ones);
     {
       amp::scale_loss scaled(err_g, opt_g, {/*loss_id=*/2});
       scaled.backward();
     }
     if (check) {
-      auto g64 = examples::float64_copy(generator, *opt_g);
-      auto d64 = examples::float64_copy(discriminator, *opt_d);
+      auto g64 = examples::float64_copy(generator, opt_g);
+      auto d64 = examples::float64_copy(discriminator, opt_d);
       torch::binary_cross_entropy_with_logits(d64->forward(g64->forward(noise.to(torch::kDouble))), ones.to(torch::kDouble))
           .backward();
-      check_error(examples::relative_gradient_error(*opt_g, *g64), worst_g, "the generator", step);
+      check_error(examples::relative_gradient_error(opt_g, *g64), worst_g, "the generator", step);
     }
-    opt_g->step();
+    opt_g.step();
 
     loss_d = (err_real + err_fake).item<double>();
     loss_g = err_g.item<double>();
     progress.update(step + 1, loss_d, amp::loss_scale(2), batch);
   }
   progress.finish();
-  auto skipped = [](const std::shared_ptr<torch::optim::Optimizer>& o) {
-    return static_cast<long long>(amp::skipped_steps(*o));
-  };
+  auto skipped = [](torch::optim::Optimizer& o) { return static_cast<long long>(amp::skipped_steps(o)); };
   std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld\n",
               amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scale(0), amp::loss_scale(1),
               amp::loss_scale(2), skipped(opt_d), skipped(opt_g));

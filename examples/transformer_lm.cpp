@@ -62,9 +62,8 @@ int run() {
   torch::manual_seed(absl::GetFlag(FLAGS_seed));
   examples::CharTransformer model(config);
   model->to(device);
-  std::shared_ptr<torch::optim::Optimizer> optimizer =
-      std::make_shared<torch::optim::AdamW>(model->parameters(), absl::GetFlag(FLAGS_lr));
-  std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+  torch::optim::AdamW optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  amp::initialize(model, optimizer, options);
 
   examples::Progress progress(50, steps);
   double last_loss = 0;
@@ -75,15 +74,15 @@ int run() {
     const auto windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);
     const auto inputs = windows.narrow(1, 0, config.context), targets = windows.narrow(1, 1, config.context);
 
-    optimizer->zero_grad();
+    optimizer.zero_grad();
     const auto logits = model->forward(inputs);
     const auto loss = torch::cross_entropy_loss(logits.reshape({-1, config.vocab}), targets.reshape({-1}));
     {
       amp::scale_loss scaled(loss, optimizer);
       scaled.backward();
     }
-    torch::nn::utils::clip_grad_norm_(amp::master_params(*optimizer), 1.0);
-    optimizer->step();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);  // float32 at every level
+    optimizer.step();
     last_loss = loss.item<double>();
     progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
   }
@@ -91,7 +90,7 @@ int run() {
   progress.finish();
   std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB\n",
               amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
-              steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(*optimizer)),
+              steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib());
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
   return 0;

@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 namespace amp {
 namespace {
@@ -33,10 +35,13 @@ void check_dynamic_scaling(const DynamicScaling& d) {
   TORCH_CHECK(d.backoff_factor > 0 && d.backoff_factor < 1,
               "amp: backoff_factor must lie in (0, 1) so the scale shrinks on overflow, got ",
               d.backoff_factor);
-  TORCH_CHECK(d.growth_interval >= 1, "amp: growth_interval must be >= 1 step, got ",
-              d.growth_interval);
-  TORCH_CHECK(d.hysteresis >= 1,
-              "amp: hysteresis must be >= 1 (1 backs off on every overflow), got ", d.hysteresis);
+  // The trackers count in int32 tensors on the device, as GradScaler's.
+  constexpr int64_t kMostSteps = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(d.growth_interval >= 1 && d.growth_interval <= kMostSteps, "amp: growth_interval must "
+              "be >= 1 step and fit an int32 step counter (<= ", kMostSteps, "), got ", d.growth_interval);
+  TORCH_CHECK(d.hysteresis >= 1 && d.hysteresis <= kMostSteps, "amp: hysteresis must be >= 1 (1 "
+              "backs off on every overflow) and fit an int32 counter (<= ", kMostSteps, "), got ",
+              d.hysteresis);
   check_positive_finite("max_loss_scale", d.max_loss_scale);
   if (d.min_loss_scale) {
     check_positive_finite("min_loss_scale", *d.min_loss_scale);

@@ -257,6 +257,7 @@ std::vector<BadInput> bad_inputs() {
       {"ScaleZero", [] { initialize_with(with([](Options& o) { o.loss_scale = LossScale::Static(0); })); }, "finite number > 0"},
       {"ScaleNegative", [] { initialize_with(with([](Options& o) { o.loss_scale = LossScale::Dynamic(-2); })); }, "finite number > 0"},
       {"GrowthOne", [] { initialize_with(with([](Options& o) { o.dynamic_scaling.growth_factor = 1; })); }, "growth_factor must be > 1"},
+      {"HysteresisBeyondItsCounter", [] { initialize_with(with([](Options& o) { o.dynamic_scaling.hysteresis = int64_t(1) << 32; })); }, "fit an int32 counter"},
       {"BackoffAboveOne", [] { initialize_with(with([](Options& o) { o.dynamic_scaling.backoff_factor = 2; })); }, "backoff_factor must lie in (0, 1)"},
       {"MinAboveMax", [] { initialize_with(with([](Options& o) { o.dynamic_scaling.min_loss_scale = 1e9; })); }, "must not exceed max_loss_scale"},
       {"NumLossesZero", [] { initialize_with(with([](Options& o) { o.num_losses = 0; })); }, "num_losses must be >= 1"},

@@ -61,9 +61,9 @@ int run() {
     generator->to(device);
     discriminator->to(device);
     amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(generator->parameters(), 1e-3);
-    auto [models, optimizers] = handle.initialize({generator.ptr(), discriminator.ptr()}, {optimizer}, options);
+    handle.initialize({generator, discriminator}, {optimizer}, options);
     recorder = std::make_unique<amp::OpStatsRecorder>();
-    iterate(optimizers[0], [&] {
+    iterate(optimizer, [&] {
       const auto fake = generator->forward(torch::randn({batch, examples::kLatent}, device));
       return torch::binary_cross_entropy_with_logits(discriminator->forward(fake), torch::ones({batch}, device));
     });

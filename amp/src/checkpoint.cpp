@@ -135,6 +135,9 @@ void load_checkpoint(const std::string& path, const std::vector<ModelRef>& model
   torch::serialize::InputArchive amp;
   TORCH_CHECK(archive.try_read("amp", amp), "amp: checkpoint '", path, "' has no amp state.");
 
+  // Master weights take the values in float32, and optimizer state is
+  // checked against them.
+  context->weights().finish_backward();
   // Scalers and optimizers load all-or-nothing: if one part is refused, the
   // parts already loaded go back to their state before this call.
   std::vector<LossScaler::State> scalers_before;
@@ -153,7 +156,6 @@ void load_checkpoint(const std::string& path, const std::vector<ModelRef>& model
     for (size_t i = 0; i < loaded; ++i) detail::restore_state_bytes(*optimizers[i], optimizers_before[i]);
     throw;
   }
-  context->weights().finish_backward();  // master weights take the values in float32
   at::NoGradGuard no_grad;
   for (const auto& c : copies) c.target.copy_(c.value);
 }

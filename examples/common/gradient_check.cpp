@@ -2,7 +2,7 @@
 
 namespace examples {
 
-double relative_gradient_error(const torch::optim::Optimizer& optimizer, const torch::nn::Module& reference) {
+double relative_gradient_error(torch::optim::Optimizer& optimizer, const torch::nn::Module& reference) {
   const auto weights = amp::master_params(optimizer);
   const auto params = reference.parameters();
   double diff = 0, norm = 0;

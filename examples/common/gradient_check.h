@@ -13,7 +13,7 @@ namespace examples {
 // masters at O2/O5) and the model's buffers. `optimizer` must have been made
 // over model->parameters(), in that order.
 template <class Holder>
-Holder float64_copy(const Holder& model, const torch::optim::Optimizer& optimizer) {
+Holder float64_copy(const Holder& model, torch::optim::Optimizer& optimizer) {
   Holder copy;
   copy->to(torch::kDouble);
   torch::NoGradGuard no_grad;
@@ -30,6 +30,6 @@ Holder float64_copy(const Holder& model, const torch::optim::Optimizer& optimize
 
 // ||g - g_ref|| / ||g_ref|| over every gradient `optimizer` would step and
 // the matching gradients of `reference` (a float64_copy after backward).
-double relative_gradient_error(const torch::optim::Optimizer& optimizer, const torch::nn::Module& reference);
+double relative_gradient_error(torch::optim::Optimizer& optimizer, const torch::nn::Module& reference);
 
 }  // namespace examples

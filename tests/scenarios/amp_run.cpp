@@ -103,7 +103,7 @@ Trace run_amp(const Program& p, const LevelRun& run, const AmpRunOptions& option
   const bool resumed = !options.resume_from.empty();
   Handle handle;
   // A resumed run starts from other weights: only the checkpoint decides.
-  Workload w = build_workload(p, torch::kFloat, resumed ? p.seed + 1 : p.seed);
+  Workload w = build_workload(p, torch::kFloat, resumed ? p.seed + 1 : p.seed, p.fused_step);
   std::vector<OptimizerPtr> optimizers = initialize_workload(handle, w, run);
   if (resumed) load_checkpoint(options.resume_from, w.modules(), optimizers);
   Trace trace;
@@ -123,7 +123,7 @@ Trace run_amp(const Program& p, const LevelRun& run, const AmpRunOptions& option
         return trace;
       }
       handle.deinitialize();
-      w = build_workload(p, torch::kFloat, p.seed + 1);
+      w = build_workload(p, torch::kFloat, p.seed + 1, p.fused_step);
       optimizers = initialize_workload(handle, w, run);
       load_checkpoint(path, w.modules(), optimizers);
       std::remove(path.c_str());

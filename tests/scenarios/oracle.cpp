@@ -49,7 +49,6 @@ LevelRun level_run(const Program& p, OptLevel level) {
   Options o = level;
   o.verbosity = 0;
   o.num_losses = p.num_losses;
-  o.fused_step = p.fused_step;
   if (p.float16) {
     PropertyOverrides half;
     half.cpu_dtype = c10::kHalf;
@@ -65,7 +64,6 @@ LevelRun level_run(const Program& p, OptLevel level) {
   o.dynamic_scaling.max_loss_scale = p.max_scale;
   const Properties resolved = resolve_properties(level, o, c10::DeviceType::CPU);
   run.options = o;
-  run.master_weights = resolved.master_weights;
   const bool casts_model = resolved.cast_model_type && is_low_precision(*resolved.cast_model_type);
   run.low_storage = casts_model && !resolved.master_weights;
   run.compute = casts_model || resolved.patch_torch_functions ? resolved.cpu_dtype : c10::kFloat;
@@ -90,7 +88,7 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
     for (int ph = 0; ph < static_cast<int>(p.phases.size()); ++ph) {
       const Phase& phase = p.phases[ph];
       for (int o : phase.steps) {  // zero_gradients(); model->zero_grad() cannot reach masters
-        if (p.zero == Zero::kOptimizer || (p.zero == Zero::kModel && !run.master_weights)) poisoned[o] = false;
+        if (p.zero != Zero::kNever) poisoned[o] = false;
       }
       const bool throws = p.exception && p.exception->iteration == it && p.exception->phase == ph;
       std::vector<bool> skip(p.optimizers.size(), false);
@@ -118,8 +116,16 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
           }
         }
         trace.scales.push_back(s.scale);
-        for (int o : loss.guard) skip[o] = skip[o] || overflow || clip_sees_poison;
-        if (fault) {  // where amp_run's inject() or the NaN loss put non-finite gradients
+        trace.discarded.emplace_back();
+        if (p.fused_step) {
+          for (int o : loss.guard) skip[o] = skip[o] || overflow || clip_sees_poison;
+        } else if (props.loss_scale.dynamic) {  // the guard reads its verdict: drops, or steps what follows
+          for (int o : loss.guard) {
+            skip[o] = overflow;
+            if (overflow) trace.discarded.back().push_back(o);
+          }
+        }
+        if (fault && p.fused_step) {  // where amp_run's inject() or the NaN loss put non-finite gradients
           for (int m : reached_models(loss)) {
             const int owner = owner_of(p, m);
             if (std::find(loss.guard.begin(), loss.guard.end(), owner) == loss.guard.end()) continue;
@@ -131,7 +137,7 @@ Trace expected_trace(const Program& p, const LevelRun& run) {
       if (throws) continue;
       for (int o : phase.steps) {
         trace.outcomes[it][o] = skip[o] ? kSkipped : kStepped;
-        poisoned[o] = poisoned[o] && !skip[o] && !run.master_weights;  // a skip discards, masters consume
+        poisoned[o] = poisoned[o] && !skip[o];  // a skip discards
       }
     }
   }

@@ -100,8 +100,9 @@ struct Program {
   // At this one level (a process start costs more than a whole program) the
   // restart happens in a fresh process; at the others in this one.
   std::optional<OptLevel> fresh_process_level;
-  // Adam, AdamW and SGD through ATen's fused kernels (the default) or
-  // LibTorch's own step after a host read (Options::fused_step).
+  // amp's fused Adam, AdamW and SGD (fused.h), which skip on the device,
+  // or LibTorch's own classes, whose guards read each verdict on the host
+  // and discard an overflowed guard's gradients.
   bool fused_step = true;
 };
 

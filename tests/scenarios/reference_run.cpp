@@ -1,7 +1,7 @@
 // The oracle: a program in plain LibTorch, float64 (or float32), no amp. It differs from
 // a plain loop only where amp's contract says a step behaves differently:
-// skipped steps are not taken and their gradients are discarded, and with
-// master weights step() consumes the gradients it used. With parameters
+// skipped steps are not taken and their gradients are discarded (with
+// LibTorch's own optimizers by the guard that overflowed). With parameters
 // stored in the low dtype (O3) each value is rounded to it after each step.
 #include "runs.h"
 #include "workload.h"
@@ -43,6 +43,7 @@ Trace run_reference(const Program& p, const LevelRun& run, const Trace& expected
     for (const auto& o : w.optimizers) params.push_back(params_of(*o));
     trace.initial = stepped_values(params);
   }
+  size_t guard = 0;  // the unscaling guards, in order: expected.discarded
   for (int it = 0; it < p.iterations; ++it) {
     if (p.restart_before == it) {  // a restart keeps parameters and optimizer state, not gradients
       for (const auto& o : w.optimizers) clear_gradients(*o);
@@ -72,13 +73,17 @@ Trace run_reference(const Program& p, const LevelRun& run, const Trace& expected
             }
             torch::nn::utils::clip_grad_norm_(params, *loss.clip);
           }
+          if (mb + 1 == phase.micro_batches) {
+            for (int o : expected.discarded.at(guard)) clear_gradients(*w.optimizers[o]);
+            ++guard;
+          }
         }
       }
       for (int o : phase.steps) {
         const int64_t outcome = expected.outcomes[it][o];
         if (outcome == kStepped) w.optimizers[o]->step();
         if (run.low_storage) round_to(params_of(*w.optimizers[o]), run.compute);
-        if (outcome == kSkipped || (outcome == kStepped && run.master_weights)) clear_gradients(*w.optimizers[o]);
+        if (outcome == kSkipped) clear_gradients(*w.optimizers[o]);
       }
     }
     std::vector<std::vector<at::Tensor>> params;

@@ -25,20 +25,25 @@ struct Trace {
   // optimizer by optimizer, as float64.
   std::vector<std::vector<at::Tensor>> values;
   std::vector<at::Tensor> initial;  // the reference's values before any step
+  // Per guard that unscales, in order: the optimizers whose gradients it
+  // discarded after an overflow (LibTorch's own optimizers; the fused ones
+  // discard at their skipped step).
+  std::vector<std::vector<int>> discarded;
 };
 
 // How a level runs a program, and what that means for the oracle.
 struct LevelRun {
   OptLevel level;
   Options options;          // for amp::initialize
-  bool master_weights;      // step() consumes gradients, taken or skipped
   bool low_storage;         // parameters stored in the low dtype (O3)
   c10::ScalarType compute;  // the dtype amp computes in (float32 at O0)
 };
 LevelRun level_run(const Program& program, OptLevel level);
 
-// Outcomes and scales the program must produce: a step is skipped exactly
-// when a fault hit a loss whose guard lists its optimizer in that phase; the
+// Outcomes and scales the program must produce: with the fused optimizers a
+// step is skipped exactly when a fault hit a loss whose guard lists its
+// optimizer in that phase; with LibTorch's own, the guard that overflowed
+// discards the gradients and a later guard's clean ones are stepped. The
 // scales follow the scaler's rules from those overflows alone.
 Trace expected_trace(const Program& program, const LevelRun& run);
 

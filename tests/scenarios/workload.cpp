@@ -73,26 +73,33 @@ namespace {
 // keeps updates continuous in the gradient, so a tolerance can bound them.
 constexpr double kAdamEps = 1e-2;
 
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, std::vector<at::Tensor> params) {
+template <class Fused, class Own, class Options>
+std::shared_ptr<torch::optim::Optimizer> make(bool fused, std::vector<at::Tensor> params, const Options& options) {
+  if (fused) return std::make_shared<Fused>(std::move(params), options);
+  return std::make_shared<Own>(std::move(params), options);
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, std::vector<at::Tensor> params,
+                                                        bool fused) {
+  using namespace torch::optim;
   switch (spec.kind) {
     case OptimizerKind::kSGD:
-      return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(spec.lr)
-                                                             .momentum(spec.momentum)
-                                                             .nesterov(spec.nesterov)
-                                                             .weight_decay(spec.weight_decay));
+      return make<amp::optim::FusedSGD, SGD>(
+          fused, params,
+          SGDOptions(spec.lr).momentum(spec.momentum).nesterov(spec.nesterov).weight_decay(spec.weight_decay));
     case OptimizerKind::kAdam:
-      return std::make_shared<torch::optim::Adam>(
-          params, torch::optim::AdamOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
+      return make<amp::optim::FusedAdam, Adam>(
+          fused, params, AdamOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
     case OptimizerKind::kAdamW:
-      return std::make_shared<torch::optim::AdamW>(
-          params, torch::optim::AdamWOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
+      return make<amp::optim::FusedAdamW, AdamW>(
+          fused, params, AdamWOptions(spec.lr).eps(kAdamEps).weight_decay(spec.weight_decay).amsgrad(spec.amsgrad));
   }
   return nullptr;
 }
 
 }  // namespace
 
-Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed) {
+Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed, bool fused) {
   Workload w;
   torch::manual_seed(init_seed);
   for (const ModelSpec& spec : program.models) {
@@ -104,7 +111,7 @@ Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t ini
     for (int m : spec.models) {
       for (const auto& p : w.models[m]->parameters()) params.push_back(p);
     }
-    w.optimizers.push_back(make_optimizer(spec, params));
+    w.optimizers.push_back(make_optimizer(spec, params, fused));
   }
   return w;
 }

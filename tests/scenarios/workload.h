@@ -33,7 +33,8 @@ struct Workload {
 };
 
 // Models initialized from `init_seed`, in `dtype`, and their optimizers.
-Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed);
+// `fused`: amp's fused optimizer classes instead of LibTorch's own.
+Workload build_workload(const Program& program, torch::Dtype dtype, uint64_t init_seed, bool fused = false);
 
 // The data of one micro-batch of one loss: the same values for every run of
 // the program (float32; the oracle widens them).

@@ -130,11 +130,9 @@ void scaler_cost() {
   int64_t amp_syncs = 0;
   {
     amp::Handle handle;
+    // The scaler's cost around LibTorch's own step (section 5: fused).
     amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
-    amp::Options options = quiet(amp::O1);
-    options.fused_step = false;  // the scaler's cost around LibTorch's own step (section 5: fused)
-    auto [models, optimizers] = handle.initialize({}, {optimizer}, options);
-    optimizer = optimizers[0];
+    handle.initialize({}, {optimizer}, quiet(amp::O1));
     const int64_t syncs_before = amp::host_syncs();
     for (int r = 0; r < reps; ++r) {
       base.push_back(bench::ns_once([&] { plain.zero_grad(); }, [&] {
@@ -189,19 +187,33 @@ void scaler_cost() {
 
 // --- 3. O2 master-weight step ---------------------------------------------------
 
+// A model of `n` parameters, so that O2 keeps them as float32 masters.
+struct ParamsModel : torch::nn::Module {
+  explicit ParamsModel(int n) {
+    for (int i = 0; i < n; ++i) register_parameter("p" + std::to_string(i), torch::randn({64, 64}));
+  }
+};
+
 void master_cost() {
   const int n = absl::GetFlag(FLAGS_scaler_params), reps = absl::GetFlag(FLAGS_repetitions) * 40;
-  auto params = make_params(n, at::kBFloat16);
   std::vector<at::Tensor> grads;
-  for (const auto& p : params) grads.push_back((torch::randn(p.sizes()) * 1e-3).to(at::kBFloat16));
+  for (int i = 0; i < n; ++i) grads.push_back((torch::randn({64, 64}) * 1e-3).to(at::kBFloat16));
   const auto loss = torch::tensor(1.0f);
   std::vector<double> amp_t, hand;
   int64_t amp_calls = 0, hand_calls = 0;
+  // By hand: a bf16 model, fp32 masters stepped by SGD, the model refreshed
+  // from them before the next forward.
+  auto params = make_params(n, at::kBFloat16);
   std::vector<at::Tensor> masters;
   for (const auto& p : params) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
   torch::optim::SGD master_sgd(masters, 0.0);
   at::Tensor scale = torch::full({1}, 65536.0f), tracker = torch::zeros({1}, at::kInt);
   auto hand_step = [&] {
+    {
+      torch::NoGradGuard no_grad;
+      at::_foreach_copy_(params, masters);
+    }
+    assign_grads(params, grads);  // stands in for backward
     std::vector<at::Tensor> model_grads, master_grads;
     for (size_t i = 0; i < params.size(); ++i) {
       model_grads.push_back(params[i].grad());
@@ -214,51 +226,41 @@ void master_cost() {
                                                    scale.to(at::kDouble).reciprocal().to(at::kFloat));
     at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
     for (auto& p : params) p.mutable_grad() = at::Tensor();
-    if (found_inf.item<float>() == 0) {
-      master_sgd.step();
-      torch::NoGradGuard no_grad;
-      at::_foreach_copy_(params, masters);
-    }
+    if (found_inf.item<float>() == 0) master_sgd.step();
   };
   {
     amp::Handle handle;
-    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
-    amp::Options options = quiet(amp::O2);
-    options.fused_step = false;  // as the hand-written sequence: a host read, then LibTorch's SGD
-    auto [models, optimizers] = handle.initialize({}, {optimizer}, options);
-    optimizer = optimizers[0];
+    auto model = std::make_shared<ParamsModel>(n);
+    torch::optim::SGD sgd(model->parameters(), 0.0);
+    handle.initialize(model, sgd, quiet(amp::O2));
+    const auto model_params = model->parameters();
+    // The guard lowers the masters (as a forward would), backward's bf16
+    // gradients arrive, the guard's end unscales them into float32 and
+    // returns the masters to rest; then the program's own SGD steps them.
+    auto amp_step = [&] {
+      {
+        amp::scale_loss scaled(loss, sgd);
+        assign_grads(model_params, grads);  // stands in for backward
+      }
+      sgd.step();
+    };
     for (int r = 0; r < reps; ++r) {
-      amp_t.push_back(bench::ns_once([&] { optimizer->zero_grad(); }, [&] {
-        {
-          amp::scale_loss scaled(loss, optimizer);
-          assign_grads(params, grads);
-        }
-        optimizer->step();
-      }));
-      hand.push_back(bench::ns_once([&] { master_sgd.zero_grad(); }, [&] {
-        const auto scaled = loss * scale;
-        assign_grads(params, grads);
-        hand_step();
-      }));
+      amp_t.push_back(bench::ns_once([&] { sgd.zero_grad(); }, amp_step));
+      hand.push_back(bench::ns_once([&] { master_sgd.zero_grad(); }, hand_step));
     }
     bench::OpCounter amp_counter({"aten::_foreach", "aten::_amp"});
-    optimizer->zero_grad();
-    {
-      amp::scale_loss scaled(loss, optimizer);
-      assign_grads(params, grads);
-    }
-    optimizer->step();
+    sgd.zero_grad();
+    amp_step();
     amp_calls = amp_counter.count();
   }
   {
     bench::OpCounter hand_counter({"aten::_foreach", "aten::_amp"});
-    assign_grads(params, grads);
     hand_step();
     hand_calls = hand_counter.count();
   }
-  std::printf("\n3. O2 master-weight step, %d bf16 tensors of 64x64 with fp32 masters, SGD (median of %d steps)\n", n, reps);
+  std::printf("\n3. O2 master-weight step, %d fp32 masters of 64x64 lowered to bf16, SGD (median of %d steps)\n", n, reps);
   std::printf("| variant | us/step | ratio to hand-written | foreach/_amp_ ATen calls per step |\n|---|---:|---:|---:|\n");
-  std::printf("| amp O2 (scale_loss exit + step) | %.1f | %.2f | %lld |\n", median(amp_t) / 1e3,
+  std::printf("| amp O2 (lower, guard, step) | %.1f | %.2f | %lld |\n", median(amp_t) / 1e3,
               median(amp_t) / median(hand), static_cast<long long>(amp_calls));
   std::printf("| hand-written fused sequence | %.1f | 1.00 | %lld |\n", median(hand) / 1e3,
               static_cast<long long>(hand_calls));
@@ -404,10 +406,10 @@ void fused_step_cost() {
   for (int block = 0; block < blocks; ++block) {
     for (int fused = 1; fused >= 0; --fused) {
       amp::Handle handle;
-      amp::Options options = quiet(amp::O1);
-      options.fused_step = fused == 1;
-      const amp::OptimizerPtr adam = std::make_shared<torch::optim::Adam>(params, 1e-3);
-      const amp::OptimizerPtr optimizer = handle.initialize({}, {adam}, options).second[0];
+      amp::OptimizerPtr optimizer;
+      if (fused == 1) optimizer = std::make_shared<amp::optim::FusedAdam>(params, 1e-3);
+      if (fused == 0) optimizer = std::make_shared<torch::optim::Adam>(params, 1e-3);
+      handle.initialize({}, {optimizer}, quiet(amp::O1));
       auto amp_step = [&] {
         {
           amp::scale_loss scaled(loss, optimizer);

@@ -34,7 +34,8 @@
 //   - a dtype other than float16/bfloat16, or float16 under O4/O5;
 //   - scaler values out of range (check_dynamic_scaling): a loss scale <= 0
 //     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
-//     growth_interval < 1, hysteresis < 1, min_loss_scale > max_loss_scale.
+//     growth_interval or hysteresis < 1 or above 2^31-1 (int32 counters),
+//     min_loss_scale > max_loss_scale.
 //
 // Layers: Options (options.h) is what users set - a level, these overrides
 // and amp's own knobs; Properties is the resolved level amp reads; each
