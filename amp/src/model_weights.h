@@ -80,11 +80,12 @@ class ModelWeights {
   // Hot path: whether an intercepted op must call on_op() first (a model
   // rests, or converted weights await their check).
   bool pending() const { return pending_.load(std::memory_order_relaxed); }
-  // Masters: a graph-recording op where a model's masters meet other
-  // floating tensors (forward: weights meet activations) enters that model
-  // into computing; ops over masters alone (a logged weight norm) read them
-  // in float32. Converted: checks the weights' storages. Errors: as
-  // enter_compute.
+  // Masters: a graph-recording op where a model's parameters or buffers
+  // meet other tensors (forward: weights meet activations or indices)
+  // enters that model into computing, before the op saves anything for
+  // backward; ops over the model's tensors alone (a logged weight norm)
+  // read them in float32. Converted: checks the weights' storages. Errors:
+  // as enter_compute.
   template <class Args>
   void on_op(const Args& args);
 
@@ -139,8 +140,8 @@ void ModelWeights::on_op(const Args& args) {
   std::vector<bool> models;
   bool other = false;
   args.for_each_tensor([&](const at::Tensor& t, bool) {
-    if (!t.defined() || !t.is_floating_point()) return;
-    const Entry* e = t.requires_grad() ? find(t) : nullptr;
+    if (!t.defined()) return;
+    const Entry* e = find(t);
     if (e == nullptr) {
       other = true;
       return;

@@ -1,6 +1,7 @@
 // Ops that take module parameters and require their floating inputs to
-// match them: normalization layers, recurrent layers, embedding bags,
-// bilinear layers.
+// match them: normalization layers, recurrent layers, embeddings, bilinear
+// layers. Intercepting them also lets O2/O5 lower a model's weights before
+// the first of them reads them (model_weights.h).
 //
 // At the levels that cast the model (O2, O3, O5) existing forward code still
 // feeds float32 batches and float32 tensors made inside forward. An op of
@@ -24,6 +25,7 @@ const std::vector<TableEntry>& model_policy_table() {
       AMP_OP(group_norm, kMatchParameters),
       AMP_OP(layer_norm, kMatchParameters),
       AMP_OP(rms_norm, kMatchParameters),
+      AMP_OP(embedding, kMatchParameters),
       AMP_OP(embedding_bag, kMatchParameters),
       AMP_OP_OVERLOAD(embedding_bag, padding_idx, kMatchParameters),
       AMP_OP_OVERLOAD(lstm, input, kMatchParameters),
