@@ -606,6 +606,13 @@ TEST_F(AdoptionShapesTest, SharedPointersSequentialListsAndStringLevels) {
     deinitialize();
   }
   {
+    NetHolder model;
+    auto adam = std::make_shared<torch::optim::Adam>(model->parameters());  // the concrete class
+    std::tie(model, adam) = initialize(model, adam, O1);
+    EXPECT_EQ(properties().opt_level, O1);
+    deinitialize();
+  }
+  {
     torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
     torch::optim::Adam adam(model->parameters());
     torch::optim::Optimizer& optimizer = adam;

@@ -231,32 +231,36 @@ decltype(auto) Handle::initialize(Model&& model, Rest&&... rest) {
                 "it: a torch::nn::Module object, a TORCH_MODULE holder, or a std::shared_ptr to a "
                 "module (several models go in braces: {a, b})");
   static_assert(sizeof...(Rest) <= 2, "amp::initialize takes (model, optimizer, opt_level)");
-  if constexpr (sizeof...(Rest) == 0) {
-    initialize_refs(refs::to_refs<ModelRef>(model), {}, Options{});
-    if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
-  } else {
-    auto&& second = std::get<0>(std::forward_as_tuple(rest...));
-    using Second = decltype(second);
-    if constexpr (std::is_convertible_v<Second, Options>) {
-      static_assert(sizeof...(Rest) == 1, "amp::initialize(model, opt_level): the opt level comes last");
-      initialize_refs(refs::to_refs<ModelRef>(model), {}, Options(second));
+  if constexpr (refs::kIsModels<Model> && sizeof...(Rest) <= 2) {
+    if constexpr (sizeof...(Rest) == 0) {
+      initialize_refs(refs::to_refs<ModelRef>(model), {}, Options{});
       if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
     } else {
-      static_assert(refs::kIsOptimizers<Second>,
-                    "amp::initialize(model, optimizer, opt_level): pass the optimizer as the "
-                    "program holds it: a torch::optim::Optimizer object, a reference to one, or a "
-                    "std::shared_ptr to one; the opt level is amp::O2, \"O2\" or amp::Options");
-      Options options;
-      if constexpr (sizeof...(Rest) == 2) {
-        auto&& third = std::get<1>(std::forward_as_tuple(rest...));
-        static_assert(std::is_convertible_v<decltype(third), Options>,
-                      "amp::initialize(model, optimizer, opt_level): the opt level is amp::O2, "
-                      "\"O2\" or amp::Options");
-        options = Options(third);
-      }
-      initialize_refs(refs::to_refs<ModelRef>(model), refs::to_refs<OptimizerRef>(second), options);
-      if constexpr (refs::kReturnable<Model> && refs::kReturnable<Second>) {
-        return std::pair<std::decay_t<Model>, std::decay_t<Second>>(model, second);
+      auto&& second = std::get<0>(std::forward_as_tuple(rest...));
+      using Second = decltype(second);
+      if constexpr (std::is_convertible_v<Second, Options>) {
+        static_assert(sizeof...(Rest) == 1, "amp::initialize(model, opt_level): the opt level comes last");
+        initialize_refs(refs::to_refs<ModelRef>(model), {}, Options(second));
+        if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
+      } else {
+        static_assert(refs::kIsOptimizers<Second>,
+                      "amp::initialize(model, optimizer, opt_level): pass the optimizer as the "
+                      "program holds it: a torch::optim::Optimizer object, a reference to one, or a "
+                      "std::shared_ptr to one; the opt level is amp::O2, \"O2\" or amp::Options");
+        if constexpr (refs::kIsOptimizers<Second>) {
+          Options options;
+          if constexpr (sizeof...(Rest) == 2) {
+            auto&& third = std::get<1>(std::forward_as_tuple(rest...));
+            static_assert(std::is_convertible_v<decltype(third), Options>,
+                          "amp::initialize(model, optimizer, opt_level): the opt level is amp::O2, "
+                          "\"O2\" or amp::Options");
+            options = Options(third);
+          }
+          initialize_refs(refs::to_refs<ModelRef>(model), refs::to_refs<OptimizerRef>(second), options);
+          if constexpr (refs::kReturnable<Model> && refs::kReturnable<Second>) {
+            return std::pair<std::decay_t<Model>, std::decay_t<Second>>(model, second);
+          }
+        }
       }
     }
   }
