@@ -2,6 +2,8 @@
 // stale, never across grad modes, cleared by scale_loss.
 #include "test_util.h"
 
+#include <ATen/autocast_mode.h>
+
 namespace amp::testing {
 namespace {
 
@@ -189,6 +191,24 @@ TEST_F(CastCacheTest, ConcurrentForwardsShareTheCacheSafely) {
   const CastCounts after = cast_counts();
   EXPECT_EQ((after.casts - before.casts) + (after.cache_hits - before.cache_hits), 2 * 4 * 50 * 3);
   EXPECT_GE(after.cache_hits - before.cache_hits, 2 * 4 * 50 * 2 - 8);  // a weight cast at most once per thread
+}
+
+// --- One iteration ends: LibTorch's native autocast cache too ----------------
+
+TEST_F(AmpTest, GuardEndClearsLibTorchsNativeAutocastCache) {
+  auto model = TinyNet();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O4));
+  EXPECT_EQ(at::autocast::get_autocast_dtype(c10::kCPU), at::kBFloat16);  // native kernels follow amp
+  const auto& w = model->fc1->weight;
+  const auto first = at::autocast::cached_cast(at::kBFloat16, w, c10::kCPU);
+  EXPECT_TRUE(at::autocast::cached_cast(at::kBFloat16, w, c10::kCPU).is_same(first)) << "native cache in use";
+  {
+    scale_loss scaled(model->forward(torch::randn({2, 8})).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+  }
+  EXPECT_FALSE(at::autocast::cached_cast(at::kBFloat16, w, c10::kCPU).is_same(first));
 }
 
 }  // namespace

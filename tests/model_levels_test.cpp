@@ -424,5 +424,103 @@ TEST_F(ModelLevelsTest, WarnsWhenOptimizerEpsVanishesWithoutMasterWeights) {
   EXPECT_THAT(initialize_and_log(O3, Opt::kSgd), ::testing::Not(::testing::HasSubstr("eps")));
 }
 
+// --- Float32 inputs meeting low-precision parameter layers -------------------
+
+struct LayerCase {
+  std::string name;
+  std::function<std::shared_ptr<torch::nn::Module>()> make;
+  // Runs the layer on float32 data; returns a floating output.
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor& x)> run;
+};
+
+template <class Holder>
+LayerCase layer(std::string name, Holder holder) {
+  return {std::move(name), [holder] { return holder.ptr()->clone(); },
+          [](torch::nn::Module& m, const at::Tensor& x) {
+            return dynamic_cast<typename Holder::ContainedType&>(m).forward(x);
+          }};
+}
+
+template <class Holder>
+LayerCase recurrent(std::string name, Holder holder) {
+  return {std::move(name), [holder] { return holder.ptr()->clone(); },
+          [](torch::nn::Module& m, const at::Tensor& x) {
+            return std::get<0>(dynamic_cast<typename Holder::ContainedType&>(m).forward(x.view({3, 2, 6})));
+          }};
+}
+
+std::vector<LayerCase> layer_cases() {
+  using namespace torch::nn;
+  return {
+      layer("BatchNormAffine", BatchNorm1d(6)),
+      layer("BatchNormNotAffine", BatchNorm1d(BatchNormOptions(6).affine(false))),
+      {"InstanceNorm", [] { return InstanceNorm1d(InstanceNormOptions(2).affine(true).track_running_stats(true)).ptr()->clone(); },
+       [](Module& m, const at::Tensor& x) { return dynamic_cast<InstanceNorm1dImpl&>(m).forward(x.view({3, 2, 6})); }},
+      layer("GroupNorm", GroupNorm(2, 6)),
+      layer("LayerNorm", LayerNorm(LayerNormOptions({6}))),
+      recurrent("LSTM", LSTM(6, 4)),
+      recurrent("GRU", GRU(6, 4)),
+      recurrent("RNN", RNN(6, 4)),
+      {"EmbeddingBagWeighted", [] { return EmbeddingBag(EmbeddingBagOptions(10, 6).mode(torch::kSum)).ptr()->clone(); },
+       [](Module& m, const at::Tensor& x) {
+         const auto indices = torch::tensor({1, 4, 4, 9, 0, 2}, torch::kLong);
+         const auto offsets = torch::tensor({0, 3}, torch::kLong);
+         return dynamic_cast<EmbeddingBagImpl&>(m).forward(indices, offsets, x.flatten().narrow(0, 0, 6).abs());
+       }},
+  };
+}
+
+class Fp32InputTest : public AmpTest, public ::testing::WithParamInterface<std::tuple<OptLevel, int>> {};
+
+TEST_P(Fp32InputTest, LayerTrainsOnFloat32InputsAndMatchesFloat64) {
+  const auto [level, index] = GetParam();
+  const LayerCase c = layer_cases()[index];
+  torch::manual_seed(index);
+  auto module = c.make();
+  module->train(index != 1);  // one BatchNorm in eval: its running statistics meet the input
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(module->parameters(), 0.01);
+  Handle handle;
+  handle.initialize({module}, {optimizer}, quiet(level));
+  const auto x = torch::randn({6, 6});
+
+  // Reference: the converted weights widened to float64, the input rounded
+  // as amp rounds it, in plain LibTorch.
+  auto reference = module->clone();
+  reference->to(torch::kDouble);
+  const at::ScalarType low = properties().low_precision_dtype(c10::kCPU);
+  at::Tensor want;
+  {
+    disable_casts plain;
+    want = c.run(*reference, x.to(low).to(torch::kDouble));
+  }
+  at::Tensor got = c.run(*module, x);
+  EXPECT_TRUE(torch::allclose(got.to(torch::kDouble), want, 3e-2, 3e-2)) << "max |got - want| = "
+      << (got.to(torch::kDouble) - want).abs().max().item<double>();
+  if (module->parameters().empty()) return;  // nothing to train
+  {
+    scale_loss scaled(got.to(at::kFloat).square().mean(), optimizer);
+    scaled.backward();
+  }
+  optimizer->step();
+  for (const auto& p : master_params(*optimizer)) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, Fp32InputTest,
+                         ::testing::Combine(::testing::Values(O2, O3, O5),
+                                            ::testing::Range(0, static_cast<int>(layer_cases().size()))),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) + "_" +
+                                  layer_cases()[std::get<1>(info.param)].name;
+                         });
+
+TEST_F(Fp32InputTest, BatchNormKeptFloat32AtO2IsLeftAsGiven) {
+  torch::nn::BatchNorm1d bn(6);
+  Handle handle;
+  bn = handle.initialize(bn, quiet(O2));
+  ASSERT_EQ(bn->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(bn(torch::randn({4, 6}).to(at::kBFloat16)).scalar_type(), at::kBFloat16);  // mixed, as native
+  EXPECT_EQ(bn(torch::randn({4, 6})).scalar_type(), at::kFloat);
+}
+
 }  // namespace
 }  // namespace amp::testing

@@ -248,15 +248,12 @@ Program generate_program(uint64_t seed) {
     random_place(e.iteration, e.phase);
     e.after_unscale = draw.chance(0.5);
     // Kept apart from faults (a verdict left queued by an abandoned phase is
-    // another scenario), and from phases where guards committed earlier
-    // gradients that model->zero_grad() cannot clear at master-weight
-    // levels (the gap gradient_lifecycle.h documents).
+    // another scenario).
     const Phase& phase = p.phases[e.phase];
     const bool clashes = std::any_of(p.faults.begin(), p.faults.end(), [&](const Fault& f) {
       return f.iteration == e.iteration && f.phase == e.phase;
     });
-    const bool earlier_commits = phase.micro_batches > 1 || phase.losses.size() > 1;
-    if (!clashes && !(earlier_commits && p.zero == Zero::kModel) && phase.micro_batches == 1) p.exception = e;
+    if (!clashes && phase.micro_batches == 1) p.exception = e;
   }
   if (draw.chance(0.25)) {
     p.restart_before = draw.between(1, p.iterations - 1);
