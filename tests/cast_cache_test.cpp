@@ -27,6 +27,8 @@ class CastCacheTest : public AmpTest {
   Options options;
   Handle handle;
 };
+// Tests that run amp on several threads (ThreadSanitizer runs every *ThreadsTest).
+class CastCacheThreadsTest : public CastCacheTest {};
 
 TEST_F(CastCacheTest, SharedWeightIsCastOncePerIteration) {
   const auto x = torch::randn({3, 4});
@@ -160,7 +162,7 @@ TEST_F(CastCacheTest, ClearedWhenScaleLossExitsAndOnDeinitialize) {
   EXPECT_EQ(cast_cache_size(), 0u);
 }
 
-TEST_F(CastCacheTest, ConcurrentForwardsShareTheCacheSafely) {
+TEST_F(CastCacheThreadsTest, ConcurrentForwardsShareTheCacheSafely) {
   torch::nn::Linear layer(4, 6);
   const auto x = torch::randn({3, 4});
   at::Tensor reference;

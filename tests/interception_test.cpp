@@ -10,6 +10,8 @@ namespace amp::testing {
 namespace {
 
 using InterceptionTest = AmpTest;
+// Tests that run amp on several threads (ThreadSanitizer runs every *ThreadsTest).
+class InterceptionThreadsTest : public InterceptionTest {};
 
 TEST_F(InterceptionTest, LowerPrecisionOpsRunInBf16OnCpuByDefault) {
   auto model = TinyNet();
@@ -201,7 +203,7 @@ TEST_F(InterceptionTest, DisableCastCacheSeesWeightsEditedThroughData) {
   EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
 }
 
-TEST_F(InterceptionTest, WithCurrentCastsCarriesTheCastingStateToAWorkerThread) {
+TEST_F(InterceptionThreadsTest, WithCurrentCastsCarriesTheCastingStateToAWorkerThread) {
   auto model = TinyNet();
   Handle handle;
   handle.initialize(model, quiet(O1));
@@ -300,7 +302,7 @@ TEST_F(InterceptionTest, BackwardNeverCastsAndGradsMatchInputDtypes) {
   for (const auto& p : model->parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
 }
 
-TEST_F(InterceptionTest, WorkerThreadsCastOnlyInsideEnableCasts) {
+TEST_F(InterceptionThreadsTest, WorkerThreadsCastOnlyInsideEnableCasts) {
   auto model = TinyNet();
   Handle handle;
   handle.initialize(model, quiet(O1));
@@ -316,7 +318,7 @@ TEST_F(InterceptionTest, WorkerThreadsCastOnlyInsideEnableCasts) {
   EXPECT_EQ(with, at::kBFloat16);
 }
 
-TEST_F(InterceptionTest, DeinitializeRefusesWhileWorkersCast) {
+TEST_F(InterceptionThreadsTest, DeinitializeRefusesWhileWorkersCast) {
   auto model = TinyNet();
   amp::initialize(model, quiet(O1));
   std::mutex m;

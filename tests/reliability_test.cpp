@@ -133,6 +133,8 @@ INSTANTIATE_TEST_SUITE_P(Levels, FaultInjectionTest,
                          });
 
 using ReliabilityTest = AmpTest;
+// Tests that run amp on several threads (ThreadSanitizer runs every *ThreadsTest).
+class ReliabilityThreadsTest : public ReliabilityTest {};
 
 TEST_F(ReliabilityTest, ForwardThrowingUnderO1LeavesNoStateBehind) {
   auto model = TinyNet();
@@ -152,7 +154,7 @@ TEST_F(ReliabilityTest, ForwardThrowingUnderO1LeavesNoStateBehind) {
   EXPECT_EQ(model->forward(torch::randn({2, 8})).scalar_type(), at::kBFloat16);
 }
 
-TEST_F(ReliabilityTest, ThreadsRunningForwardConcurrentlyGetCorrectDtypesAndValues) {
+TEST_F(ReliabilityThreadsTest, ThreadsRunningForwardConcurrentlyGetCorrectDtypesAndValues) {
   auto shared = TinyNet();
   Handle handle;
   handle.initialize(shared, quiet(O1));
@@ -181,7 +183,7 @@ TEST_F(ReliabilityTest, ThreadsRunningForwardConcurrentlyGetCorrectDtypesAndValu
   for (const auto& m : models) EXPECT_EQ(m->fc1->weight.grad().scalar_type(), at::kFloat);
 }
 
-TEST_F(ReliabilityTest, BackwardOnAutogradAndIntraOpThreadsNeverCasts) {
+TEST_F(ReliabilityThreadsTest, BackwardOnAutogradAndIntraOpThreadsNeverCasts) {
   torch::set_num_threads(2);
   auto model = TinyNet(64, 256, 64);
   Handle handle;

@@ -39,6 +39,8 @@ class UserRegistrationTest : public AmpTest {
   Handle handle;
   const at::Tensor a = torch::randn({4}), b = torch::randn({4});
 };
+// Tests that run amp on several threads (ThreadSanitizer runs every *ThreadsTest).
+class UserRegistrationThreadsTest : public UserRegistrationTest {};
 
 TEST_F(UserRegistrationTest, CustomOpRegisteredBeforeInitializeRunsInLowPrecision) {
   register_half_function("amp_test::blend");
@@ -80,7 +82,7 @@ TEST_F(UserRegistrationTest, RegistrationsEndWithDeinitializeButPersistForTheNex
 
 // A registration made while another thread initializes amp is either read by
 // the new interceptor or applied to it once live; never lost in between.
-TEST_F(UserRegistrationTest, RegistrationsConcurrentWithInitializeAreNeverLost) {
+TEST_F(UserRegistrationThreadsTest, RegistrationsConcurrentWithInitializeAreNeverLost) {
   const std::vector<std::pair<std::string, at::Tensor (*)(const at::Tensor&)>> ops = {
       {"aten::relu", &at::relu},   {"aten::tanh", &at::tanh},   {"aten::sigmoid", &at::sigmoid},
       {"aten::exp", &at::exp},     {"aten::neg", &at::neg},     {"aten::abs", &at::abs},

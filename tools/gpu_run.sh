@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S "$root" -B "$root/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST="9.0" \
-  -DAMP_BUILD_EXAMPLES=OFF -DAMP_GTEST_SOURCE_DIR="$root/third_party/googletest" > "$out/configure.log" 2>&1
+  -DAMP_GPU=ON -DAMP_BUILD_EXAMPLES=OFF -DAMP_GTEST_SOURCE_DIR="$root/third_party/googletest" > "$out/configure.log" 2>&1
 cmake --build "$root/build-gpu" -j"$(nproc)" > "$out/build.log" 2>&1
 set +e
 "$root/build-gpu/tests/amp_tests" > "$out/tests.txt" 2>&1

@@ -1,35 +1,30 @@
 #!/usr/bin/env bash
-# Builds amp and its test suite with sanitizers and runs it:
+# Runs the test suite against amp built with sanitizers:
 #
 #   tools/run_sanitized_tests.sh [address|thread]   (default: address)
 #
-# address: AddressSanitizer + UndefinedBehaviorSanitizer (AMP_SANITIZE=ON) in
-#   build-asan/. LeakSanitizer is off because LibTorch keeps process-lifetime
-#   allocations (op registries, thread pools) by design.
-# thread: ThreadSanitizer (AMP_TSAN=ON) in build-tsan/, with
-#   tests/tsan_suppressions.txt for LibTorch's own parallel kernels, on the
-#   tests that run amp on several threads (concurrent forwards sharing the
-#   cast cache, worker threads, autograd and intra-op threads; their names
-#   contain Thread or Concurrent): the other tests are single-threaded and
-#   run under the other two suites, as do the distributed tests, whose
-#   races would all be inside uninstrumented Gloo threads.
-# LibTorch itself is not instrumented in either mode.
+# The suite's objects are compiled once (tools/run_tests.sh's build); here
+# they link against the library built again with AddressSanitizer +
+# UndefinedBehaviorSanitizer (amp_tests_asan: every test) or ThreadSanitizer
+# (amp_tests_tsan: the *ThreadsTest suites, whose tests run amp on several
+# threads; the rest of the suite is single-threaded). LibTorch and the test
+# code stay uninstrumented, so what is checked is amp's own code.
+# LeakSanitizer is off because LibTorch keeps process-lifetime allocations
+# (op registries, thread pools) by design; tests/tsan_suppressions.txt names
+# LibTorch's parallel kernels, whose synchronisation TSan cannot see.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${AMP_BUILD_DIR:-$root/build}
 mode=${1:-address}
 case "$mode" in
-  address) build="$root/build-asan"; option=-DAMP_SANITIZE=ON; filter='*'; target=amp_tests
+  address) target=amp_tests_asan; filter='*'
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
     export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ;;
-  thread) build="$root/build-tsan"; option=-DAMP_TSAN=ON; filter='*Thread*:*Concurrent*'; target=amp_thread_tests
+  thread) target=amp_tests_tsan; filter='*ThreadsTest.*'
     export TSAN_OPTIONS="halt_on_error=1:suppressions=$root/tests/tsan_suppressions.txt" ;;
   *) echo "usage: tools/run_sanitized_tests.sh [address|thread]" >&2; exit 2 ;;
 esac
-AMP_BUILD_DIR="$root/build" "$root/tools/setup.sh" >/dev/null  # packages and LibTorch
-torch_prefix=$("$root/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$option" \
-  -DAMP_BUILD_EXAMPLES=OFF -DAMP_BUILD_TOOLS=OFF -DCMAKE_PREFIX_PATH="$torch_prefix" \
-  -DTORCH_CUDA_ARCH_LIST=9.0 > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target "$target"
-[ "$filter" = '*' ] || echo "$mode sanitizer: running $target with --gtest_filter=$filter"
+grep -q "AMP_SANITIZERS:BOOL=ON" "$build/CMakeCache.txt" 2>/dev/null && sanitizers=() || sanitizers=(-DAMP_SANITIZERS=ON)
+AMP_BUILD_DIR="$build" AMP_BUILD_TARGETS="$target" "$root/tools/setup.sh" "${sanitizers[@]}"
+echo "$mode sanitizer: running $target --gtest_filter=$filter"
 "$build/tests/$target" --gtest_brief=1 --gtest_filter="$filter"

@@ -7,7 +7,7 @@
 # build/ (override with AMP_BUILD_DIR). AMP_BUILD_TARGETS names the targets to
 # build (default: all; tools/run_example.sh builds only the example). Extra
 # arguments are passed to CMake's configure step, e.g.
-# tools/setup.sh -DAMP_SANITIZE=ON.
+# tools/setup.sh -DAMP_SANITIZERS=ON.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,0 +1,2 @@
+// The translation unit that carries the precompiled header the examples,
+// tools and test programs share (CMakeLists.txt: amp_program_pch).
