@@ -2,6 +2,7 @@
 
 #include "context.h"
 #include "fused_stepping.h"
+#include "optimizer_kinds.h"
 #include "optimizer_step.h"
 
 #include <ATen/ATen.h>
@@ -18,19 +19,6 @@ bool kernel_ready(const at::Tensor& t, const at::Tensor& param) {
                           t.sizes() == param.sizes());
 }
 
-// The state tensors the kernels would update for `param`, if it has state.
-std::vector<at::Tensor> kernel_state(const torch::optim::OptimizerParamState& s) {
-  if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(&s)) {
-    return {adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()};
-  }
-  if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(&s)) {
-    return {adamw->exp_avg(), adamw->exp_avg_sq(), adamw->max_exp_avg_sq()};
-  }
-  if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(&s)) {
-    return {sgd->momentum_buffer()};
-  }
-  return {at::Tensor(), at::empty({0})};  // unknown state: never ready
-}
 
 bool amsgrad(Fused::Kind kind, const torch::optim::OptimizerOptions& options) {
   switch (kind) {
@@ -61,10 +49,12 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer) const {
       device = p.device();
       auto s = optimizer.state().find(p.unsafeGetTensorImpl());
       if (s == optimizer.state().end()) continue;
-      const std::vector<at::Tensor> tensors = kernel_state(*s->second);
+      int64_t step = 0;
+      const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
+      if (tensors.empty()) return false;  // state of another kind
       for (size_t i = 0; i < tensors.size(); ++i) {
         const bool needed = kind_ == Kind::kSgd || i < 2 || needs_max;  // Adam's third: amsgrad only
-        if (needed && (!tensors[i].defined() || !kernel_ready(tensors[i], p))) return false;
+        if (needed && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p))) return false;
       }
     }
   }
@@ -190,13 +180,7 @@ void FusedStepping::settle(const FusedAttempt& attempt, bool skipped, StateMap& 
     return;
   }
   for (void* key : attempt.stepped) {
-    auto it = state.find(key);
-    if (it == state.end()) continue;
-    if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-      adam->step(adam->step() + 1);
-    } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-      adamw->step(adamw->step() + 1);
-    }
+    if (auto it = state.find(key); it != state.end()) detail::count_step(*it->second);
   }
 }
 

@@ -44,6 +44,13 @@ std::vector<StateTensor> state_tensors(const OptimizerParamState& state, int64_t
   return {};
 }
 
+void count_step(OptimizerParamState& state) {
+  if (auto* s = dynamic_cast<AdamParamState*>(&state)) s->step(s->step() + 1);
+  if (auto* s = dynamic_cast<AdamWParamState*>(&state)) s->step(s->step() + 1);
+  if (auto* s = dynamic_cast<AdagradParamState*>(&state)) s->step(s->step() + 1);
+  if (auto* s = dynamic_cast<RMSpropParamState*>(&state)) s->step(s->step() + 1);
+}
+
 std::vector<std::pair<const char*, double>> numeric_options(const OptimizerOptions& options) {
   if (auto* o = dynamic_cast<const SGDOptions*>(&options)) {
     return {{"lr", o->lr()}, {"momentum", o->momentum()}, {"dampening", o->dampening()},

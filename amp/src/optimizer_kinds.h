@@ -30,6 +30,9 @@ struct StateTensor {
 // others); `step` receives its step count where it keeps one.
 std::vector<StateTensor> state_tensors(const torch::optim::OptimizerParamState& state, int64_t& step);
 
+// Counts one more step taken in a state that keeps a step count.
+void count_step(torch::optim::OptimizerParamState& state);
+
 // The numeric options of a known optimizer (empty for others).
 std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options);
 
