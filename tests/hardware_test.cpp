@@ -23,38 +23,64 @@ CpuPrecision native_cpu() {
   return cpu;
 }
 
-int count(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
 class HardwareTest : public AmpTest {
  protected:
   void TearDown() override {
     set_cpu_precision_for_testing(std::nullopt);
     AmpTest::TearDown();
   }
-  // What amp::initialize prints for a TinyNet at `options`.
-  static std::string initialize_output(Options options) {
+  // The notes amp::initialize gives for a TinyNet at `options`.
+  static std::vector<LogEvent> initialize_notes(Options options) {
     auto model = TinyNet();
     OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-    ::testing::internal::CaptureStderr();
+    LogRecorder log;
     Handle handle;
     handle.initialize(model, optimizer, options);
-    return ::testing::internal::GetCapturedStderr();
+    std::vector<LogEvent> notes;
+    for (const LogEvent& e : log.take()) {
+      if (e.kind == LogEvent::Kind::kNote) notes.push_back(e);
+    }
+    return notes;
   }
 };
 
-TEST_F(HardwareTest, ReportsWhatAtenDetects) {
+// The decision for CPUs of known capabilities (ATen's flag names).
+TEST_F(HardwareTest, DecidesFromTheCapabilitiesOfKnownCpus) {
+  struct Row {
+    const char* cpu;
+    std::set<std::string> flags;
+    bool bf16, fp16, onednn_bf16, onednn_fp16;
+  };
+  const std::set<std::string> avx512_core{"avx2", "avx512_bw", "avx512_vl", "avx512_dq"};
+  auto with = [&](std::set<std::string> more) {
+    more.insert(avx512_core.begin(), avx512_core.end());
+    return more;
+  };
+  const std::vector<Row> rows = {
+      {"AVX2 only (Zen 3 EPYC, most laptops)", {"avx2"}, false, false, false, false},
+      {"AVX-512 without BF16 (Skylake-SP)", avx512_core, false, false, true, false},
+      {"Zen 4 EPYC", with({"avx512_bf16", "avx512_vnni"}), true, false, true, false},
+      {"Cooper Lake", with({"avx512_bf16"}), true, false, true, false},
+      {"Sapphire Rapids", with({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}), true, true, true, true},
+      {"Granite Rapids", with({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"}), true, true, true, true},
+      {"AVX-NE-CONVERT without AVX-512 (Sierra Forest)", {"avx2", "avx_ne_convert"}, false, false, true, true},
+  };
+  for (const Row& row : rows) {
+    const CpuPrecision cpu = cpu_precision_from(row.cpu, row.flags);
+    EXPECT_EQ(cpu.name, row.cpu);
+    EXPECT_EQ(cpu.bf16_arithmetic, row.bf16) << row.cpu;
+    EXPECT_EQ(cpu.fp16_arithmetic, row.fp16) << row.cpu;
+    EXPECT_EQ(cpu.onednn_bf16, row.onednn_bf16) << row.cpu;
+    EXPECT_EQ(cpu.onednn_fp16, row.onednn_fp16) << row.cpu;
+    EXPECT_EQ(cpu.runs_natively(at::kBFloat16), row.bf16) << row.cpu;
+    EXPECT_EQ(cpu.runs_natively(at::kHalf), row.fp16) << row.cpu;
+    EXPECT_TRUE(cpu.runs_natively(at::kFloat));
+    EXPECT_EQ(describe(cpu, at::kBFloat16).empty(), row.bf16) << row.cpu;
+  }
+}
+
+TEST_F(HardwareTest, ReportsThisMachine) {
   const CpuPrecision cpu = cpu_precision();
-  const auto caps = at::cpu::get_cpu_capabilities();
-  EXPECT_EQ(cpu.name, caps.at("cpu_name").toStringRef());
-  EXPECT_EQ(cpu.bf16_arithmetic, caps.at("avx512_bf16").toBool() || caps.at("amx_bf16").toBool());
-  EXPECT_EQ(cpu.fp16_arithmetic, caps.at("avx512_fp16").toBool() || caps.at("amx_fp16").toBool());
-  EXPECT_EQ(cpu.runs_natively(at::kBFloat16), cpu.bf16_arithmetic);
-  EXPECT_TRUE(cpu.runs_natively(at::kFloat));
-  EXPECT_EQ(describe(cpu, at::kBFloat16).empty(), cpu.bf16_arithmetic);
   EXPECT_TRUE(describe(cpu, at::kFloat).empty());
   std::cout << "[ cpu      ] " << cpu.name << ": bf16 arithmetic " << cpu.bf16_arithmetic << ", fp16 arithmetic "
             << cpu.fp16_arithmetic << ", oneDNN bf16 " << cpu.onednn_bf16 << ", oneDNN fp16 " << cpu.onednn_fp16 << "\n";
@@ -63,17 +89,20 @@ TEST_F(HardwareTest, ReportsWhatAtenDetects) {
 TEST_F(HardwareTest, InitializeSaysOnceWhenTheCpuEmulatesTheLowDtype) {
   set_cpu_precision_for_testing(emulating_cpu());
   for (OptLevel level : {O1, O2, O3, O4, O5}) {
-    const std::string out = initialize_output(level);
-    EXPECT_EQ(count(out, "note: this CPU (Test AVX2 CPU) has no BFloat16 arithmetic"), 1) << out;
-    EXPECT_EQ(count(out, "opt_level O0 for speed"), 1) << out;
+    const auto notes = initialize_notes(level);
+    ASSERT_EQ(notes.size(), 1u) << to_string(level);
+    EXPECT_EQ(notes[0].code, "cpu_emulates_dtype");
+    EXPECT_EQ(notes[0].message, describe(emulating_cpu(), at::kBFloat16));
   }
   Options fp16 = O1;
   fp16.cpu_dtype = at::kHalf;
-  EXPECT_EQ(count(initialize_output(fp16), "has no Half arithmetic (AVX-512-FP16 or AMX-FP16)"), 1);
-  EXPECT_EQ(count(initialize_output(O0), "note:"), 0) << "O0 computes in float32";
-  EXPECT_EQ(initialize_output(quiet(O1)), "") << "verbosity 0 is silent";
+  const auto notes = initialize_notes(fp16);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].message, describe(emulating_cpu(), at::kHalf));
+  EXPECT_TRUE(initialize_notes(O0).empty()) << "O0 computes in float32";
+  EXPECT_TRUE(initialize_notes(quiet(O1)).empty()) << "verbosity 0 is silent";
   set_cpu_precision_for_testing(native_cpu());
-  EXPECT_EQ(count(initialize_output(O1), "note:"), 0) << "nothing to say on a CPU with bf16 arithmetic";
+  EXPECT_TRUE(initialize_notes(O1).empty()) << "nothing to say on a CPU with bf16 arithmetic";
 }
 
 // Plain fp32 LibTorch LSTM outputs for `x`, and a copy of `lstm` for amp.

@@ -71,49 +71,62 @@ INSTANTIATE_TEST_SUITE_P(
 
 class ScaleLossTest : public AmpTest {};
 
-TEST_F(ScaleLossTest, OneConciseLinePerSkipAndNoFlood) {
-  auto model = torch::nn::Linear(2, 1);
-  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  Options options = O1;  // default verbosity 1
-  Handle handle;
-  ::testing::internal::CaptureStderr();
-  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
-  auto overflow_step = [&] {
-    optimizer->zero_grad();
-    {
-      scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer);
-      scaled.backward();
-      model->bias.grad()[0] = kInf;
-    }
-    optimizer->step();
-  };
-  overflow_step();
-  std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_THAT(log, ::testing::HasSubstr("opt_level O1"));  // the properties, once
-  EXPECT_THAT(log, ::testing::HasSubstr(
-                       "amp: Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768\n"));
-  ::testing::internal::CaptureStderr();
-  for (int i = 0; i < 30; ++i) overflow_step();
-  log = ::testing::internal::GetCapturedStderr();
-  int lines = 0;
-  for (char c : log) lines += c == '\n';
-  EXPECT_EQ(lines, 5);  // 4 more skip lines, one suppression notice, then silence
-  EXPECT_THAT(log, ::testing::HasSubstr("suppressed"));
-}
-
-TEST_F(ScaleLossTest, VerbosityZeroIsSilent) {
-  auto model = torch::nn::Linear(2, 1);
-  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  Handle handle;
-  ::testing::internal::CaptureStderr();
-  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+// One overflowing iteration of a tiny model: the guard sees an inf gradient.
+void overflow_step(torch::nn::Linear& model, OptimizerPtr& optimizer) {
+  optimizer->zero_grad();
   {
     scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer);
     scaled.backward();
     model->bias.grad()[0] = kInf;
   }
   optimizer->step();
-  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+TEST_F(ScaleLossTest, DefaultSinkPrintsOneLinePerEvent) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  ::testing::internal::CaptureStderr();
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, O1);  // default verbosity 1
+  overflow_step(model, optimizer);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, ::testing::HasSubstr("opt_level O1"));
+  EXPECT_THAT(log, ::testing::EndsWith(
+                       "\namp: Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to 32768\n"));
+}
+
+TEST_F(ScaleLossTest, OneEventPerSkipAndNoFlood) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  LogRecorder log;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, O1);
+  overflow_step(model, optimizer);
+  std::vector<LogEvent> events = log.take();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, LogEvent::Kind::kProperties);
+  EXPECT_EQ(events[1].kind, LogEvent::Kind::kStepSkipped);
+  EXPECT_EQ(events[1].loss_id, 0);
+  EXPECT_EQ(events[1].scale_before, 65536.0);
+  EXPECT_EQ(events[1].scale_after, 32768.0);
+  for (int i = 0; i < 30; ++i) overflow_step(model, optimizer);
+  events = log.take();
+  ASSERT_EQ(events.size(), 5u);  // 4 more skips, one suppression notice, then silence
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(events[i].kind, LogEvent::Kind::kStepSkipped);
+    EXPECT_EQ(events[i].scale_after, 65536.0 / (4 << i));
+  }
+  EXPECT_EQ(events[4].kind, LogEvent::Kind::kSkipsSuppressed);
+}
+
+TEST_F(ScaleLossTest, VerbosityZeroIsSilent) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  LogRecorder log;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O1));
+  overflow_step(model, optimizer);
+  EXPECT_TRUE(log.take().empty());
 }
 
 // --- Exact training equivalence (Apex's tests/L0/run_amp style) -------------

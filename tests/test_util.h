@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <algorithm>
+#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -65,6 +67,36 @@ inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optim
 inline std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("amp_test_" + std::to_string(getpid()) + "_" + name)).string();
 }
+
+// Records amp's log events while it lives (amp/log.h), instead of printing.
+class LogRecorder {
+ public:
+  LogRecorder()
+      : previous_(set_log_sink([this](const LogEvent& e) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          events_.push_back(e);
+        })) {}
+  ~LogRecorder() { set_log_sink(previous_); }
+  LogRecorder(const LogRecorder&) = delete;
+  LogRecorder& operator=(const LogRecorder&) = delete;
+
+  std::vector<LogEvent> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(events_, {});
+  }
+  // How many events of `kind` (and `code`, if given) arrived so far.
+  int count(LogEvent::Kind kind, const std::string& code = "") {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<int>(std::count_if(events_.begin(), events_.end(), [&](const LogEvent& e) {
+      return e.kind == kind && (code.empty() || e.code == code);
+    }));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<LogEvent> events_;
+  LogSink previous_;
+};
 
 // Loads amp's state from the bytes of a saved archive.
 inline void load_state_bytes(const std::string& bytes) {

@@ -60,9 +60,9 @@ Context::Context(const Properties& properties, const Options& options, const Reg
 Context::~Context() {
   if (shut_down_) return;
   if (std::this_thread::get_id() != owner_ && owner_casting_) {
-    log_line("error: amp's context is destroyed on another thread than the one that "
-             "initialized it; that thread's autocast state stays enabled. Call "
-             "amp::deinitialize() on the initializing thread.");
+    log_error("amp's context is destroyed on another thread than the one that initialized it; "
+              "that thread's autocast state stays enabled. Call amp::deinitialize() on the "
+              "initializing thread.");
     (void)owner_casting_.release();  // restoring it here would edit this thread's state
   }
   teardown();
@@ -77,7 +77,7 @@ void Context::teardown() {
     try {
       step->settle(/*wait=*/true);  // host step counts of pending fused steps
     } catch (const std::exception& e) {
-      log_line(std::string("error: ") + e.what());
+      log_error(e.what());
     }
   }
   shut_down_ = true;

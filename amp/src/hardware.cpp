@@ -11,15 +11,21 @@ std::mutex g_override_mutex;
 std::optional<CpuPrecision> g_override;
 
 CpuPrecision detect() {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  auto has = [&](const char* key) {
-    auto it = caps.find(key);
-    return it != caps.end() && it->second.isBool() && it->second.toBool();
-  };
-  CpuPrecision cpu;
-  if (auto it = caps.find("cpu_name"); it != caps.end() && it->second.isString()) {
-    cpu.name = it->second.toStringRef();
+  std::string name;
+  std::set<std::string> flags;
+  for (const auto& [key, value] : at::cpu::get_cpu_capabilities()) {
+    if (key == "cpu_name" && value.isString()) name = value.toStringRef();
+    if (value.isBool() && value.toBool()) flags.insert(key);
   }
+  return cpu_precision_from(name, flags);
+}
+
+}  // namespace
+
+CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags) {
+  auto has = [&](const char* flag) { return flags.count(flag) != 0; };
+  CpuPrecision cpu;
+  cpu.name = name;
   cpu.bf16_arithmetic = has("avx512_bf16") || has("amx_bf16");
   cpu.fp16_arithmetic = has("avx512_fp16") || has("amx_fp16");
   const bool avx512_core = has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
@@ -27,8 +33,6 @@ CpuPrecision detect() {
   cpu.onednn_fp16 = has("avx512_fp16") || has("avx_ne_convert");
   return cpu;
 }
-
-}  // namespace
 
 bool CpuPrecision::runs_natively(c10::ScalarType dtype) const {
   if (dtype == c10::kBFloat16) return bf16_arithmetic;

@@ -54,14 +54,15 @@ void warn_about_dtypes(const Modules& models, const Properties& p, int verbosity
       const c10::ScalarType t = param.value().scalar_type();
       if (!param.value().is_floating_point()) continue;
       if (*p.cast_model_type == c10::kFloat && t != c10::kFloat) {
-        detail::log_line("warning: opt_level O0 expects float32 parameters, but " + param.key() + " is " +
-                 c10::toString(t) + ". O0 leaves the model as it is.");
+        detail::warn("model_not_float32_at_o0", "opt_level O0 expects float32 parameters, but " +
+                     param.key() + " is " + c10::toString(t) + ". O0 leaves the model as it is.");
         return;
       }
       if (*p.cast_model_type != c10::kFloat && t == *p.cast_model_type) {
-        detail::log_line("warning: parameter " + param.key() + " is already " + c10::toString(t) +
-                 ". You do not need to convert the model before amp::initialize; masters of "
-                 "already-rounded weights lose the precision O2 keeps.");
+        detail::warn("model_already_low_precision",
+                     "parameter " + param.key() + " is already " + c10::toString(t) +
+                         ". You do not need to convert the model before amp::initialize; masters "
+                         "of already-rounded weights lose the precision O2 keeps.");
         return;
       }
     }
@@ -82,10 +83,10 @@ void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p,
       const std::optional<double> eps = detail::optimizer_eps(group.options());
       if (!eps || *eps == 0 || at::scalar_tensor(*eps, dtype).item<double>() != 0) continue;
       std::ostringstream line;
-      line << "warning: the optimizer's eps " << *eps << " is 0 in " << c10::toString(dtype)
+      line << "the optimizer's eps " << *eps << " is 0 in " << c10::toString(dtype)
            << ", the dtype it updates without fp32 master weights; expect NaN parameters. "
            << "Use master_weights (O2), or an eps representable in " << c10::toString(dtype) << ".";
-      detail::log_line(line.str());
+      detail::warn("optimizer_eps_vanishes", line.str());
       return;
     }
   }
@@ -95,7 +96,7 @@ void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p,
 void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbosity) {
   if (verbosity < 1 || !device.is_cpu() || !p.intercepts_ops()) return;
   const std::string note = describe(cpu_precision(), p.cpu_dtype);
-  if (!note.empty()) detail::log_line("note: " + note);
+  if (!note.empty()) detail::emit({LogEvent::Kind::kNote, "cpu_emulates_dtype", note});
 }
 
 // Sparse gradients are unscaled and checked at the levels that keep the model
@@ -220,14 +221,14 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   // Everything is validated; from here on amp changes state.
   auto weights = lower_weights(models, !optimizers.empty(), properties, options);
   context_ = detail::start_live_context(properties, options, std::move(weights), optimizers);
-  if (options.verbosity >= 1) std::cerr << describe(properties);
+  if (options.verbosity >= 1) detail::emit({LogEvent::Kind::kProperties, "", describe(properties)});
 }
 
 Handle::~Handle() {
   try {
     deinitialize();
   } catch (const std::exception& e) {
-    detail::log_line(std::string("error: deinitializing amp failed: ") + e.what());
+    detail::log_error(std::string("deinitializing amp failed: ") + e.what());
   }
 }
 

@@ -1,13 +1,18 @@
-// Private: amp's log lines, on stderr, prefixed "amp: ".
+// Private: emitting amp's log events (amp/log.h) to the program's sink, or
+// to stderr.
 #pragma once
 
-#include <iostream>
-#include <string_view>
+#include <amp/log.h>
+
+#include <string>
 
 namespace amp::detail {
 
-inline void log_line(std::string_view line) {
-  std::cerr << "amp: " << line << std::endl;
+void emit(const LogEvent& event);
+
+inline void warn(std::string code, std::string message) {
+  emit({LogEvent::Kind::kWarning, std::move(code), std::move(message)});
 }
+inline void log_error(std::string message) { emit({LogEvent::Kind::kError, "", std::move(message)}); }
 
 }  // namespace amp::detail

@@ -113,7 +113,7 @@ void ModelWeights::finish_backward() noexcept {
     }
     copy_all(dst, src);
   } catch (const std::exception& e) {
-    log_line(std::string("error: copying buffers back to float32 failed: ") + e.what());
+    log_error(std::string("copying buffers back to float32 failed: ") + e.what());
   }
   for (Entry& e : entries_) {
     if (resting_[e.model]) continue;
@@ -152,11 +152,12 @@ void ModelWeights::check_computing() {
       e.rest.copy_(e.compute);
       if (!warned_) {
         warned_ = true;
-        log_line("warning: " + describe(e) + " was changed while amp held it in " +
-                 c10::toString(e.low) + " for forward and backward (a step or an edit after a "
-                 "forward that recorded a graph and before its scale_loss guard?); its float32 "
-                 "master was rebuilt from the " + c10::toString(e.low) + " values. Run such "
-                 "code under torch::NoGradGuard, or after the guard.");
+        warn("master_rebuilt_from_low_precision",
+             describe(e) + " was changed while amp held it in " + c10::toString(e.low) +
+                 " for forward and backward (a step or an edit after a forward that recorded a "
+                 "graph and before its scale_loss guard?); its float32 master was rebuilt from "
+                 "the " + c10::toString(e.low) + " values. Run such code under "
+                 "torch::NoGradGuard, or after the guard.");
       }
     }
     e.version = t._version();

@@ -24,8 +24,10 @@ void log_overflow(const OverflowVerdict& v) {
   log.consecutive = v.overflow ? log.consecutive + 1 : 0;
   constexpr int kLoggedInARow = 5;  // then one notice, then silence until a clean step
   if (!v.overflow || ctx.verbosity() < 1 || log.consecutive > kLoggedInARow + 1) return;
+  LogEvent event{LogEvent::Kind::kStepSkipped, "", "", v.loss_id, v.scale_before, v.scale_after};
   std::ostringstream line;
   if (log.consecutive == kLoggedInARow + 1) {
+    event.kind = LogEvent::Kind::kSkipsSuppressed;
     line << "loss scaler " << v.loss_id << ": " << kLoggedInARow
          << " overflows in a row, loss scale " << v.scale_after
          << "; further skip messages are suppressed until a step succeeds.";
@@ -37,7 +39,8 @@ void log_overflow(const OverflowVerdict& v) {
          << " keeping loss scale " << v.scale_after
          << (v.scale_after <= ctx.scaler(v.loss_id).floor() ? " (its floor)" : " (hysteresis)");
   }
-  log_line(line.str());
+  event.message = line.str();
+  emit(event);
 }
 
 // Resolves the verdicts `which` indexes in `verdicts` from `values`, three

@@ -437,8 +437,8 @@ void fused_step_cost() {
   auto row = [&](const char* name, const std::vector<double>& t, double syncs_per_step) {
     std::printf("| %s | %.1f | %.2f | %.0f |\n", name, (median(t) - b) / 1e3, (median(t) - b) / h, syncs_per_step);
   };
-  row("amp, fused step (default)", by_amp[1], static_cast<double>(syncs[1]) / steps_each);
-  row("amp, LibTorch's own step (fused_step = false)", by_amp[0], static_cast<double>(syncs[0]) / steps_each);
+  row("amp, amp::optim::FusedAdam", by_amp[1], static_cast<double>(syncs[1]) / steps_each);
+  row("amp, torch::optim::Adam", by_amp[0], static_cast<double>(syncs[0]) / steps_each);
   row("hand-written: _amp_ calls + _fused_adam_ on the flag", by_hand_fused, 0);
   row("hand-written: _amp_ calls + host read + torch::optim::Adam", by_hand_own, 1);
 }

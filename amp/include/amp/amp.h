@@ -26,7 +26,8 @@
 // (disable_casts, enable_casts, cast_dtype, disable_cast_cache,
 // with_current_casts), custom_function.h (custom_fwd / custom_bwd for
 // autograd functions), cast_cache.h, hardware.h (what the CPU computes
-// natively), loss_scaler.h, model_conversion.h, op_stats.h, state.h and
+// natively), log.h (amp's events: skipped steps, warnings), loss_scaler.h,
+// model_conversion.h, op_stats.h, state.h and
 // checkpoint.h (saving and resuming), distributed.h (data-parallel ranks).
 #pragma once
 
@@ -39,6 +40,7 @@
 #include <amp/fused.h>
 #include <amp/hardware.h>
 #include <amp/initialize.h>
+#include <amp/log.h>
 #include <amp/loss_scaler.h>
 #include <amp/model_conversion.h>
 #include <amp/op_stats.h>

@@ -21,6 +21,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <optional>
+#include <set>
 #include <string>
 
 namespace amp {
@@ -43,6 +44,11 @@ struct CpuPrecision {
 
 // This machine's CPU, as ATen detects it (at::cpu::get_cpu_capabilities).
 CpuPrecision cpu_precision();
+
+// The decision cpu_precision() makes for a CPU named `name` whose ATen
+// capability flags ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16",
+// "avx512_bw", "avx512_vl", "avx512_dq", "avx_ne_convert", ...) are `flags`.
+CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags);
 
 // One paragraph for users of a CPU that emulates `dtype`: what it costs and
 // the choices. Empty when the CPU computes `dtype` natively.
