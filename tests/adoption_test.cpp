@@ -584,6 +584,35 @@ TEST_P(AdoptionTest, CheckpointWrittenAtAnotherLevel) {
   }
 }
 
+// A parameter group added after amp::initialize (a head trained first, the
+// rest unfrozen later) trains as one added before it: every guard reads the
+// optimizer's groups as they are.
+TEST_P(AdoptionTest, ParamGroupAddedAfterInitializeTrainsAsOneAddedBefore) {
+  auto train = [&](bool add_before) {
+    torch::manual_seed(0);
+    NetHolder model;
+    torch::optim::SGD optimizer(model->fc2->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::vector<at::Tensor> rest;
+    for (const auto& item : model->named_parameters()) {
+      if (item.key().rfind("fc2.", 0) != 0) rest.push_back(item.value());
+    }
+    if (add_before) optimizer.add_param_group(rest);
+    initialize(model, optimizer, quiet_level(GetParam()));
+    if (!add_before) optimizer.add_param_group(rest);
+    train_holder(model, optimizer, 0, kSteps);
+    deinitialize();
+    return snapshot(model->parameters());
+  };
+  const auto before = train(true), after = train(false);
+  EXPECT_TRUE(AllBitEqual(after, before));
+  torch::manual_seed(0);
+  NetHolder untrained;
+  const auto keys = untrained->named_parameters().keys();
+  const size_t conv = std::find(keys.begin(), keys.end(), "conv.weight") - keys.begin();
+  ASSERT_LT(conv, keys.size());
+  EXPECT_FALSE(BitEqual(after[conv], untrained->conv->weight.to(after[conv].scalar_type())));  // the added group trained
+}
+
 INSTANTIATE_TEST_SUITE_P(Levels, AdoptionTest, ::testing::Values(O0, O1, O2, O3, O4, O5),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
