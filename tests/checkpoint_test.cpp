@@ -1,18 +1,36 @@
-// Loading untrusted state is all-or-nothing and refuses values that cannot
-// train: loss scales that are not finite and positive, optimizer state that
-// does not fit its parameters, and checkpoints whose later parts are bad
-// after earlier parts loaded. (The fuzzer in tests/fuzz runs thousands of
-// mutated files through the same loaders.)
+// Saving and restoring: amp's state (loss scalers, level), checkpoints
+// written by amp::save_checkpoint, resuming in a fresh process, and loading
+// untrusted files all-or-nothing - refusing values that cannot train (loss
+// scales that are not finite and positive, optimizer state that does not fit
+// its parameters, later parts bad after earlier parts loaded) and damaged
+// files. The program's own torch::save / torch::load is in adoption_test.cpp;
+// fused optimizers' checkpoints in fused_optimizers_test.cpp; the fuzzer in
+// tests/fuzz runs thousands of mutated files through the same loaders.
 #include "test_util.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <sstream>
 
 #include <unistd.h>
 
 namespace amp::testing {
 namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
 
 class CheckpointTest : public AmpTest {
  protected:
@@ -175,6 +193,214 @@ TEST_F(CheckpointTest, CheckpointEntryOfAnotherKindOfDtypeIsRefused) {
   std::remove(file.c_str());
   std::remove(good.c_str());
 }
+
+// A checkpoint cut short or with bytes overwritten is refused with the
+// reason, and nothing in the running program changes.
+TEST_F(CheckpointTest, DamagedFileIsRefusedAndChangesNothing) {
+  const std::string file = path("damaged.pt");
+  save_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_);
+  const std::string good = read_file(file);
+  step(1);  // the program moves on from what the file holds
+  const auto before = everything();
+  auto overwrite_middle = [&] {
+    std::fstream out(file, std::ios::in | std::ios::out | std::ios::binary);
+    out.seekp(static_cast<std::streamoff>(good.size() / 2));
+    const std::string garbage(64, '\x5a');
+    out.write(garbage.data(), static_cast<std::streamsize>(garbage.size()));
+  };
+  auto cut_in_half = [&] { std::filesystem::resize_file(file, good.size() / 2); };
+  for (const auto& damage : {std::function<void()>(overwrite_middle), std::function<void()>(cut_in_half)}) {
+    write_file(file, good);
+    damage();
+    EXPECT_AMP_ERROR(load_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_), "truncated or corrupt");
+    expect_same(everything(), before);
+  }
+  write_file(file, good);  // the undamaged file loads: the refusals were the damage's
+  load_checkpoint(file, {a_.ptr(), b_.ptr()}, optimizers_);
+  EXPECT_FALSE(BitEqual(a_->weight, before[0]));
+  std::remove(file.c_str());
+}
+
+// ---- amp's own state: loss scalers and the level ------------------------------
+
+class AmpStateTest : public AmpTest {};
+
+
+TEST_F(AmpStateTest, AmpStateRoundTripsEveryScaler) {
+  auto model = torch::nn::Linear(2, 1);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options options = quiet(O1);
+  options.num_losses = 2;
+  options.dynamic_scaling.hysteresis = 3;
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  {
+    scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer, {1});
+    scaled.backward();
+    model->bias.grad()[0] = kInf;
+  }
+  optimizer->step();
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+  const double scale1 = loss_scale(1);
+  const int64_t hysteresis1 = loss_scaler(1).hysteresis_tracker();
+  EXPECT_EQ(hysteresis1, 2);
+  handle.deinitialize();
+
+  auto fresh = torch::nn::Linear(2, 1);
+  OptimizerPtr fresh_optimizer = std::make_shared<torch::optim::SGD>(fresh->parameters(), 0.1);
+  std::tie(fresh, fresh_optimizer) = handle.initialize(fresh, fresh_optimizer, options);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  load_state(in);
+  EXPECT_EQ(loss_scale(1), scale1);
+  EXPECT_EQ(loss_scaler(1).hysteresis_tracker(), hysteresis1);
+  EXPECT_EQ(loss_scale(0), 65536.0);
+}
+
+// An amp state archive with `level` stored as given (a name or, as
+// checkpoints written before names were, the enum's number).
+std::string state_bytes(const c10::IValue& level) {
+  torch::serialize::OutputArchive out;
+  out.write("opt_level", level);
+  out.write("num_losses", at::scalar_tensor(int64_t{1}, at::kLong));
+  torch::serialize::OutputArchive scaler(out.compilation_unit());
+  loss_scaler(0).save(scaler);
+  out.write("loss_scaler0", scaler);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  return bytes.str();
+}
+
+TEST_F(AmpStateTest, StateNamesItsLevelAndStillReadsNumberedCheckpoints) {
+  auto model = torch::nn::Linear(2, 1);
+  Handle handle;
+  model = handle.initialize(model, quiet(O2));
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  c10::IValue saved;
+  ASSERT_TRUE(in.try_read("opt_level", saved));
+  EXPECT_EQ(saved.toStringRef(), "O2");
+
+  load_state_bytes(state_bytes(at::scalar_tensor(int64_t{2}, at::kLong)));  // O2, numbered
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{1}, at::kLong))),
+                   "saved at opt_level O1 but amp runs at O2");
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{9}, at::kLong))),
+                   "holds 9, which names no opt level");
+  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(c10::IValue(std::string("O9")))),
+                   "unexpected optimization level 'O9'");
+}
+
+TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) {
+  Options two = quiet(O1);
+  two.num_losses = 2;
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, two);
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+  handle.deinitialize();
+
+  // Scalers moved away from their initial values, to see that nothing is loaded.
+  auto expect_scalers_unchanged = [](int num_losses, auto&& load) {
+    std::vector<LossScaler::State> before;
+    for (int i = 0; i < num_losses; ++i) before.push_back(loss_scaler(i).state());
+    load();
+    for (int i = 0; i < num_losses; ++i) {
+      EXPECT_TRUE(BitEqual(loss_scaler(i).state().scale, before[i].scale)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(loss_scaler(i).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
+    }
+  };
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  loss_scaler(0).update(torch::ones({1}));  // an overflow
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
+  handle.deinitialize();
+  Options o2 = quiet(O2);
+  o2.num_losses = 2;
+  handle.initialize(std::vector<ModulePtr>{}, {}, o2);
+  loss_scaler(1).update(torch::ones({1}));  // an overflow
+  bytes.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(bytes);
+  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(again), "opt_level O1"); });
+  torch::serialize::InputArchive empty;
+  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(empty), "'opt_level'"); });
+  EXPECT_EQ(loss_scale(1), 32768.0);
+}
+
+// ---- What a checkpoint holds ---------------------------------------------------
+
+// At O2 a checkpoint's weights are the float32 masters: a plain float32
+// model loads them without amp.
+TEST_F(AmpStateTest, O2CheckpointHoldsFloat32WeightsThatLoadIntoAPlainModel) {
+  auto model = TinyNet();
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(O2));
+  optimizer->zero_grad();
+  {
+    scale_loss scaled(model(torch::randn({4, 8})).pow(2).mean(), optimizer);
+    scaled.backward();
+  }
+  optimizer->step();
+  const std::string path = temp_path("fp32_weights.pt");
+  save_checkpoint(path, {model.ptr()}, {optimizer});
+  TinyNet fp32;
+  torch::serialize::InputArchive file, weights;
+  file.load_from(path);
+  ASSERT_TRUE(file.try_read("model0", weights));
+  fp32->load(weights);
+  EXPECT_EQ(fp32->fc1->weight.scalar_type(), at::kFloat);
+  EXPECT_TRUE(BitEqual(fp32->fc1->weight, model->fc1->weight));  // the master, at rest
+  std::remove(path.c_str());
+}
+
+// ---- Resuming in a fresh process ---------------------------------------------
+
+// Save mid-training at each level, resume in a process of its own (which
+// starts from nothing but the file), continue: the result equals the
+// uninterrupted run bit for bit, the overflow before the save included.
+// std::filesystem::remove_all binds to a copy exported by libtorch.so that
+// crashes; plain remove() of the few files is enough.
+void remove_files(const std::vector<std::string>& paths) {
+  for (const auto& p : paths) std::remove(p.c_str());
+}
+
+int run_helper(const std::string& args) {
+  return std::system((std::string(AMP_RESUME_HELPER) + " " + args).c_str());
+}
+
+class FreshProcessResumeTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {};
+
+TEST_P(FreshProcessResumeTest, ResumedRunIsBitIdenticalToTheUninterruptedOne) {
+  const std::string level = to_string(GetParam());
+  const auto dir = std::filesystem::temp_directory_path() / ("amp_resume_" + level);
+  std::filesystem::create_directories(dir);
+  const std::string checkpoint = (dir / "checkpoint.pt").string(), full = (dir / "full.pt").string(),
+                    resumed = (dir / "resumed.pt").string();
+  ASSERT_EQ(run_helper(level + " full " + full), 0);
+  ASSERT_EQ(run_helper(level + " save " + checkpoint), 0);
+  ASSERT_EQ(run_helper(level + " resume " + checkpoint + " " + resumed), 0);
+  std::vector<at::Tensor> a, b;
+  torch::load(a, full);
+  torch::load(b, resumed);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(BitEqual(a[i], b[i])) << level << " tensor " << i;
+  remove_files({checkpoint, full, resumed});
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, FreshProcessResumeTest, ::testing::Values(O0, O1, O2, O3, O4, O5),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace
 }  // namespace amp::testing

@@ -1,9 +1,9 @@
 // Helper process for checkpoint_process_test: trains, saves or resumes in a
 // process of its own, so resuming starts from nothing but the file.
 //
-//   resume_helper <O0..O3> full   <out>               8 steps straight through
-//   resume_helper <O0..O3> save   <checkpoint>        steps 0-3, then save
-//   resume_helper <O0..O3> resume <checkpoint> <out>  load, then steps 4-7
+//   resume_helper <O0..O5> full   <out>               8 steps straight through
+//   resume_helper <O0..O5> save   <checkpoint>        steps 0-3, then save
+//   resume_helper <O0..O5> resume <checkpoint> <out>  load, then steps 4-7
 #include <amp/amp.h>
 
 #include <torch/torch.h>

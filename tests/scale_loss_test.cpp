@@ -1,5 +1,5 @@
 // The scale_loss guard: skipped steps, logs, several losses and optimizers,
-// accumulation, clipping, gradient penalty, misuse, state.
+// accumulation, clipping, gradient penalty, misuse.
 #include "test_util.h"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -487,120 +487,6 @@ TEST_F(ScaleLossTest, StaticScaleOneWithoutMastersIsAPassThrough) {
   }
   reference(grid_input(0)).sum().backward();
   EXPECT_TRUE(BitEqual(model->w.grad(), reference->w.grad()));
-}
-
-// --- State -----------------------------------------------------------------------
-
-TEST_F(ScaleLossTest, AmpStateRoundTripsEveryScaler) {
-  auto model = torch::nn::Linear(2, 1);
-  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  Options options = quiet(O1);
-  options.num_losses = 2;
-  options.dynamic_scaling.hysteresis = 3;
-  Handle handle;
-  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
-  {
-    scale_loss scaled(model(torch::randn({2, 2})).sum(), optimizer, {1});
-    scaled.backward();
-    model->bias.grad()[0] = kInf;
-  }
-  optimizer->step();
-  torch::serialize::OutputArchive out;
-  save_state(out);
-  std::stringstream bytes;
-  out.save_to(bytes);
-  const double scale1 = loss_scale(1);
-  const int64_t hysteresis1 = loss_scaler(1).hysteresis_tracker();
-  EXPECT_EQ(hysteresis1, 2);
-  handle.deinitialize();
-
-  auto fresh = torch::nn::Linear(2, 1);
-  OptimizerPtr fresh_optimizer = std::make_shared<torch::optim::SGD>(fresh->parameters(), 0.1);
-  std::tie(fresh, fresh_optimizer) = handle.initialize(fresh, fresh_optimizer, options);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  load_state(in);
-  EXPECT_EQ(loss_scale(1), scale1);
-  EXPECT_EQ(loss_scaler(1).hysteresis_tracker(), hysteresis1);
-  EXPECT_EQ(loss_scale(0), 65536.0);
-}
-
-// An amp state archive with `level` stored as given (a name or, as
-// checkpoints written before names were, the enum's number).
-std::string state_bytes(const c10::IValue& level) {
-  torch::serialize::OutputArchive out;
-  out.write("opt_level", level);
-  out.write("num_losses", at::scalar_tensor(int64_t{1}, at::kLong));
-  torch::serialize::OutputArchive scaler(out.compilation_unit());
-  loss_scaler(0).save(scaler);
-  out.write("loss_scaler0", scaler);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  return bytes.str();
-}
-
-TEST_F(ScaleLossTest, StateNamesItsLevelAndStillReadsNumberedCheckpoints) {
-  auto model = torch::nn::Linear(2, 1);
-  Handle handle;
-  model = handle.initialize(model, quiet(O2));
-  torch::serialize::OutputArchive out;
-  save_state(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
-  c10::IValue saved;
-  ASSERT_TRUE(in.try_read("opt_level", saved));
-  EXPECT_EQ(saved.toStringRef(), "O2");
-
-  load_state_bytes(state_bytes(at::scalar_tensor(int64_t{2}, at::kLong)));  // O2, numbered
-  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{1}, at::kLong))),
-                   "saved at opt_level O1 but amp runs at O2");
-  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(at::scalar_tensor(int64_t{9}, at::kLong))),
-                   "holds 9, which names no opt level");
-  EXPECT_AMP_ERROR(load_state_bytes(state_bytes(c10::IValue(std::string("O9")))),
-                   "unexpected optimization level 'O9'");
-}
-
-TEST_F(ScaleLossTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) {
-  Options two = quiet(O1);
-  two.num_losses = 2;
-  Handle handle;
-  handle.initialize(std::vector<ModulePtr>{}, {}, two);
-  torch::serialize::OutputArchive out;
-  save_state(out);
-  std::stringstream bytes;
-  out.save_to(bytes);
-  handle.deinitialize();
-
-  // Scalers moved away from their initial values, to see that nothing is loaded.
-  auto expect_scalers_unchanged = [](int num_losses, auto&& load) {
-    std::vector<LossScaler::State> before;
-    for (int i = 0; i < num_losses; ++i) before.push_back(loss_scaler(i).state());
-    load();
-    for (int i = 0; i < num_losses; ++i) {
-      EXPECT_TRUE(BitEqual(loss_scaler(i).state().scale, before[i].scale)) << "loss " << i;
-      EXPECT_TRUE(BitEqual(loss_scaler(i).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
-    }
-  };
-  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
-  loss_scaler(0).update(torch::ones({1}));  // an overflow
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
-  handle.deinitialize();
-  Options o2 = quiet(O2);
-  o2.num_losses = 2;
-  handle.initialize(std::vector<ModulePtr>{}, {}, o2);
-  loss_scaler(1).update(torch::ones({1}));  // an overflow
-  bytes.seekg(0);
-  torch::serialize::InputArchive again;
-  again.load_from(bytes);
-  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(again), "opt_level O1"); });
-  torch::serialize::InputArchive empty;
-  expect_scalers_unchanged(2, [&] { EXPECT_AMP_ERROR(load_state(empty), "'opt_level'"); });
-  EXPECT_EQ(loss_scale(1), 32768.0);
 }
 
 // A guard that unscales for clipping across several optimizers checks the

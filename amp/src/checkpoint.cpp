@@ -88,10 +88,10 @@ void read_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
-                     const std::vector<OptimizerRef>& optimizer_refs) {
+void save_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
   auto context = detail::require_live_context("amp::save_checkpoint");
-  const auto optimizers = settled(*context, optimizer_refs);
+  const std::vector<ModelRef>& models = model_refs.items();
+  const auto optimizers = settled(*context, optimizer_refs.items());
   torch::serialize::OutputArchive archive;
   for (size_t i = 0; i < models.size(); ++i) {
     torch::serialize::OutputArchive model(archive.compilation_unit());
@@ -109,10 +109,10 @@ void save_checkpoint(const std::string& path, const std::vector<ModelRef>& model
   archive.save_to(path);
 }
 
-void load_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
-                     const std::vector<OptimizerRef>& optimizer_refs) {
+void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
   auto context = detail::require_live_context("amp::load_checkpoint");
-  const auto optimizers = settled(*context, optimizer_refs);
+  const std::vector<ModelRef>& models = model_refs.items();
+  const auto optimizers = settled(*context, optimizer_refs.items());
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);

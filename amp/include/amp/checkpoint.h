@@ -32,26 +32,12 @@
 #include <amp/refs.h>
 
 #include <string>
-#include <vector>
 
 namespace amp {
 
-void save_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
-                     const std::vector<OptimizerRef>& optimizers);
-void load_checkpoint(const std::string& path, const std::vector<ModelRef>& models,
-                     const std::vector<OptimizerRef>& optimizers);
-
-// Vectors of shared pointers (or holders, or refs).
-template <class M, class O>
-void save_checkpoint(const std::string& path, const std::vector<M>& models, const std::vector<O>& optimizers) {
-  save_checkpoint(path, std::vector<ModelRef>(models.begin(), models.end()),
-                  std::vector<OptimizerRef>(optimizers.begin(), optimizers.end()));
-}
-template <class M, class O>
-void load_checkpoint(const std::string& path, const std::vector<M>& models, const std::vector<O>& optimizers) {
-  load_checkpoint(path, std::vector<ModelRef>(models.begin(), models.end()),
-                  std::vector<OptimizerRef>(optimizers.begin(), optimizers.end()));
-}
+// `models` and `optimizers` in braces or as std::vectors (refs.h).
+void save_checkpoint(const std::string& path, const ModelRefs& models, const OptimizerRefs& optimizers);
+void load_checkpoint(const std::string& path, const ModelRefs& models, const OptimizerRefs& optimizers);
 
 // Writes `model`'s parameters and buffers in float32, in the layout
 // torch::save(model, path) writes, for a float32 copy of the model to load

@@ -22,8 +22,10 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 namespace amp {
 
@@ -102,5 +104,21 @@ class OptimizerRef {
  private:
   torch::optim::Optimizer* optimizer_ = nullptr;
 };
+
+// Several models or optimizers: in braces ({model, other}) or as a
+// std::vector of anything one ModelRef / OptimizerRef takes.
+template <class Ref>
+class RefList {
+ public:
+  RefList(std::initializer_list<Ref> refs) : refs_(refs) {}  // NOLINT: implicit by design
+  template <class T>
+  RefList(const std::vector<T>& items) : refs_(items.begin(), items.end()) {}  // NOLINT
+  const std::vector<Ref>& items() const { return refs_; }
+
+ private:
+  std::vector<Ref> refs_;
+};
+using ModelRefs = RefList<ModelRef>;
+using OptimizerRefs = RefList<OptimizerRef>;
 
 }  // namespace amp
