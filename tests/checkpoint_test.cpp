@@ -65,8 +65,8 @@ class CheckpointTest : public AmpTest {
     for (const auto& o : optimizers_) {
       for (const auto& t : optimizer_state_tensors(*o)) out.push_back(t.clone());
     }
-    out.push_back(loss_scaler().state().scale.clone());
-    out.push_back(loss_scaler().state().growth_tracker.clone());
+    out.push_back(loss_scaler()->state().scale.clone());
+    out.push_back(loss_scaler()->state().growth_tracker.clone());
     return out;
   }
   static void expect_same(const std::vector<at::Tensor>& x, const std::vector<at::Tensor>& y) {
@@ -128,7 +128,7 @@ TEST_F(CheckpointTest, LoadStateRefusesScalesThatAreNotFiniteAndPositiveAndNegat
   expect_same(before, everything());
   load_state_bytes(state_with_scaler(128, 3));  // a sane state still loads
   EXPECT_EQ(loss_scale(), 128.0);
-  EXPECT_EQ(loss_scaler().growth_tracker(), 3);
+  EXPECT_EQ(loss_scaler()->growth_tracker(), 3);
 }
 
 TEST_F(CheckpointTest, OptimizerStateOfOtherShapesIsRefusedAndChangesNothing) {
@@ -167,7 +167,7 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   write_checkpoint(file, {[&](auto& a) { a_->save(a); }, [&](auto& a) { b_->save(a); }},
                    {optimizers_[0], optimizers_[0]});
   step(1);  // everything moves on from the file's values, the scaler too
-  loss_scaler().update(torch::ones({1}));
+  loss_scaler()->update(torch::ones({1}));
   const auto before = everything();
   EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_), "cannot load the optimizer's state");
   expect_same(before, everything());
@@ -245,7 +245,7 @@ TEST_F(AmpStateTest, AmpStateRoundTripsEveryScaler) {
   std::stringstream bytes;
   out.save_to(bytes);
   const double scale1 = loss_scale(1);
-  const int64_t hysteresis1 = loss_scaler(1).hysteresis_tracker();
+  const int64_t hysteresis1 = loss_scaler(1)->hysteresis_tracker();
   EXPECT_EQ(hysteresis1, 2);
   handle.deinitialize();
 
@@ -256,7 +256,7 @@ TEST_F(AmpStateTest, AmpStateRoundTripsEveryScaler) {
   in.load_from(bytes);
   load_state(in);
   EXPECT_EQ(loss_scale(1), scale1);
-  EXPECT_EQ(loss_scaler(1).hysteresis_tracker(), hysteresis1);
+  EXPECT_EQ(loss_scaler(1)->hysteresis_tracker(), hysteresis1);
   EXPECT_EQ(loss_scale(0), 65536.0);
 }
 
@@ -267,7 +267,7 @@ std::string state_bytes(const c10::IValue& level) {
   out.write("opt_level", level);
   out.write("num_losses", at::scalar_tensor(int64_t{1}, at::kLong));
   torch::serialize::OutputArchive scaler(out.compilation_unit());
-  loss_scaler(0).save(scaler);
+  loss_scaler(0)->save(scaler);
   out.write("loss_scaler0", scaler);
   std::ostringstream bytes;
   out.save_to(bytes);
@@ -312,15 +312,15 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
   // Scalers moved away from their initial values, to see that nothing is loaded.
   auto expect_scalers_unchanged = [](int num_losses, auto&& load) {
     std::vector<LossScaler::State> before;
-    for (int i = 0; i < num_losses; ++i) before.push_back(loss_scaler(i).state());
+    for (int i = 0; i < num_losses; ++i) before.push_back(loss_scaler(i)->state());
     load();
     for (int i = 0; i < num_losses; ++i) {
-      EXPECT_TRUE(BitEqual(loss_scaler(i).state().scale, before[i].scale)) << "loss " << i;
-      EXPECT_TRUE(BitEqual(loss_scaler(i).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(loss_scaler(i)->state().scale, before[i].scale)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(loss_scaler(i)->state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
     }
   };
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
-  loss_scaler(0).update(torch::ones({1}));  // an overflow
+  loss_scaler(0)->update(torch::ones({1}));  // an overflow
   torch::serialize::InputArchive in;
   in.load_from(bytes);
   expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
@@ -328,7 +328,7 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
   Options o2 = quiet(O2);
   o2.num_losses = 2;
   handle.initialize(std::vector<ModulePtr>{}, {}, o2);
-  loss_scaler(1).update(torch::ones({1}));  // an overflow
+  loss_scaler(1)->update(torch::ones({1}));  // an overflow
   bytes.seekg(0);
   torch::serialize::InputArchive again;
   again.load_from(bytes);

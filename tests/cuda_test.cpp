@@ -86,7 +86,7 @@ TEST_F(CudaTest, TrainingStepsAtO1AndO2WithFp16AndBf16) {
         scaled.backward();
       }
       optimizer->step();
-      EXPECT_TRUE(loss_scaler().scale_tensor(torch::kCUDA).is_cuda());
+      EXPECT_TRUE(loss_scaler()->scale_tensor(torch::kCUDA).is_cuda());
     }
     if (level == O2 || level == O5) {
       for (const auto& m : master_params(*optimizer)) EXPECT_EQ(m.scalar_type(), at::kFloat);
@@ -162,6 +162,28 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
       EXPECT_TRUE(torch::allclose(runs[0][i], runs[1][i], 1e-5, 1e-6)) << "parameter " << i;
     }
   }
+}
+
+// Model parallel: gradients on two devices are checked where they live and
+// folded into the one flag on the scale's device; an inf on either skips.
+TEST_F(CudaTest, GradientsOnTwoDevicesFoldIntoOneVerdict) {
+  for (c10::DeviceType inf_on : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+    SCOPED_TRACE(c10::DeviceTypeName(inf_on));
+    LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+    at::Tensor found_inf = torch::zeros({1}, torch::kCUDA);
+    (void)scaler.scale_tensor(torch::kCUDA);
+    auto on_cpu = torch::full({3}, 1024.0), on_cuda = torch::full({3}, 2048.0, torch::kCUDA);
+    (inf_on == c10::DeviceType::CPU ? on_cpu : on_cuda)[1] = std::numeric_limits<float>::infinity();
+    scaler.unscale({on_cpu, on_cuda}, found_inf);
+    EXPECT_EQ(found_inf.item<float>(), 1.0f);
+    EXPECT_EQ(on_cpu[0].item<float>(), 1024.0f / 65536.0f);
+    EXPECT_EQ(on_cuda[0].item<float>(), 2048.0f / 65536.0f);
+  }
+  LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+  at::Tensor found_inf = torch::zeros({1}, torch::kCUDA);
+  (void)scaler.scale_tensor(torch::kCUDA);
+  scaler.unscale({torch::ones({3}), torch::ones({3}, torch::kCUDA)}, found_inf);
+  EXPECT_EQ(found_inf.item<float>(), 0.0f) << "clean on both devices";
 }
 
 }  // namespace

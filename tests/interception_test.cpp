@@ -4,6 +4,8 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <atomic>
+#include <optional>
 #include <thread>
 
 namespace amp::testing {
@@ -118,6 +120,26 @@ TEST_F(InterceptionTest, OnlyItsHandleEndsAHandlesInitialization) {
   auto other = TinyNet();
   amp::initialize(other, quiet(O1));  // the free functions own theirs
   amp::deinitialize();
+  EXPECT_FALSE(is_initialized());
+}
+
+// A Handle moves with its initialization: the moved-to handle owns it and
+// ends it; the moved-from one is inactive and ends nothing.
+TEST_F(InterceptionTest, AMovedHandleCarriesItsInitialization) {
+  auto model = TinyNet();
+  std::optional<Handle> moved_to;
+  {
+    Handle first;
+    first.initialize(model, quiet(O1));
+    moved_to.emplace(std::move(first));
+    EXPECT_FALSE(first.active());
+    EXPECT_TRUE(moved_to->active());
+    first.deinitialize();  // a no-op: it owns nothing now
+    EXPECT_TRUE(is_initialized());
+  }  // the moved-from handle's end changes nothing
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(model->forward(torch::randn({2, 8})).scalar_type(), at::kBFloat16);
+  moved_to.reset();
   EXPECT_FALSE(is_initialized());
 }
 
@@ -345,6 +367,44 @@ TEST_F(InterceptionThreadsTest, DeinitializeRefusesWhileWorkersCast) {
   worker.join();
   amp::deinitialize();
   EXPECT_FALSE(amp::is_initialized());
+}
+
+// A worker opening enable_casts while the initializing thread deinitializes:
+// either the scope opens and amp stays live until it ends, or it is refused.
+// Never a scope that casts while amp ends under it.
+TEST_F(InterceptionThreadsTest, AWorkerOpeningCastsDuringDeinitializeIsCountedOrRefused) {
+  int opened = 0, refused = 0, ended_under_a_scope = 0;
+  for (int round = 0; round < 300; ++round) {
+    auto model = TinyNet();
+    amp::initialize(model, quiet(O1));
+    std::atomic<bool> go{false};
+    std::thread worker([&] {
+      while (!go.load()) std::this_thread::yield();
+      try {
+        enable_casts casts;
+        ++opened;
+        for (int i = 0; i < 3; ++i) {
+          if (!amp::is_initialized()) ++ended_under_a_scope;
+          std::this_thread::yield();
+        }
+      } catch (const c10::Error& e) {
+        ++refused;
+        EXPECT_THAT(e.what(), ::testing::HasSubstr("enable_casts needs amp to be initialized"));
+      }
+    });
+    go.store(true);
+    for (bool ended = false; !ended;) {
+      try {
+        amp::deinitialize();
+        ended = true;
+      } catch (const c10::Error& e) {
+        EXPECT_THAT(e.what(), ::testing::HasSubstr("enable_casts scope(s) are alive"));
+      }
+    }
+    worker.join();
+  }
+  EXPECT_EQ(ended_under_a_scope, 0);
+  EXPECT_EQ(opened + refused, 300);
 }
 
 }  // namespace

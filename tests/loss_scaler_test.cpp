@@ -64,8 +64,8 @@ class ScaleSequenceTest : public AmpTest {
         if (step == kNaN) model->bias.grad()[1] = std::numeric_limits<float>::quiet_NaN();
       }
       optimizer->step();
-      const LossScaler& scaler = loss_scaler();
-      out.push_back({scaler.scale(), scaler.growth_tracker(), scaler.hysteresis_tracker()});
+      const auto scaler = loss_scaler();
+      out.push_back({scaler->scale(), scaler->growth_tracker(), scaler->hysteresis_tracker()});
     }
     return out;
   }
@@ -150,6 +150,40 @@ TEST_F(ScaleSequenceTest, RaiseAtTheFloorIsAClearError) {
   { scale_loss scaled(loss, optimizer); }  // raised once
 }
 
+// A fused optimizer takes the verdict on the device: the guard does not read
+// it, so its step() raises the floor error, after skipping on the device.
+TEST_F(ScaleSequenceTest, RaiseAtTheFloorWithAFusedOptimizerIsRaisedByItsStep) {
+  auto model = torch::nn::Linear(3, 2);
+  amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  Options options = quiet(O1);
+  options.dynamic_scaling.min_loss_scale = 32768.0;
+  options.dynamic_scaling.at_floor = AtFloor::kRaise;
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  auto overflow_guard = [&] {
+    optimizer.zero_grad();
+    scale_loss scaled(model(torch::randn({2, 3})).sum(), optimizer);
+    scaled.backward();
+    model->bias.grad()[0] = std::numeric_limits<float>::infinity();
+    scaled.finish();
+  };
+  overflow_guard();
+  optimizer.step();  // 65536 -> 32768, the floor
+  const auto weight = model->weight.clone();
+  overflow_guard();  // the guard leaves the verdict to the step
+  EXPECT_AMP_ERROR(optimizer.step(), "already at its floor");
+  EXPECT_EQ(loss_scale(), 32768.0);
+  EXPECT_TRUE(BitEqual(model->weight, weight)) << "the step was skipped";
+  EXPECT_EQ(skipped_steps(optimizer), 2);
+  optimizer.zero_grad();
+  {
+    scale_loss scaled(model(torch::randn({2, 3})).sum(), optimizer);  // raised once: training goes on
+    scaled.backward();
+  }
+  optimizer.step();
+  EXPECT_FALSE(BitEqual(model->weight, weight));
+}
+
 TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {
   DynamicScaling first;
   first.growth_interval = 3;
@@ -167,10 +201,10 @@ TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {
   steps.insert(steps.end(), tail.begin(), tail.end());
   const auto actual = run(steps, 65536.0, first, [&](size_t step) {
     if (step != head.size()) return;
-    loss_scaler().set_growth_factor(4.0);
-    loss_scaler().set_backoff_factor(0.25);
-    loss_scaler().set_growth_interval(2);
-    EXPECT_EQ(loss_scaler().dynamic_scaling().growth_interval, 2);
+    loss_scaler()->set_growth_factor(4.0);
+    loss_scaler()->set_backoff_factor(0.25);
+    loss_scaler()->set_growth_interval(2);
+    EXPECT_EQ(loss_scaler()->dynamic_scaling().growth_interval, 2);
   });
   ASSERT_EQ(actual.size(), expected.size());
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -182,23 +216,52 @@ TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {
 TEST_F(ScaleSequenceTest, BadKnobsAreRefusedAndChangeNothing) {
   Handle handle;
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
-  LossScaler& scaler = loss_scaler();
-  EXPECT_AMP_ERROR(scaler.set_growth_factor(1.0), "growth_factor must be > 1");
-  EXPECT_AMP_ERROR(scaler.set_backoff_factor(1.5), "backoff_factor must lie in (0, 1)");
-  EXPECT_AMP_ERROR(scaler.set_growth_interval(0), "growth_interval must be >= 1");
+  const auto scaler = loss_scaler();
+  EXPECT_AMP_ERROR(scaler->set_growth_factor(1.0), "growth_factor must be > 1");
+  EXPECT_AMP_ERROR(scaler->set_backoff_factor(1.5), "backoff_factor must lie in (0, 1)");
+  EXPECT_AMP_ERROR(scaler->set_growth_interval(0), "growth_interval must be >= 1");
   DynamicScaling bad;
   bad.min_loss_scale = 1e9;
-  EXPECT_AMP_ERROR(scaler.set_dynamic_scaling(bad), "must not exceed max_loss_scale");
+  EXPECT_AMP_ERROR(scaler->set_dynamic_scaling(bad), "must not exceed max_loss_scale");
   const DynamicScaling defaults;
-  EXPECT_EQ(scaler.dynamic_scaling().growth_factor, defaults.growth_factor);
-  EXPECT_EQ(scaler.dynamic_scaling().backoff_factor, defaults.backoff_factor);
-  EXPECT_EQ(scaler.dynamic_scaling().growth_interval, defaults.growth_interval);
-  EXPECT_FALSE(scaler.dynamic_scaling().min_loss_scale.has_value());
+  EXPECT_EQ(scaler->dynamic_scaling().growth_factor, defaults.growth_factor);
+  EXPECT_EQ(scaler->dynamic_scaling().backoff_factor, defaults.backoff_factor);
+  EXPECT_EQ(scaler->dynamic_scaling().growth_interval, defaults.growth_interval);
+  EXPECT_FALSE(scaler->dynamic_scaling().min_loss_scale.has_value());
   handle.deinitialize();
   Options fixed = quiet(O1);
   fixed.loss_scale = LossScale::Static(128.0);
   handle.initialize(std::vector<ModulePtr>{}, {}, fixed);
-  EXPECT_AMP_ERROR(loss_scaler().set_growth_factor(4.0), "static scale");
+  EXPECT_AMP_ERROR(loss_scaler()->set_growth_factor(4.0), "static scale");
+}
+
+// The scaler a program keeps stays valid when amp ends: it reads the final
+// scale; the next initialization has scalers of its own.
+TEST_F(ScaleSequenceTest, AKeptScalerOutlivesItsInitialization) {
+  auto model = torch::nn::Linear(3, 2);
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  std::shared_ptr<LossScaler> kept;
+  {
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(O1));
+    kept = loss_scaler();
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model(torch::randn({2, 3})).sum(), optimizer);
+      scaled.backward();
+      model->bias.grad()[0] = std::numeric_limits<float>::infinity();
+    }
+    optimizer.step();
+  }  // amp ends; its context is gone
+  EXPECT_FALSE(is_initialized());
+  EXPECT_AMP_ERROR(loss_scaler(), "needs amp to be initialized");
+  EXPECT_EQ(kept->scale(), 32768.0);
+  kept->set_growth_interval(5);  // a finished run's knobs: harmless
+  Handle next;
+  next.initialize(model, optimizer, quiet(O1));
+  EXPECT_NE(loss_scaler(), kept);
+  EXPECT_EQ(loss_scale(), 65536.0);
+  EXPECT_EQ(loss_scaler()->dynamic_scaling().growth_interval, 2000);
 }
 
 TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes) {
@@ -212,7 +275,7 @@ TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes
   tuned.min_loss_scale = 4.0;
   tuned.max_loss_scale = 1e6;
   tuned.at_floor = AtFloor::kRaise;
-  loss_scaler().set_dynamic_scaling(tuned);
+  loss_scaler()->set_dynamic_scaling(tuned);
   torch::serialize::OutputArchive out;
   save_state(out);
   std::ostringstream bytes;
@@ -221,7 +284,7 @@ TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes
 
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
   load_state_bytes(bytes.str());
-  const DynamicScaling& loaded = loss_scaler().dynamic_scaling();
+  const DynamicScaling& loaded = loss_scaler()->dynamic_scaling();
   EXPECT_EQ(loaded.growth_factor, 3.0);
   EXPECT_EQ(loaded.backoff_factor, 0.125);
   EXPECT_EQ(loaded.growth_interval, 7);
@@ -255,8 +318,8 @@ TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes
   handle.initialize(std::vector<ModulePtr>{}, {}, defaults_but_interval);
   load_state_bytes(old_bytes.str());
   EXPECT_EQ(loss_scale(), 512.0);
-  EXPECT_EQ(loss_scaler().dynamic_scaling().growth_interval, 11);
-  EXPECT_EQ(loss_scaler().dynamic_scaling().growth_factor, 2.0);
+  EXPECT_EQ(loss_scaler()->dynamic_scaling().growth_interval, 11);
+  EXPECT_EQ(loss_scaler()->dynamic_scaling().growth_factor, 2.0);
 }
 
 TEST_F(ScaleSequenceTest, StaticScaleNeverChangesNorSkips) {

@@ -70,7 +70,7 @@ RunResult train(OptLevel level, bool adam, const std::vector<Fault>& plan, bool 
   for (size_t step = 0; step < plan.size(); ++step) {
     const Fault fault = plan[step];
     if (!inject && fault != Fault::kNone) {
-      loss_scaler().update(torch::ones({1}));  // the overflow the faulty run saw
+      loss_scaler()->update(torch::ones({1}));  // the overflow the faulty run saw
       ++reference_skips;
       continue;
     }
@@ -92,7 +92,7 @@ RunResult train(OptLevel level, bool adam, const std::vector<Fault>& plan, bool 
   for (const auto& m : master_params(*optimizer)) r.params.push_back(m.detach().clone());
   r.optimizer_state = optimizer_state_tensors(*optimizer);
   r.scale = loss_scale();
-  r.growth_tracker = loss_scaler().growth_tracker();
+  r.growth_tracker = loss_scaler()->growth_tracker();
   r.skipped = skipped_steps(*optimizer) + reference_skips;
   return r;
 }

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   for (const auto& b : model->buffers()) result.push_back(b.detach());
   for (const auto& m : amp::master_params(*optimizer)) result.push_back(m.detach());
   result.push_back(torch::tensor(amp::loss_scale()));
-  result.push_back(torch::tensor(amp::loss_scaler().growth_tracker()));
+  result.push_back(torch::tensor(amp::loss_scaler()->growth_tracker()));
   torch::save(result, argc > 4 ? argv[4] : path);
   return 0;
 }

@@ -83,5 +83,23 @@ TEST_F(SparseGradientTest, LevelsThatCastTheModelRefuseSparseGradients) {
   }
 }
 
+// GradScaler's rule for float16 sparse gradients: duplicate indices are summed
+// when the gradient is used, and two finite halves can sum past 65504. Such
+// a gradient is an overflow; its values are unscaled once either way.
+TEST_F(SparseGradientTest, Fp16DuplicateIndicesWhoseSumOverflowsAreAnOverflow) {
+  const auto indices = torch::tensor({0, 0, 1}, at::kLong).unsqueeze(0);
+  for (at::ScalarType dtype : {at::kHalf, at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto values = torch::tensor({40000.0, 40000.0, 2.0}).to(dtype);
+    auto grad = torch::sparse_coo_tensor(indices, values.clone(), {4});
+    ASSERT_FALSE(grad.is_coalesced());
+    LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+    at::Tensor found_inf = torch::zeros({1});
+    scaler.unscale({grad}, found_inf);
+    EXPECT_EQ(found_inf.item<float>() > 0, dtype == at::kHalf) << "only float16 sums overflow";
+    EXPECT_TRUE(BitEqual(grad._values(), (values.to(at::kDouble) / 65536.0).to(dtype)));
+  }
+}
+
 }  // namespace
 }  // namespace amp::testing

@@ -56,16 +56,23 @@ disable_casts::~disable_casts() {
 enable_casts::enable_casts() {
   std::shared_ptr<detail::Context> context = detail::require_live_context("amp::enable_casts");
   if (context->casting().empty()) return;  // this level does not intercept ops
-  state_ = std::make_unique<detail::ThreadCasting>(context->casting());
   if (std::this_thread::get_id() != context->owner()) {
+    // Counted before this thread casts, so deinitialize sees it.
+    TORCH_CHECK(context->add_worker(), "amp: amp::enable_casts needs amp to be initialized; it "
+                "was being deinitialized. Open the scope while amp is live.");
     worker_of_ = context;
-    context->worker_threads.fetch_add(1);
+  }
+  try {
+    state_ = std::make_unique<detail::ThreadCasting>(context->casting());
+  } catch (...) {
+    if (worker_of_) worker_of_->remove_worker();
+    throw;
   }
 }
 
 enable_casts::~enable_casts() {
   state_.reset();
-  if (worker_of_) worker_of_->worker_threads.fetch_sub(1);
+  if (worker_of_) worker_of_->remove_worker();
 }
 
 cast_dtype::cast_dtype(c10::ScalarType dtype, std::optional<c10::DeviceType> device) {

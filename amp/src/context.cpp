@@ -47,7 +47,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   }
   for (int i = 0; i < options.num_losses; ++i) {
     scalers_.push_back(
-        std::make_unique<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
+        std::make_shared<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
   }
   skip_logs_.resize(scalers_.size());
   overflow_reducer_ = options.reduce_overflow;
@@ -101,10 +101,10 @@ void Context::rethrow_deferred_error() {
   if (deferred_error_) std::rethrow_exception(std::exchange(deferred_error_, nullptr));
 }
 
-LossScaler& Context::scaler(int loss_id) {
+std::shared_ptr<LossScaler> Context::shared_scaler(int loss_id) {
   TORCH_CHECK(loss_id >= 0 && loss_id < num_losses(), "amp: loss_id ", loss_id,
               " is out of range: amp was initialized with num_losses=", num_losses(), ".");
-  return *scalers_[loss_id];
+  return scalers_[loss_id];
 }
 
 void Context::set_user_policy(const c10::OperatorName& op, c10::DeviceType device, CastPolicy policy) {
@@ -116,9 +116,25 @@ void Context::shutdown() {
   TORCH_CHECK(std::this_thread::get_id() == owner_ || !owner_casting_,
               "amp: deinitialize() must run on the thread that called amp::initialize, which "
               "owns amp's casting state.");
-  TORCH_CHECK(worker_threads.load() == 0, "amp: deinitialize() while ", worker_threads.load(),
-              " amp::enable_casts scope(s) are alive on other threads; end them first.");
+  {
+    std::lock_guard<std::mutex> lock(workers_mutex_);
+    TORCH_CHECK(workers_ == 0, "amp: deinitialize() while ", workers_,
+                " amp::enable_casts scope(s) are alive on other threads; end them first.");
+    closing_ = true;
+  }
   teardown();
+}
+
+bool Context::add_worker() {
+  std::lock_guard<std::mutex> lock(workers_mutex_);
+  if (closing_) return false;
+  ++workers_;
+  return true;
+}
+
+void Context::remove_worker() {
+  std::lock_guard<std::mutex> lock(workers_mutex_);
+  --workers_;
 }
 
 std::shared_ptr<Context> live_context() {

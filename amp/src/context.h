@@ -11,10 +11,10 @@
 
 #include <torch/optim/optimizer.h>
 
-#include <atomic>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -48,7 +48,8 @@ class Context {
   const Options& options() const { return options_; }
   int verbosity() const { return options_.verbosity; }
   int num_losses() const { return static_cast<int>(scalers_.size()); }
-  LossScaler& scaler(int loss_id);
+  LossScaler& scaler(int loss_id) { return *shared_scaler(loss_id); }
+  std::shared_ptr<LossScaler> shared_scaler(int loss_id);
   SkipLog& skip_log(int loss_id) { return skip_logs_.at(loss_id); }
 
   // How this initialization casts per device; empty when it does not
@@ -75,7 +76,11 @@ class Context {
   bool live() const { return !shut_down_; }
   std::thread::id owner() const { return owner_; }
 
-  std::atomic<int> worker_threads{0};  // live enable_casts scopes on other threads
+  // enable_casts scopes on other threads. They are counted under the lock
+  // shutdown checks them under, so a scope either counts before shutdown
+  // looks, or finds it begun and is refused (add_worker returns false).
+  bool add_worker();
+  void remove_worker();
 
   // Distributed training: combines the overflow flags of every rank (MAX),
   // so all ranks skip together. No-op without a process group.
@@ -89,7 +94,7 @@ class Context {
   Properties properties_;
   Options options_;
   std::vector<DeviceCasting> casting_;
-  std::vector<std::unique_ptr<LossScaler>> scalers_;
+  std::vector<std::shared_ptr<LossScaler>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
@@ -99,6 +104,9 @@ class Context {
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
   std::exception_ptr deferred_error_;
   std::function<void(at::Tensor&)> overflow_reducer_;
+  std::mutex workers_mutex_;
+  int workers_ = 0;
+  bool closing_ = false;  // shutdown has begun: no new workers
 };
 
 // The live context is the one record of "amp is live": at most one exists,

@@ -260,8 +260,8 @@ bool is_initialized() { return detail::live_context() != nullptr; }
 
 Properties properties() { return detail::require_live_context("amp::properties")->properties(); }
 
-LossScaler& loss_scaler(int loss_id) {
-  return detail::require_live_context("amp::loss_scaler")->scaler(loss_id);
+std::shared_ptr<LossScaler> loss_scaler(int loss_id) {
+  return detail::require_live_context("amp::loss_scaler")->shared_scaler(loss_id);
 }
 
 double loss_scale(int loss_id) {

@@ -153,7 +153,7 @@ std::vector<at::Tensor> snapshot(Setup& s) {
     }
   }
   for (int i = 0; i < 2; ++i) {
-    const auto state = amp::loss_scaler(i).state();
+    const auto state = amp::loss_scaler(i)->state();
     out.push_back(state.scale.clone());
     out.push_back(state.growth_tracker.clone());
     out.push_back(state.hysteresis_tracker.clone());
@@ -404,7 +404,7 @@ void run_one(Setup& s, const Input& input, const std::string& good_checkpoint, c
   }
   ++tally.accepted;
   for (int i = 0; i < 2; ++i) {
-    const double scale = amp::loss_scaler(i).scale();
+    const double scale = amp::loss_scaler(i)->scale();
     if (!std::isfinite(scale) || scale <= 0) ++tally.findings[std::string(prefix(input.kind)) + ": accepted a scale of " + std::to_string(scale)];
   }
   try {

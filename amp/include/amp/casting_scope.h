@@ -41,7 +41,8 @@
 // exception leaves the scope. None can be copied or moved.
 //
 // Errors (c10::Error): enable_casts and cast_dtype when amp is not
-// initialized; cast_dtype with a dtype other than float16/bfloat16. Under
+// initialized (for enable_casts on another thread: also while
+// amp::deinitialize() is ending it); cast_dtype with a dtype other than float16/bfloat16. Under
 // levels that do not intercept ops (O0) enable_casts does nothing. While an
 // enable_casts scope lives on a thread other than the initializing one,
 // amp::deinitialize() refuses to run.

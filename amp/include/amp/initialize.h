@@ -180,8 +180,11 @@ Properties properties();
 // initialized, loss_id out of range.
 double loss_scale(int loss_id = 0);
 
-// The live initialization's scaler for `loss_id` (tests, advanced use).
-LossScaler& loss_scaler(int loss_id = 0);
+// The live initialization's scaler for `loss_id`: its knobs, its device
+// state. Shared with amp, so it stays valid after deinitialize (the final
+// scale can still be read); a later initialize makes new scalers. Errors:
+// not initialized, loss_id out of range.
+std::shared_ptr<LossScaler> loss_scaler(int loss_id = 0);
 
 // ---- Implementation ----
 

@@ -22,8 +22,8 @@
 // set_growth_factor & co. (they apply from the next update and are saved
 // with amp's state):
 //
-//   amp::loss_scaler().set_growth_interval(500);     // grow faster from now on
-//   amp::loss_scaler().dynamic_scaling().growth_interval;  // 500
+//   amp::loss_scaler()->set_growth_interval(500);     // grow faster from now on
+//   amp::loss_scaler()->dynamic_scaling().growth_interval;  // 500
 #pragma once
 
 #include <amp/opt_levels.h>
