@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# Copies what tools/gpu_run.sh needs but the GPU machine lacks into the
-# git-ignored third_party/: GoogleTest's sources (Debian's googletest).
+# Downloads, here, the Debian packages the GPU machine lacks into the
+# git-ignored third_party_debs/ (about 34 MB), for tools/gpu_run.sh to unpack
+# there: Abseil (the examples' and tools' flags), GoogleTest's sources, gloo's
+# headers (LibTorch's ProcessGroupGloo.hpp), zlib (the examples read .gz
+# files) and the Fashion-MNIST data. Carry third_party_debs along.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-dpkg -s googletest >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq googletest; }
-mkdir -p "$root/third_party"
-rm -rf "$root/third_party/googletest"
-cp -r /usr/src/googletest "$root/third_party/googletest"
-echo "third_party/googletest ready (carry it to the GPU machine)"
+dir=$root/third_party_debs
+packages=(libabsl-dev libabsl20220623 googletest libgloo-dev zlib1g-dev dataset-fashion-mnist)
+mkdir -p "$dir"
+if ! (cd "$dir" && apt-get download "${packages[@]}" >/dev/null 2>&1); then
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo apt-get update -qq
+  (cd "$dir" && apt-get download "${packages[@]}" >/dev/null)
+fi
+echo "fetch_gpu_deps: $(ls "$dir"/*.deb | wc -l) packages in $dir ($(du -sh "$dir" | cut -f1))"

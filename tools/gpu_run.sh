@@ -1,31 +1,160 @@
 #!/usr/bin/env bash
-# On the GPU machine: builds amp against the machine's LibTorch (its python3
-# holds torch 2.11.0+cu130), runs the whole test suite - the CUDA tests
-# included - and the GPU benchmark, writing everything to <out_dir>.
+# The one command that proves amp on a GPU machine: builds amp there against
+# the machine's LibTorch (its python3 holds torch 2.11.0+cu130), runs the
+# whole test suite with CUDA present, compute-sanitizer over the CUDA tests,
+# the examples with --device=cuda at O0-O5, the GPU benchmark and Python's
+# torch.amp on the same models, writing what it finds to <out_dir>.
 #
-#   tools/gpu_run.sh "$OUT"
+#   tools/fetch_gpu_deps.sh                    # here, once: third_party_debs/
+#   tools/gpu_run.sh <out_dir> [stage ...]     # there, carrying third_party_debs
+#   tools/gpu_run.sh --simulate <out_dir>      # here: the GPU machine's environment
 #
-# That machine has CMake, Ninja and nvcc but no GoogleTest or Abseil: run
-# tools/fetch_gpu_deps.sh here first and carry third_party/ along. The
-# examples and CPU tools (Abseil) are not built there. Then runs
-# tools/bench/gpu_peer.py, Python's torch.amp on the same models.
-set -euo pipefail
+# Stages, in order (default: all): configure build suite (the GoogleTest
+# suite) ctest (every other ctest entry) sanitizer examples benchmarks peer. Each prints one line as it ends - its result and time -
+# to stdout and to <out_dir>/summary.md; logs go to <out_dir>/log.txt, the
+# suite's output to tests.txt, tables to benchmarks.md and peer.md as they
+# are measured (a run killed at its limit still returns what it had).
+# Six files in all. Each stage has a time limit; the whole run takes longer
+# than the device's 10 minutes a command, so run it in two calls:
+#   tools/gpu_run.sh "$OUT" configure build suite ctest sanitizer
+#   tools/gpu_run.sh "$OUT" configure build examples benchmarks peer
+#
+# --simulate runs the same script on a machine without a GPU, as the GPU
+# machine is: Debian's Abseil, GoogleTest, gloo and zlib under /usr are
+# hidden from CMake (CMAKE_IGNORE_PREFIX_PATH), so only what travels in
+# third_party_debs is found; the stages that need a device say so and skip.
+set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${1:?usage: tools/gpu_run.sh <out_dir>}
+simulate=0
+if [ "${1:-}" = "--simulate" ]; then simulate=1; shift; fi
+out=${1:?usage: tools/gpu_run.sh [--simulate] <out_dir> [stage ...]}
+shift
+stages=("$@")
+((${#stages[@]})) || stages=(configure build suite ctest sanitizer examples benchmarks peer)
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" || true
-torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-cmake -S "$root" -B "$root/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST="9.0" \
-  -DAMP_GPU=ON -DAMP_BUILD_EXAMPLES=OFF -DAMP_GTEST_SOURCE_DIR="$root/third_party/googletest" > "$out/configure.log" 2>&1
-cmake --build "$root/build-gpu" -j"$(nproc)" > "$out/build.log" 2>&1
-set +e
-"$root/build-gpu/tests/amp_tests" > "$out/tests.txt" 2>&1
-echo "amp_tests exit code $?" >> "$out/tests.txt"
-"$root/build-gpu/tools/gpu_benchmarks" 10 50 > "$out/gpu_benchmarks.md" 2> "$out/gpu_benchmarks.err"
-echo "gpu_benchmarks exit code $?" >> "$out/gpu_benchmarks.err"
-# What a Python user runs instead, same models and sizes, same GPU.
-python3 "$root/tools/bench/gpu_peer.py" 10 50 > "$out/gpu_peer.md" 2> "$out/gpu_peer.err"
-echo "gpu_peer exit code $?" >> "$out/gpu_peer.err"
-tail -n 3 "$out/tests.txt"
-cat "$out/gpu_benchmarks.md" "$out/gpu_peer.md"
+out=$(cd "$out" && pwd)
+: > "$out/summary.md"
+: > "$out/log.txt"
+
+deps=$root/third_party/gpu_deps  # the unpacked packages
+if ((simulate)); then
+  build=$root/build-gpu-sim
+  python=$root/.venv/bin/python
+  extra=(-DCMAKE_IGNORE_PREFIX_PATH=/usr)
+else
+  build=$root/build-gpu
+  python=python3
+  extra=()
+fi
+export PYTHONUNBUFFERED=1
+
+say() { echo "$*" | tee -a "$out/summary.md"; }
+# run_stage NAME LIMIT_S CMD...: runs CMD under a time limit, output to log.txt.
+run_stage() {
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "=== $name: $*" >> "$out/log.txt"
+  timeout "$limit" "$@" >> "$out/log.txt" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    say "gpu_run: $name ok ($((SECONDS - start)) s)"
+  else
+    local why="exit $rc"
+    ((rc == 124)) && why="stopped at its ${limit} s limit"
+    say "gpu_run: $name FAILED ($why, $((SECONDS - start)) s); the end of its log:"
+    tail -n 25 "$out/log.txt" | sed 's/^/    /' | tee -a "$out/summary.md"
+  fi
+  return $rc
+}
+has_gpu() { "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+wants() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+# device_stage NAME: true when NAME should run; says why not otherwise.
+device_stage() {
+  wants "$1" || return 1
+  has_gpu && return 0
+  say "gpu_run: $1 skipped: needs a CUDA device"
+  return 1
+}
+
+say "# tools/gpu_run.sh $( ((simulate)) && echo '--simulate ')on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC')"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
+  "$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1
+  (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n 1
+  "${CXX:-c++}" --version | head -n 1
+  echo "$(nproc) cores"
+} | sed 's/^/    /' | tee -a "$out/summary.md"
+
+# The packages the machine lacks, unpacked from the carried .deb files.
+if wants configure; then
+  debs=("$root"/third_party_debs/*.deb)
+  [ -e "${debs[0]}" ] || { say "gpu_run: no third_party_debs/*.deb: run tools/fetch_gpu_deps.sh here and carry third_party_debs"; exit 1; }
+  rm -rf "$deps" && mkdir -p "$deps"
+  for deb in "${debs[@]}"; do dpkg -x "$deb" "$deps"; done
+  torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  run_stage configure 300 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" -DTORCH_CUDA_ARCH_LIST=9.0 -DAMP_GPU=ON \
+    -DAMP_GTEST_SOURCE_DIR="$deps/usr/src/googletest" -DZLIB_USE_STATIC_LIBS=ON \
+    -DAMP_FASHION_MNIST_DIR="$deps/usr/share/datasets/fashion-mnist" -DAMP_PEER_PYTHON="$(command -v "$python")" \
+    "${extra[@]}" || exit 1
+fi
+if wants build; then
+  # Everything for ctest; otherwise what the chosen stages run.
+  targets=()
+  if ! wants ctest; then
+    targets=(--target fashion_mnist gan transformer_lm gpu_benchmarks)
+    wants suite || wants sanitizer && targets+=(amp_tests)
+  fi
+  run_stage build $((simulate ? 2400 : 480)) cmake --build "$build" -j"$(nproc)" "${targets[@]}" || exit 1
+fi
+
+if wants suite; then
+  # The GoogleTest suite in parallel shards (its output is the record: skips
+  # and failures by name).
+  start=$SECONDS
+  shards=$(( $(nproc) / 2 )); ((shards > 8)) && shards=8; ((shards < 1)) && shards=1
+  for ((i = 0; i < shards; i++)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 900 "$build/tests/amp_tests" \
+      > "$out/tests.shard$i" 2>&1 &
+  done
+  rc=0
+  for job in $(jobs -p); do wait "$job" || rc=$?; done
+  cat "$out"/tests.shard* > "$out/tests.txt" && rm -f "$out"/tests.shard*
+  counts=$(awk '/^\[  (PASSED|SKIPPED|FAILED) +\] [0-9]+ test/ {n[$2] += $4}
+                END {printf "%d passed, %d skipped, %d failed", n["PASSED"], n["SKIPPED"], n["FAILED"]}' \
+           "$out/tests.txt")
+  say "gpu_run: amp_tests in $shards shards: $counts, exit $rc ($((SECONDS - start)) s)"
+  grep -E '^\[  (SKIPPED|FAILED) +\] [A-Za-z]' "$out/tests.txt" | grep -v ' ms)$' | sort -u | sed 's/^/    /' | tee -a "$out/summary.md"
+fi
+if wants ctest; then
+  run_stage "ctest (the other entries)" 600 ctest --test-dir "$build" -E '^amp_tests$' -j"$(nproc)" --output-on-failure
+fi
+
+if device_stage sanitizer; then
+  run_stage "compute-sanitizer memcheck (CUDA tests)" 300 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$build/tests/amp_tests" --gtest_filter='Cuda*'
+fi
+
+if device_stage examples; then
+  start=$SECONDS
+  for level in O0 O1 O2 O3 O4 O5; do
+    for cmd in "fashion_mnist --train_limit=2048 --test_limit=1024" "gan --steps=20" \
+               "transformer_lm --steps=20"; do
+      line=$(timeout 120 "$build/examples/"$cmd --device=cuda --opt_level=$level --verbosity=0 2>&1 | tail -n 1)
+      say "    $level ${cmd%% *}: ${line}"
+    done
+  done
+  say "gpu_run: examples --device=cuda done ($((SECONDS - start)) s)"
+fi
+
+if device_stage benchmarks; then
+  start=$SECONDS
+  timeout 420 "$build/tools/gpu_benchmarks" 10 50 > "$out/benchmarks.md" 2>> "$out/log.txt"
+  say "gpu_run: gpu_benchmarks exit $? ($((SECONDS - start)) s): benchmarks.md"
+fi
+
+if device_stage peer; then
+  start=$SECONDS
+  timeout 300 "$python" "$root/tools/bench/gpu_peer.py" 10 50 > "$out/peer.md" 2>> "$out/log.txt"
+  say "gpu_run: Python torch.amp peer exit $? ($((SECONDS - start)) s): peer.md"
+fi

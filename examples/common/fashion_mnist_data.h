@@ -8,7 +8,12 @@
 
 namespace examples {
 
-inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+// Debian's dataset-fashion-mnist, or where the build was told it lies
+// (AMP_FASHION_MNIST_DIR: tools/gpu_run.sh unpacks the package elsewhere).
+#ifndef AMP_FASHION_MNIST_DIR
+#define AMP_FASHION_MNIST_DIR "/usr/share/datasets/fashion-mnist"
+#endif
+inline constexpr const char* kDefaultFashionMnistDir = AMP_FASHION_MNIST_DIR;
 
 struct ImageDataset {
   at::Tensor images;  // [N, 1, 28, 28] float32, normalized

@@ -1,15 +1,19 @@
 // amp's GPU benchmark: training-step time and peak memory of a ResNet-18 at
 // batch 256 on 3x224x224 inputs and of a GPT-2-small-shaped transformer
 // (12 layers, width 768, 12 heads, sequence 1024, batch 8), each at
-//   FP32 (TF32 off) | native LibTorch autocast + hand-written GradScaler loop |
-//   amp O1 | amp O2 | amp O3 (fused AdamW step: no host sync per step) |
-//   amp O1 and O2 with LibTorch's own AdamW (amp's fused AdamW elsewhere)
-// in float16 and bfloat16, measured side by side in one run. Prints Markdown
-// tables: median step time over the timed steps (CUDA events), speedup over
-// FP32, ratio to native autocast, peak allocated memory, host syncs per
-// step (amp::host_syncs; the native loop reads found_inf once), and the
-// transformer's model FLOP utilisation against the card's measured bf16
-// matmul throughput.
+//   FP32 (TF32 off, and on) | native LibTorch autocast + hand-written
+//   GradScaler loop | amp O1 | O2 | O3 (dynamic scale; AdamW eps 1e-4 in
+//   float16, where 1e-8 is 0) | O4 | O5 | amp O1 and O2 with LibTorch's own
+//   AdamW step
+// in float16 and bfloat16 (O4/O5: bfloat16 only), measured side by side in
+// one run, every row but the last two with amp's fused AdamW (native and
+// FP32 too: the same optimizer everywhere). Prints Markdown tables: the
+// mean step of one window of steps with one sync at its end (CUDA events),
+// speedup over FP32, ratio to native autocast, peak allocated memory, host
+// syncs per step (amp::host_syncs; the native loop reads found_inf once),
+// steps skipped and the final loss (a diverged row cannot pass as fast),
+// and the transformer's model FLOP utilisation against the card's measured
+// bf16 matmul throughput.
 //
 //   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
 #include <amp/amp.h>
@@ -80,10 +84,13 @@ TORCH_MODULE(ResNet18);
 
 // --- Harness ---------------------------------------------------------------------------
 
-enum class Mode { kFp32, kNative, kO1, kO2, kO3, kO1Own, kO2Own };
+enum class Mode { kFp32, kFp32Tf32, kNative, kO1, kO2, kO3, kO4, kO5, kO1Own, kO2Own };
 const char* name(Mode m) {
   switch (m) {
     case Mode::kFp32: return "FP32 (TF32 off)";
+    case Mode::kFp32Tf32: return "FP32 (TF32 on)";
+    case Mode::kO4: return "amp O4";
+    case Mode::kO5: return "amp O5";
     case Mode::kNative: return "native autocast + GradScaler loop";
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
@@ -105,18 +112,16 @@ struct Result {
   double ms = 0;
   double peak_gib = 0;
   double syncs_per_step = 0;
+  int64_t skipped = 0;     // steps skipped in the timed window
+  double final_loss = 0;   // so that a row that diverged cannot pass as fast
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // The anchor: LibTorch's own autocast around forward and a GradScaler written
 // by hand with the same ATen kernels GradScaler uses.
 struct NativeScaler {
   at::Tensor scale = torch::full({1}, 65536.0f, torch::kCUDA);
   at::Tensor tracker = torch::zeros({1}, torch::TensorOptions(torch::kCUDA).dtype(torch::kInt));
+  int64_t skipped = 0;
   void step(torch::optim::Optimizer& optimizer, const at::Tensor& loss) {
     (loss.to(at::kFloat) * scale).backward();
     auto found_inf = torch::zeros({1}, torch::kCUDA);
@@ -128,7 +133,11 @@ struct NativeScaler {
       }
     }
     for (auto& [dtype, grads] : by_dtype) at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv);
-    if (found_inf.item<float>() == 0) optimizer.step();
+    if (found_inf.item<float>() == 0) {
+      optimizer.step();
+    } else {
+      ++skipped;
+    }
     at::_amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000);
   }
 };
@@ -137,15 +146,23 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   torch::manual_seed(0);
   auto model = w.make();
   model->to(torch::kCUDA);
-  const bool amp_mode = mode != Mode::kFp32 && mode != Mode::kNative;
-  const bool fused = amp_mode && mode != Mode::kO1Own && mode != Mode::kO2Own;
+  const bool fp32 = mode == Mode::kFp32 || mode == Mode::kFp32Tf32;
+  const bool amp_mode = !fp32 && mode != Mode::kNative;
+  const bool fused = mode != Mode::kO1Own && mode != Mode::kO2Own;
+  at::globalContext().setAllowTF32CuBLAS(mode == Mode::kFp32Tf32);
+  at::globalContext().setAllowTF32CuDNN(mode == Mode::kFp32Tf32);
   amp::OptimizerPtr optimizer;
-  if (fused) optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), 1e-4);
-  if (!fused) optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-4);
+  // O3 keeps AdamW's state in float16, where the default eps (1e-8) is 0.
+  const double eps = mode == Mode::kO3 && low == at::kHalf ? 1e-4 : 1e-8;
+  const auto adamw = torch::optim::AdamWOptions(1e-4).eps(eps);
+  if (fused) optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), adamw);
+  if (!fused) optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), adamw);
   amp::Handle handle;
   if (amp_mode) {
     amp::Options options = mode == Mode::kO1 || mode == Mode::kO1Own   ? amp::O1
                            : mode == Mode::kO2 || mode == Mode::kO2Own ? amp::O2
+                           : mode == Mode::kO4                         ? amp::O4
+                           : mode == Mode::kO5                         ? amp::O5
                                                                        : amp::O3;
     options.verbosity = 0;
     options.cuda_dtype = low;
@@ -153,22 +170,24 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
     handle.initialize(model, optimizer, options);
   }
   NativeScaler native;
+  at::Tensor last_loss;
   auto step = [&](int64_t i) {
     optimizer->zero_grad();
     if (mode == Mode::kNative) {
       at::autocast::set_autocast_dtype(at::kCUDA, low);
       at::autocast::set_autocast_enabled(at::kCUDA, true);
-      const auto loss = w.loss(*model, i);
+      last_loss = w.loss(*model, i);
       at::autocast::set_autocast_enabled(at::kCUDA, false);
       at::autocast::clear_cache();
-      native.step(*optimizer, loss);
-    } else if (mode == Mode::kFp32) {
-      w.loss(*model, i).backward();
+      native.step(*optimizer, last_loss);
+    } else if (fp32) {
+      last_loss = w.loss(*model, i);
+      last_loss.backward();
       optimizer->step();
     } else {
-      const auto loss = w.loss(*model, i);
+      last_loss = w.loss(*model, i);
       {
-        amp::scale_loss scaled(loss, optimizer);
+        amp::scale_loss scaled(last_loss, optimizer);
         scaled.backward();
       }
       optimizer->step();
@@ -177,21 +196,24 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   for (int i = 0; i < warmup; ++i) step(i);
   torch::cuda::synchronize();
   c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-  std::vector<double> times;
+  // One window of `timed` steps and one sync at its end: the host runs
+  // ahead unless something makes it wait, which the sync count shows.
   const int64_t syncs_before = amp::host_syncs();
-  for (int i = 0; i < timed; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    step(warmup + i);
-    stop.record();
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
-  }
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-  const double syncs = mode == Mode::kNative ? 1.0
-                       : amp_mode            ? double(amp::host_syncs() - syncs_before) / timed
-                                             : 0.0;
-  return {median(times), stats.allocated_bytes[0].peak / double(1 << 30), syncs};
+  const int64_t skipped_before = amp_mode ? amp::skipped_steps(*optimizer) : native.skipped;
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < timed; ++i) step(warmup + i);
+  stop.record();
+  stop.synchronize();
+  Result result;
+  result.ms = start.elapsed_time(stop) / timed;
+  result.peak_gib = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak / double(1 << 30);
+  result.syncs_per_step = mode == Mode::kNative ? 1.0
+                          : amp_mode            ? double(amp::host_syncs() - syncs_before) / timed
+                                                : 0.0;
+  result.skipped = (amp_mode ? amp::skipped_steps(*optimizer) : native.skipped) - skipped_before;
+  result.final_loss = last_loss.item<double>();
+  return result;
 }
 
 double bf16_matmul_tflops() {
@@ -214,8 +236,6 @@ int main(int argc, char** argv) {
   }
   const int warmup = argc > 1 ? std::stoi(argv[1]) : 10, timed = argc > 2 ? std::stoi(argv[2]) : 50;
   const std::string models = argc > 3 ? argv[3] : "resnet,gpt";
-  at::globalContext().setAllowTF32CuBLAS(false);
-  at::globalContext().setAllowTF32CuDNN(false);
   at::globalContext().setBenchmarkCuDNN(true);
 
   examples::TransformerConfig gpt{50257, 1024, 768, 12, 12};
@@ -242,25 +262,30 @@ int main(int argc, char** argv) {
   }
   const double ceiling = bf16_matmul_tflops();
   std::printf("amp GPU benchmarks - %s, LibTorch %s; measured bf16 matmul ceiling %.0f TFLOP/s; "
-              "median of %d steps after %d warm-up steps\n",
+              "mean step of one %d-step window (one sync at its end) after %d warm-up steps\n",
               at::cuda::getCurrentDeviceProperties()->name, TORCH_VERSION, ceiling, timed, warmup);
   for (const auto& w : workloads) {
     for (at::ScalarType low : {at::kHalf, at::kBFloat16}) {
       std::printf("\n%s, low precision %s\n", w.name.c_str(), c10::toString(low));
-      std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 | host syncs/step |%s\n",
-                  w.flops_per_step ? " MFU |" : "");
-      std::printf("|---|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
+      std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 | host syncs/step "
+                  "| skipped | final loss |%s\n", w.flops_per_step ? " MFU |" : "");
+      std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
       std::map<Mode, Result> r;
-      for (Mode mode : {Mode::kFp32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO1Own, Mode::kO2Own}) {
+      for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4,
+                        Mode::kO5, Mode::kO1Own, Mode::kO2Own}) {
+        const bool bf16_level = mode == Mode::kO4 || mode == Mode::kO5;
+        if (bf16_level && low != at::kBFloat16) continue;
         r[mode] = measure(w, mode, low, warmup, timed);
       }
       for (const auto& [mode, res] : r) {
-        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f | %.2f |", name(mode), res.ms, r[Mode::kFp32].ms / res.ms,
-                    res.ms / r[Mode::kNative].ms, res.peak_gib, res.peak_gib / r[Mode::kFp32].peak_gib,
-                    res.syncs_per_step);
+        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f | %.2f | %lld | %.3f |", name(mode), res.ms,
+                    r[Mode::kFp32].ms / res.ms, res.ms / r[Mode::kNative].ms, res.peak_gib,
+                    res.peak_gib / r[Mode::kFp32].peak_gib, res.syncs_per_step,
+                    static_cast<long long>(res.skipped), res.final_loss);
         if (w.flops_per_step) std::printf(" %.1f%% |", 100 * w.flops_per_step / (res.ms / 1e3) / 1e12 / ceiling);
         std::printf("\n");
       }
+      std::fflush(stdout);  // each table as it is measured
     }
   }
   return 0;

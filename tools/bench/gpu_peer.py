@@ -1,11 +1,11 @@
 """What a Python user runs instead of amp on the GPU: torch.amp (autocast +
-GradScaler) with AdamW foreach and AdamW fused, beside FP32 (TF32 off), on the
+GradScaler) with AdamW foreach and AdamW fused, beside FP32 (TF32 off and on), on the
 models and sizes of tools/bench/gpu_benchmarks.cpp (ResNet-18 at batch 256 on
 3x224x224; the GPT-2-small-shaped transformer, 12 x 768, 12 heads, sequence
-1024, batch 8). Prints Markdown tables in gpu_benchmarks' format: median step
-time over CUDA events after warm-up, peak allocated memory, and host syncs per
-step (GradScaler.step reads found_inf on the host unless the optimizer is
-fused).
+1024, batch 8). Prints Markdown tables in gpu_benchmarks' format: the mean
+step of one window of steps with one sync at its end (CUDA events) after
+warm-up, peak allocated memory, host syncs per step (GradScaler.step reads
+found_inf on the host unless the optimizer is fused) and the final loss.
 
     python3 tools/bench/gpu_peer.py [warmup=10] [timed=50] [models=resnet,gpt]
 """
@@ -71,43 +71,42 @@ def gpt_loss(model):
 def measure(make, loss_of, mode, low, warmup, timed):
     torch.manual_seed(0)
     model = make().cuda()
-    fused = mode == "fused"
+    fp32 = mode.startswith("fp32")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "fp32_tf32"
+    fused = mode != "foreach"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=not fused, fused=fused)
-    scaler = torch.amp.GradScaler("cuda", enabled=mode != "fp32")
-    syncs = 0
+    scaler = torch.amp.GradScaler("cuda", enabled=not fp32)
+    syncs, loss = 0, None
 
     def step():
-        nonlocal syncs
+        nonlocal syncs, loss
         optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=low, enabled=mode != "fp32"):
+        with torch.autocast("cuda", dtype=low, enabled=not fp32):
             loss = loss_of(model)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        syncs += 0 if mode == "fp32" or fused else 1  # GradScaler.step's found_inf.item()
+        syncs += 0 if fp32 or fused else 1  # GradScaler.step's found_inf.item()
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    syncs, times = 0, []
+    syncs = 0
+    # One window of steps and one sync at its end, as gpu_benchmarks times.
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(timed):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30, syncs / timed
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / timed, torch.cuda.max_memory_allocated() / 2**30, syncs / timed, loss.item()
 
 
 def main():
     warmup = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     timed = int(sys.argv[2]) if len(sys.argv) > 2 else 50
     models = sys.argv[3] if len(sys.argv) > 3 else "resnet,gpt"
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
     workloads = []
     if "resnet" in models:
@@ -116,19 +115,19 @@ def main():
         workloads.append(("GPT-2-small shape (12 x 768, 12 heads), seq 1024, batch 8",
                           lambda: CharTransformer(**GPT), gpt_loss))
     print(f"Python torch.amp on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"median of {timed} steps after {warmup} warm-up steps")
-    names = {"fp32": "FP32 (TF32 off)", "foreach": "torch.amp, AdamW foreach",
-             "fused": "torch.amp, AdamW fused"}
+          f"mean step of one {timed}-step window (one sync at its end) after {warmup} warm-up steps")
+    names = {"fp32": "FP32 (TF32 off), AdamW fused", "fp32_tf32": "FP32 (TF32 on), AdamW fused",
+             "foreach": "torch.amp, AdamW foreach", "fused": "torch.amp, AdamW fused"}
     for title, make, loss_of in workloads:
         for low in (torch.float16, torch.bfloat16):
             print(f"\n{title}, low precision {low}")
-            print("| mode | step ms | speedup vs FP32 | peak GiB | peak / FP32 | host syncs/step |")
-            print("|---|---:|---:|---:|---:|---:|")
+            print("| mode | step ms | speedup vs FP32 | peak GiB | peak / FP32 | host syncs/step | final loss |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
             results = {mode: measure(make, loss_of, mode, low, warmup, timed) for mode in names}
-            fp32_ms, _, _ = results["fp32"]
-            fp32_peak = results["fp32"][1]
-            for mode, (ms, peak, syncs) in results.items():
-                print(f"| {names[mode]} | {ms:.1f} | {fp32_ms / ms:.2f} | {peak:.2f} | {peak / fp32_peak:.2f} | {syncs:.0f} |")
+            fp32_ms, fp32_peak = results["fp32"][:2]
+            for mode, (ms, peak, syncs, loss) in results.items():
+                print(f"| {names[mode]} | {ms:.1f} | {fp32_ms / ms:.2f} | {peak:.2f} | {peak / fp32_peak:.2f} "
+                      f"| {syncs:.0f} | {loss:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

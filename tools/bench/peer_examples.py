@@ -85,7 +85,7 @@ class CharTransformer(nn.Module):
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
 
     def forward(self, tokens):
-        x = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
+        x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
