@@ -1,5 +1,7 @@
 #include "non_finite_check.h"
 
+#include "overflow_verdict.h"
+
 #include <ATen/ATen.h>
 
 #include <map>
@@ -35,6 +37,9 @@ void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tens
       at::Tensor found_here = at::zeros({1}, found_inf.options().device(device));
       at::_amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device));
       found_inf.add_(found_here.to(home));
+      // Into a CPU flag (the loss was on the CPU) the copy waits for the
+      // device: a host sync like any other.
+      if (home.is_cpu() && !device.is_cpu()) count_host_read();
     }
   }
 }

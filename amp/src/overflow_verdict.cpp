@@ -133,6 +133,8 @@ bool DeferredVerdicts::resolve() {
 
 int64_t verdict_host_reads() { return g_host_reads.load(std::memory_order_relaxed); }
 
+void count_host_read() { g_host_reads.fetch_add(1, std::memory_order_relaxed); }
+
 }  // namespace detail
 
 int64_t host_syncs() { return detail::verdict_host_reads(); }

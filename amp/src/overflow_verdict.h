@@ -68,5 +68,7 @@ class DeferredVerdicts {
 
 // The number of host syncs made to learn verdicts (amp::host_syncs()).
 int64_t verdict_host_reads();
+// Counts a wait for the device made elsewhere (amp::host_syncs).
+void count_host_read();
 
 }  // namespace amp::detail

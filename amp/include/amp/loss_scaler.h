@@ -41,7 +41,9 @@ namespace amp {
 // reading the verdict; never for a fused step (optimizer.h), whose kernel
 // decides on the device, unless its outcome is asked for before it reached
 // the host (last_step_skipped, skipped_steps, a checkpoint; on a GPU only).
-// Monotonic.
+// A loss on the CPU with gradients on a GPU costs one more per device each
+// unscale (the overflow flag lives beside the loss): keep the loss on the
+// GPU. Monotonic.
 int64_t host_syncs();
 
 class LossScaler {
