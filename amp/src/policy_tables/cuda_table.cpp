@@ -3,9 +3,12 @@
 // The same lists as LibTorch 2.11's native CUDA autocast (the AT_FORALL_*
 // lists of ATen/autocast_mode.h plus autocast_mode.cpp's extras). One native
 // kernel is deliberately left in place: aten::_cudnn_rnn, whose autocast
-// kernel re-flattens cuDNN's packed weight buffer in low precision; amp sets
-// LibTorch's autocast dtype to its own while active, so that kernel agrees
-// with amp's dtype. Native cat/stack on CUDA already promote mixed inputs, so
+// kernel re-flattens cuDNN's packed weight buffer in low precision (with
+// ATen's private cuDNN helpers, which LibTorch does not install). That
+// kernel casts to float16 whatever the autocast dtype, so at the bfloat16
+// levels cuDNN RNNs (nn::LSTM, GRU, RNN) are expected to run in float16;
+// CudaTrainingTest.RecurrentNetsRunInTheLevelsDtype measures it on a GPU.
+// Native cat/stack on CUDA already promote mixed inputs, so
 // neither table lists them for CUDA (as in LibTorch).
 #include "table_entry.h"
 
