@@ -2,12 +2,17 @@
 // of its forward, and its backward runs with the casting state of forward.
 #include "test_util.h"
 
+#include <torch/cuda.h>
+
+#include <thread>
+
 namespace amp::testing {
 namespace {
 
 // Dtypes seen inside the last forward and backward.
 struct Seen {
   at::ScalarType forward_inputs = at::kDouble, forward_output = at::kDouble, backward_mm = at::kDouble;
+  std::thread::id backward_thread;
 };
 Seen g_seen;
 
@@ -27,6 +32,7 @@ torch::autograd::variable_list matmul_backward(torch::autograd::AutogradContext*
   const auto saved = ctx->get_saved_variables();
   const at::Tensor grad_a = grads[0].mm(saved[1].t());
   g_seen.backward_mm = grad_a.scalar_type();
+  g_seen.backward_thread = std::this_thread::get_id();
   return {grad_a, saved[0].t().mm(grads[0])};
 }
 
@@ -104,6 +110,22 @@ TEST_F(CustomFunctionTest, BackwardCastsAsForwardDid) {
   const at::Tensor g = weights.to(at::kBFloat16);
   EXPECT_TRUE(BitEqual(a.grad(), g.mm(b.detach().to(at::kBFloat16).t()).to(at::kFloat)));
   EXPECT_TRUE(BitEqual(b.grad(), a.detach().to(at::kBFloat16).t().mm(g).to(at::kFloat)));
+}
+
+// On CUDA, backward runs on autograd's device thread, not the one that
+// called backward(): custom_bwd carries forward's casting state there.
+TEST_F(CustomFunctionTest, BackwardOnAutogradsCudaThreadCastsAsForwardDid) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+  const at::Tensor ca = a.detach().cuda().requires_grad_(), cb = b.detach().cuda().requires_grad_();
+  const at::Tensor out = CastingMatmul::apply(ca, cb);
+  EXPECT_EQ(g_seen.forward_output, at::kHalf);
+  (out.to(at::kFloat) * weights.cuda()).sum().backward();
+  EXPECT_NE(g_seen.backward_thread, std::this_thread::get_id()) << "autograd's CUDA thread ran backward";
+  EXPECT_EQ(g_seen.backward_mm, at::kHalf);
+  disable_casts exact;
+  const at::Tensor g = weights.cuda().to(at::kHalf);
+  EXPECT_TRUE(BitEqual(ca.grad(), g.mm(cb.detach().to(at::kHalf).t()).to(at::kFloat)));
 }
 
 TEST_F(CustomFunctionTest, WithoutCastsNothingIsCastInsideEither) {

@@ -1,6 +1,8 @@
 // The precision report's table for a known tiny model, asserted exactly.
 #include "test_util.h"
 
+#include <torch/cuda.h>
+
 namespace amp::testing {
 namespace {
 
@@ -51,6 +53,30 @@ TEST_F(OpStatsTest, CacheHitsAndBackwardCallsAreReported) {
   EXPECT_EQ(hits, 5);
   EXPECT_GT(backward_rows, 0);
   EXPECT_THAT(format_op_stats(recorder.stats()), ::testing::HasSubstr("passthrough (backward)"));
+}
+
+// CUDA backward runs on autograd's device thread; its calls are recorded
+// there, as backward, never cast.
+TEST_F(OpStatsTest, BackwardOnAutogradsCudaThreadIsRecorded) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  auto model = TinyNet();
+  model->to(torch::kCUDA);
+  Handle handle;
+  handle.initialize(model, quiet(O1));
+  OpStatsRecorder recorder;
+  model->forward(torch::randn({2, 8}, torch::kCUDA)).to(at::kFloat).sum().backward();
+  int64_t forward_casts = 0, backward_rows = 0;
+  for (const auto& row : recorder.stats()) {
+    EXPECT_EQ(row.device, c10::DeviceType::CUDA);
+    if (row.in_backward) {
+      ++backward_rows;
+      EXPECT_EQ(row.casts, 0);
+    } else {
+      forward_casts += row.casts;
+    }
+  }
+  EXPECT_GT(forward_casts, 0);
+  EXPECT_GT(backward_rows, 0);
 }
 
 TEST_F(OpStatsTest, OnlyOneRecorderAtATime) {
