@@ -10,14 +10,16 @@
 #   tools/gpu_run.sh --simulate <out_dir>      # here: the GPU machine's environment
 #
 # Stages, in order (default: all): configure build suite (the GoogleTest
-# suite) ctest (every other ctest entry) sanitizer examples benchmarks peer. Each prints one line as it ends - its result and time -
+# suite) ctest (every other ctest entry) sanitizer examples accuracy
+# (Fashion-MNIST, all 60,000 images, 5 epochs at O0, O1, O2 in float16)
+# benchmarks peer. Each prints one line as it ends - its result and time -
 # to stdout and to <out_dir>/summary.md; logs go to <out_dir>/log.txt, the
 # suite's output to tests.txt, tables to benchmarks.md and peer.md as they
 # are measured (a run killed at its limit still returns what it had).
 # Six files in all. Each stage has a time limit; the whole run takes longer
 # than the device's 10 minutes a command, so run it in two calls:
 #   tools/gpu_run.sh "$OUT" configure build suite ctest sanitizer
-#   tools/gpu_run.sh "$OUT" configure build examples benchmarks peer
+#   tools/gpu_run.sh "$OUT" configure build examples accuracy benchmarks peer
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU
 # machine is: Debian's Abseil, GoogleTest, gloo and zlib under /usr are
@@ -30,7 +32,7 @@ if [ "${1:-}" = "--simulate" ]; then simulate=1; shift; fi
 out=${1:?usage: tools/gpu_run.sh [--simulate] <out_dir> [stage ...]}
 shift
 stages=("$@")
-((${#stages[@]})) || stages=(configure build suite ctest sanitizer examples benchmarks peer)
+((${#stages[@]})) || stages=(configure build suite ctest sanitizer examples accuracy benchmarks peer)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : > "$out/summary.md"
@@ -140,11 +142,30 @@ if device_stage examples; then
   for level in O0 O1 O2 O3 O4 O5; do
     for cmd in "fashion_mnist --train_limit=2048 --test_limit=1024" "gan --steps=20" \
                "transformer_lm --steps=20"; do
-      line=$(timeout 120 "$build/examples/"$cmd --device=cuda --opt_level=$level --verbosity=0 2>&1 | tail -n 1)
+      # The example's result line, or its exit status and last words.
+      output=$(timeout 120 "$build/examples/"$cmd --device=cuda --opt_level=$level --verbosity=0 2>&1)
+      rc=$?
+      line=$(grep -m 1 "^opt_level" <<< "$output")
+      if ((rc != 0)) || [ -z "$line" ]; then
+        line="FAILED (exit $rc): $(grep -v '^[[:space:]]*$' <<< "$output" | tail -n 1)"
+      fi
       say "    $level ${cmd%% *}: ${line}"
     done
   done
   say "gpu_run: examples --device=cuda done ($((SECONDS - start)) s)"
+fi
+
+if device_stage accuracy; then
+  start=$SECONDS
+  for level in O0 O1 O2; do
+    output=$(timeout 180 "$build/examples/fashion_mnist" --device=cuda --opt_level=$level --dtype=fp16 \
+             --epochs=5 --train_limit=0 --verbosity=0 2>&1)
+    rc=$?
+    line=$(grep -m 1 "^opt_level" <<< "$output")
+    ((rc == 0)) && [ -n "$line" ] || line="FAILED (exit $rc): $(grep -v '^[[:space:]]*$' <<< "$output" | tail -n 1)"
+    say "    $level fp16, 5 epochs: ${line}"
+  done
+  say "gpu_run: accuracy done ($((SECONDS - start)) s)"
 fi
 
 if device_stage benchmarks; then
