@@ -50,7 +50,6 @@ Context::Context(const Properties& properties, const Options& options, const Reg
         std::make_shared<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
   }
   skip_logs_.resize(scalers_.size());
-  overflow_reducer_ = options.reduce_overflow;
   if (!casting_.empty()) {
     interceptor_ = std::make_unique<Interceptor>(casting_, held);
     owner_casting_ = std::make_unique<ThreadCasting>(casting_);

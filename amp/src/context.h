@@ -12,7 +12,6 @@
 #include <torch/optim/optimizer.h>
 
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -45,7 +44,6 @@ class Context {
   Context& operator=(const Context&) = delete;
 
   const Properties& properties() const { return properties_; }
-  const Options& options() const { return options_; }
   int verbosity() const { return options_.verbosity; }
   int num_losses() const { return static_cast<int>(scalers_.size()); }
   LossScaler& scaler(int loss_id) { return *shared_scaler(loss_id); }
@@ -85,7 +83,7 @@ class Context {
   // Distributed training: combines the overflow flags of every rank (MAX),
   // so all ranks skip together. No-op without a process group.
   void reduce_overflow(at::Tensor& found_inf) const {
-    if (overflow_reducer_) overflow_reducer_(found_inf);
+    if (options_.reduce_overflow) options_.reduce_overflow(found_inf);
   }
 
  private:
@@ -103,7 +101,6 @@ class Context {
   std::unique_ptr<ModelWeights> weights_;
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
   std::exception_ptr deferred_error_;
-  std::function<void(at::Tensor&)> overflow_reducer_;
   std::mutex workers_mutex_;
   int workers_ = 0;
   bool closing_ = false;  // shutdown has begun: no new workers

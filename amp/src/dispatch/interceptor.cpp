@@ -198,7 +198,6 @@ void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, Cast
 }
 
 void OpBinding::set_policy(CastPolicy table) {
-  table_policy = table;
   CastPolicy applied = table;
   const bool fp32_family = table == CastPolicy::kFp32 || table == CastPolicy::kFp32SetOptDtype ||
                            table == CastPolicy::kFp32AppendDtype || table == CastPolicy::kBanned;

@@ -44,7 +44,6 @@ struct OpBinding {
   // settings (fp32_ops, allow_banned) are folded in, so the hot path reads
   // one value.
   std::atomic<CastPolicy> policy{CastPolicy::kPassthrough};
-  CastPolicy table_policy = CastPolicy::kPassthrough;  // before folding
   std::atomic<const char*> banned_because{nullptr};  // the table row's reason, for kBanned
 
   void set_policy(CastPolicy table);
