@@ -49,6 +49,10 @@ else
   extra=()
 fi
 export PYTHONUNBUFFERED=1
+# LibTorch's CMake config enables CUDA: nvcc must be found.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
 
 say() { echo "$*" | tee -a "$out/summary.md"; }
 # run_stage NAME LIMIT_S CMD...: runs CMD under a time limit, output to log.txt.
@@ -78,11 +82,25 @@ device_stage() {
   return 1
 }
 
+# unpack_deb DEB DIR: the package's files under DIR (dpkg -x, or by hand: a
+# .deb is an ar archive whose data.tar.* member holds them).
+unpack_deb() {
+  if command -v dpkg >/dev/null; then dpkg -x "$1" "$2"; return; fi
+  local member
+  member=$(ar t "$1" | grep '^data\.tar')
+  case $member in
+    *.xz) ar p "$1" "$member" | tar -xJ -C "$2" ;;
+    *.zst) ar p "$1" "$member" | tar --zstd -x -C "$2" ;;
+    *.gz) ar p "$1" "$member" | tar -xz -C "$2" ;;
+    *) ar p "$1" "$member" | tar -x -C "$2" ;;
+  esac
+}
+
 say "# tools/gpu_run.sh $( ((simulate)) && echo '--simulate ')on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC')"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
   "$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1
-  (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n 1
+  echo "nvcc: $(command -v nvcc || echo 'not found') $(nvcc --version 2>/dev/null | tail -n 1)"
   "${CXX:-c++}" --version | head -n 1
   echo "$(nproc) cores"
 } | sed 's/^/    /' | tee -a "$out/summary.md"
@@ -92,7 +110,7 @@ if wants configure; then
   debs=("$root"/third_party_debs/*.deb)
   [ -e "${debs[0]}" ] || { say "gpu_run: no third_party_debs/*.deb: run tools/fetch_gpu_deps.sh here and carry third_party_debs"; exit 1; }
   rm -rf "$deps" && mkdir -p "$deps"
-  for deb in "${debs[@]}"; do dpkg -x "$deb" "$deps"; done
+  for deb in "${debs[@]}"; do unpack_deb "$deb" "$deps"; done
   torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
   run_stage configure 300 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" -DTORCH_CUDA_ARCH_LIST=9.0 -DAMP_GPU=ON \
