@@ -42,10 +42,10 @@
 //
 // Errors (c10::Error): enable_casts and cast_dtype when amp is not
 // initialized (for enable_casts on another thread: also while
-// amp::deinitialize() is ending it); cast_dtype with a dtype other than float16/bfloat16. Under
-// levels that do not intercept ops (O0) enable_casts does nothing. While an
-// enable_casts scope lives on a thread other than the initializing one,
-// amp::deinitialize() refuses to run.
+// amp::deinitialize() is ending it); cast_dtype with a dtype other than
+// float16/bfloat16. Under levels that do not intercept ops (O0)
+// enable_casts does nothing. While an enable_casts scope lives on a thread
+// other than the initializing one, amp::deinitialize() refuses to run.
 #pragma once
 
 #include <c10/core/DeviceType.h>
