@@ -114,16 +114,15 @@ CastingState CastingState::current() {
 
 with_casting_state::with_casting_state(const CastingState& state) {
   if (state.casts_) {
-    enable_ = std::make_unique<enable_casts>();
-    cpu_dtype_ = std::make_unique<cast_dtype>(state.cpu_dtype_, c10::DeviceType::CPU);
-    cuda_dtype_ = std::make_unique<cast_dtype>(state.cuda_dtype_, c10::DeviceType::CUDA);
+    enable_.emplace();
+    cpu_dtype_.emplace(state.cpu_dtype_, c10::DeviceType::CPU);
+    cuda_dtype_.emplace(state.cuda_dtype_, c10::DeviceType::CUDA);
   } else {
-    disable_ = std::make_unique<disable_casts>();
+    disable_.emplace();
   }
-  if (!state.cache_) no_cache_ = std::make_unique<disable_cast_cache>();
+  if (!state.cache_) no_cache_.emplace();
 }
 
-// Members end in reverse order of declaration: cache, dtypes, then casting.
 with_casting_state::~with_casting_state() = default;
 
 }  // namespace amp

@@ -19,7 +19,7 @@ custom_fwd::custom_fwd(torch::autograd::AutogradContext* ctx, std::optional<c10:
               "floating dtype (float32, float16, bfloat16), got ", *cast_inputs, ".");
   if (cast_inputs && CastingState::current().casts()) {
     to_ = cast_inputs;
-    off_ = std::make_unique<disable_casts>();
+    off_.emplace();
   }
   const CastingState forward = CastingState::current();  // what forward runs with
   ctx->saved_data[kCasts] = forward.casts_;
@@ -44,7 +44,7 @@ custom_bwd::custom_bwd(torch::autograd::AutogradContext* ctx) {
   forward.cpu_dtype_ = static_cast<c10::ScalarType>(ctx->saved_data.at(kCpuDtype).toInt());
   forward.cuda_dtype_ = static_cast<c10::ScalarType>(ctx->saved_data.at(kCudaDtype).toInt());
   forward.cache_ = ctx->saved_data.at(kCache).toBool();
-  state_ = std::make_unique<with_casting_state>(forward);
+  state_.emplace(forward);
   casts_ = forward.casts_;
   if (casts_) detail::allow_casts_in_backward(true);
 }

@@ -142,10 +142,11 @@ class [[nodiscard]] with_casting_state {
   with_casting_state& operator=(const with_casting_state&) = delete;
 
  private:
-  std::unique_ptr<enable_casts> enable_;
-  std::unique_ptr<disable_casts> disable_;
-  std::unique_ptr<cast_dtype> cpu_dtype_, cuda_dtype_;
-  std::unique_ptr<disable_cast_cache> no_cache_;
+  // In place, no allocation; they end in reverse order: cache, dtypes, casting.
+  std::optional<enable_casts> enable_;
+  std::optional<disable_casts> disable_;
+  std::optional<cast_dtype> cpu_dtype_, cuda_dtype_;
+  std::optional<disable_cast_cache> no_cache_;
 };
 
 // Wraps `fn` so that whichever thread calls it runs it with the casting state

@@ -37,7 +37,6 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <memory>
 #include <optional>
 
 namespace amp {
@@ -56,7 +55,7 @@ class [[nodiscard]] custom_fwd {
 
  private:
   std::optional<c10::ScalarType> to_;
-  std::unique_ptr<disable_casts> off_;
+  std::optional<disable_casts> off_;
 };
 
 class [[nodiscard]] custom_bwd {
@@ -67,7 +66,7 @@ class [[nodiscard]] custom_bwd {
   custom_bwd& operator=(const custom_bwd&) = delete;
 
  private:
-  std::unique_ptr<with_casting_state> state_;
+  std::optional<with_casting_state> state_;
   bool casts_;
 };
 
