@@ -22,24 +22,6 @@ class CudaTrainingTest : public AmpTest {
   }
 };
 
-::testing::AssertionResult AllClose(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                                    double rtol, double atol) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
-  for (size_t i = 0; i < a.size(); ++i) {
-    const auto x = a[i].detach().cpu().to(at::kDouble), y = b[i].detach().cpu().to(at::kDouble);
-    if (!torch::allclose(x, y, rtol, atol)) {
-      return ::testing::AssertionFailure() << "tensor " << i << ": max |a-b| = " << (x - y).abs().max().item<double>();
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors) out.push_back(t.detach().clone());
-  return out;
-}
-
 struct ConvBnNetImpl : torch::nn::Module {
   ConvBnNetImpl()
       : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)))),

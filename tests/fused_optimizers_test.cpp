@@ -70,28 +70,12 @@ std::vector<at::Tensor> state_of(const torch::optim::Optimizer& optimizer) {
   return out;
 }
 
-std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors) out.push_back(t.detach().clone());
-  return out;
-}
-
 // The documented tolerance: the kernels order float32 arithmetic differently
 // from LibTorch's step, a few roundings per step. Over these 8 steps the
 // largest difference seen is 1.2e-7 (Adam, SGD with momentum); plain SGD and
 // AdamW happen to agree bit for bit.
 ::testing::AssertionResult Close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].sizes() != b[i].sizes() || a[i].scalar_type() != b[i].scalar_type()) {
-      return ::testing::AssertionFailure() << "tensor " << i << " differs in shape or dtype";
-    }
-    if (!torch::allclose(a[i].to(at::kDouble), b[i].to(at::kDouble), /*rtol=*/1e-6, /*atol=*/1e-7)) {
-      return ::testing::AssertionFailure() << "tensor " << i << ": max |a-b| = "
-                                           << (a[i].to(at::kDouble) - b[i].to(at::kDouble)).abs().max().item<double>();
-    }
-  }
-  return ::testing::AssertionSuccess();
+  return AllClose(a, b, /*rtol=*/1e-6, /*atol=*/1e-7);
 }
 
 ::testing::AssertionResult AllBitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {

@@ -39,6 +39,30 @@ inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor
   return ::testing::AssertionSuccess();
 }
 
+// Each tensor within rtol/atol of its partner (compared in float64 on the
+// CPU), with the same shape and dtype.
+inline ::testing::AssertionResult AllClose(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                                           double rtol, double atol) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].sizes() != b[i].sizes() || a[i].scalar_type() != b[i].scalar_type()) {
+      return ::testing::AssertionFailure() << "tensor " << i << " differs in shape or dtype";
+    }
+    const at::Tensor x = a[i].detach().cpu().to(at::kDouble), y = b[i].detach().cpu().to(at::kDouble);
+    if (!torch::allclose(x, y, rtol, atol)) {
+      return ::testing::AssertionFailure() << "tensor " << i << ": max |a-b| = " << (x - y).abs().max().item<double>();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Detached copies, to compare against after training moves on.
+inline std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.detach().clone());
+  return out;
+}
+
 // The optimizer's state as tensors, in parameter order: SGD momentum buffers,
 // Adam step counts and moments. Comparable across optimizer instances
 // (serialized bytes are not: they name state by tensor address).

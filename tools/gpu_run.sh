@@ -155,19 +155,27 @@ if device_stage sanitizer; then
     --error-exitcode 1 "$build/tests/amp_tests" --gtest_filter='Cuda*'
 fi
 
+# example_result LIMIT_S PROGRAM ARGS...: the example's result line, or its
+# exit status and last words.
+example_result() {
+  local limit=$1 program=$2 output rc line
+  shift 2
+  output=$(timeout "$limit" "$build/examples/$program" "$@" --device=cuda --verbosity=0 2>&1)
+  rc=$?
+  line=$(grep -m 1 "^opt_level" <<< "$output")
+  if ((rc != 0)) || [ -z "$line" ]; then
+    line="FAILED (exit $rc): $(grep -v '^[[:space:]]*$' <<< "$output" | tail -n 1)"
+  fi
+  echo "$line"
+}
+
 if device_stage examples; then
   start=$SECONDS
   for level in O0 O1 O2 O3 O4 O5; do
     for cmd in "fashion_mnist --train_limit=2048 --test_limit=1024" "gan --steps=20" \
                "transformer_lm --steps=20"; do
-      # The example's result line, or its exit status and last words.
-      output=$(timeout 120 "$build/examples/"$cmd --device=cuda --opt_level=$level --verbosity=0 2>&1)
-      rc=$?
-      line=$(grep -m 1 "^opt_level" <<< "$output")
-      if ((rc != 0)) || [ -z "$line" ]; then
-        line="FAILED (exit $rc): $(grep -v '^[[:space:]]*$' <<< "$output" | tail -n 1)"
-      fi
-      say "    $level ${cmd%% *}: ${line}"
+      # shellcheck disable=SC2086  # cmd: a program and its flags
+      say "    $level ${cmd%% *}: $(example_result 120 $cmd --opt_level=$level)"
     done
   done
   say "gpu_run: examples --device=cuda done ($((SECONDS - start)) s)"
@@ -176,12 +184,8 @@ fi
 if device_stage accuracy; then
   start=$SECONDS
   for level in O0 O1 O2; do
-    output=$(timeout 180 "$build/examples/fashion_mnist" --device=cuda --opt_level=$level --dtype=fp16 \
-             --epochs=5 --train_limit=0 --verbosity=0 2>&1)
-    rc=$?
-    line=$(grep -m 1 "^opt_level" <<< "$output")
-    ((rc == 0)) && [ -n "$line" ] || line="FAILED (exit $rc): $(grep -v '^[[:space:]]*$' <<< "$output" | tail -n 1)"
-    say "    $level fp16, 5 epochs: ${line}"
+    say "    $level fp16, 5 epochs: $(example_result 180 fashion_mnist --opt_level=$level --dtype=fp16 \
+                                      --epochs=5 --train_limit=0)"
   done
   say "gpu_run: accuracy done ($((SECONDS - start)) s)"
 fi
