@@ -1,11 +1,12 @@
 // What a GPU user meets when training with amp on CUDA: conv + BatchNorm
 // nets at O2, the fused optimizers' other variants, recurrent nets at the
-// float16 and bfloat16 levels, checkpoints of CUDA state, a side stream, and
-// a loss computed on the CPU. Each test skips, saying so, without a CUDA
+// float16 and bfloat16 levels, checkpoints of CUDA state, a side stream, a
+// loss computed on the CPU, and a whole step captured in a CUDA graph. Each test skips, saying so, without a CUDA
 // device.
 #include "test_util.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
@@ -135,8 +136,11 @@ TEST_F(CudaTrainingTest, FusedNesterovAndAmsgradFollowLibTorchsStepOnTheDevice) 
 // bfloat16 - the level's dtype, whatever LibTorch's own autocast kernel for
 // cuDNN RNNs would pick - within that dtype's reach of float32.
 TEST_F(CudaTrainingTest, RecurrentNetsRunInTheLevelsDtype) {
+  // bfloat16 cuDNN RNNs need cuDNN 9.13; before it amp runs them in float32.
+  const at::ScalarType bf16_rnn =
+      at::detail::getCUDAHooks().supportsBFloat16RNNWithCuDNN() ? at::kBFloat16 : at::kFloat;
   for (OptLevel level : {O1, O4}) {
-    const at::ScalarType low = level == O4 ? at::kBFloat16 : at::kHalf;
+    const at::ScalarType low = level == O4 ? bf16_rnn : at::kHalf;
     const double tolerance = level == O4 ? 5e-2 : 1e-2;
     for (const std::string kind : {"LSTM", "GRU"}) {
       SCOPED_TRACE(std::string(to_string(level)) + " " + kind);
@@ -158,7 +162,9 @@ TEST_F(CudaTrainingTest, RecurrentNetsRunInTheLevelsDtype) {
       const at::Tensor want = forward().detach();
       Handle handle;
       handle.initialize(net, quiet(level));
+      WarningRecorder warnings;  // amp passes cuDNN unpacked weights on purpose: no warning
       const at::Tensor got = forward();
+      EXPECT_EQ(warnings.messages(), std::vector<std::string>{});
       EXPECT_EQ(got.scalar_type(), low);
       EXPECT_TRUE(AllClose({got.to(at::kFloat)}, {want}, tolerance, tolerance));
       got.to(at::kFloat).sum().backward();
@@ -254,6 +260,130 @@ TEST_F(CudaTrainingTest, ALossOnTheCpuCountsItsWait) {
   EXPECT_EQ(host_syncs() - syncs, 2) << "the flag's copy to the CPU, then the step's read";
   EXPECT_FALSE(last_step_skipped(optimizer));
   EXPECT_FALSE(BitEqual(model->fc1->weight, before[0]));
+}
+
+// A whole training step (forward, scale_loss, fused step) captured in a
+// CUDA graph and replayed gives what the same steps give run eagerly, bit
+// for bit: parameters, Adam's step counts, skipped steps and the loss scale,
+// an overflow at one replay skipped inside the graph.
+TEST_F(CudaTrainingTest, AStepCapturedInACudaGraphReplaysAsTheEagerSteps) {
+  constexpr int kWarmUp = 3, kSteps = 6, kOverflowAt = 5;  // that step's input holds an inf
+  struct Outcome {
+    std::vector<at::Tensor> params;
+    std::vector<int64_t> step_counts;
+    int64_t skipped = 0;
+    bool last_skipped = false;
+    double scale = 0;
+  };
+  auto run = [&](OptLevel level, bool graphed) {
+    torch::manual_seed(0);
+    TinyNet model;
+    model->to(torch::kCUDA);
+    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(level));
+    c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());  // graphs capture off the default stream
+    at::Tensor x = torch::empty({16, 8}, torch::kCUDA);
+    auto feed = [&](int step) {
+      torch::manual_seed(step + 1);
+      x.copy_(torch::randn({16, 8}));
+      if (step == kOverflowAt) x[0][0].fill_(std::numeric_limits<float>::infinity());
+    };
+    auto step = [&] {
+      optimizer.zero_grad();
+      {
+        scale_loss scaled(model(x).to(at::kFloat).pow(2).mean(), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    };
+    int s = 0;
+    for (; s < kWarmUp; ++s) feed(s), step();
+    (void)skipped_steps(optimizer);  // the warm-up's outcome known before capturing
+    at::cuda::CUDAGraph graph;
+    if (graphed) {
+      graph.capture_begin();
+      step();
+      graph.capture_end();
+    }
+    for (; s < kWarmUp + kSteps; ++s) {
+      feed(s);
+      if (graphed) {
+        graph.replay();
+      } else {
+        step();
+      }
+    }
+    Outcome out;
+    out.skipped = skipped_steps(optimizer);
+    out.last_skipped = last_step_skipped(optimizer);
+    out.scale = loss_scaler()->scale();
+    for (const auto& p : model->parameters()) {
+      out.step_counts.push_back(static_cast<torch::optim::AdamWParamState&>(
+          *optimizer.state().at(p.unsafeGetTensorImpl())).step());
+    }
+    out.params = clones(model->parameters());
+    return out;
+  };
+  for (OptLevel level : {O1, O2}) {
+    SCOPED_TRACE(to_string(level));
+    const Outcome eager = run(level, false), graphed = run(level, true);
+    EXPECT_GE(eager.skipped, 1) << "the injected overflow skips a step";
+    EXPECT_EQ(graphed.skipped, eager.skipped);
+    EXPECT_EQ(graphed.last_skipped, eager.last_skipped);
+    EXPECT_EQ(graphed.scale, eager.scale);
+    EXPECT_EQ(graphed.step_counts, eager.step_counts);
+    for (size_t i = 0; i < eager.params.size(); ++i) {
+      EXPECT_TRUE(BitEqual(graphed.params[i], eager.params[i])) << "parameter " << i;
+    }
+  }
+}
+
+// What a capture cannot hold is refused with an error that says which, and
+// amp trains on eagerly afterwards.
+TEST_F(CudaTrainingTest, CapturingWhatCannotBeCapturedSaysWhich) {
+  auto step = [](TinyNet& model, torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  };
+  auto refused = [&](TinyNet& model, torch::optim::Optimizer& optimizer) {
+    at::cuda::CUDAGraph graph;
+    std::string error;
+    graph.capture_begin();
+    try {
+      step(model, optimizer);
+    } catch (const c10::Error& e) {
+      error = e.what();
+    }
+    graph.capture_end();
+    return error;
+  };
+  c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+  {
+    TinyNet model;
+    model->to(torch::kCUDA);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(O1));
+    step(model, optimizer);
+    EXPECT_THAT(refused(model, optimizer), ::testing::HasSubstr("one of its optimizers is LibTorch's own"));
+  }
+  {
+    TinyNet model;
+    model->to(torch::kCUDA);
+    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(O1));
+    EXPECT_THAT(refused(model, optimizer), ::testing::HasSubstr("Run warm-up iterations"));
+    const auto before = clones(model->parameters());
+    step(model, optimizer);
+    EXPECT_FALSE(last_step_skipped(optimizer));
+    EXPECT_FALSE(BitEqual(model->fc1->weight, before[0])) << "eager training goes on";
+  }
 }
 
 }  // namespace

@@ -122,6 +122,24 @@ class LogRecorder {
   LogSink previous_;
 };
 
+// Records LibTorch's warnings (TORCH_WARN) on this thread while it lives.
+class WarningRecorder final : public c10::WarningHandler {
+ public:
+  WarningRecorder() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+  }
+  ~WarningRecorder() override { c10::WarningUtils::set_warning_handler(previous_); }
+  WarningRecorder(const WarningRecorder&) = delete;
+  WarningRecorder& operator=(const WarningRecorder&) = delete;
+
+  void process(const c10::Warning& warning) override { messages_.push_back(warning.msg()); }
+  const std::vector<std::string>& messages() const { return messages_; }
+
+ private:
+  c10::WarningHandler* previous_;
+  std::vector<std::string> messages_;
+};
+
 // Loads amp's state from the bytes of a saved archive.
 inline void load_state_bytes(const std::string& bytes) {
   std::istringstream in(bytes);

@@ -50,7 +50,7 @@ std::vector<torch::optim::Optimizer*> settled(detail::Context& context,
   std::vector<torch::optim::Optimizer*> out;
   for (const OptimizerRef& ref : optimizers) {
     TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's optimizers; got a null one.");
-    if (detail::OptimizerStep* step = context.step_of(*ref.get())) step->settle(/*wait=*/true);
+    if (detail::OptimizerStep* step = context.step_of(*ref.get())) step->catch_up();
     out.push_back(ref.get());
   }
   return out;

@@ -74,7 +74,7 @@ void Context::teardown() {
   weights_->finish_backward();  // O2/O5 models end in float32
   for (auto& [optimizer, step] : steps_) {
     try {
-      step->settle(/*wait=*/true);  // host step counts of pending fused steps
+      step->catch_up();  // host step counts of pending and replayed fused steps
     } catch (const std::exception& e) {
       log_error(e.what());
     }

@@ -4,6 +4,7 @@
 #include "fused_stepping.h"
 #include "optimizer_kinds.h"
 #include "optimizer_step.h"
+#include "overflow_verdict.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -184,6 +185,33 @@ void FusedStepping::settle(const FusedAttempt& attempt, bool skipped, StateMap& 
   }
 }
 
+bool FusedStepping::holds_all_state(const torch::optim::Optimizer& optimizer) const {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      void* key = p.unsafeGetTensorImpl();
+      if (!optimizer.state().count(key)) return false;
+      if (kind_ != Kind::kSgd && !device_steps_.count(key)) return false;
+    }
+  }
+  return true;
+}
+
+void FusedStepping::adopt_device_counts(StateMap& state) {
+  std::vector<void*> keys;
+  std::vector<at::Tensor> counts;
+  for (const auto& [key, count] : device_steps_) {
+    if (!state.count(key)) continue;
+    keys.push_back(key);
+    counts.push_back(count.to(at::kDouble).reshape({1}).cpu());
+  }
+  if (keys.empty()) return;
+  detail::count_host_read();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    detail::set_step_count(*state.at(keys[i]), static_cast<int64_t>(counts[i].item<double>()));
+  }
+}
+
 // ---- Fused and the optimizers ---------------------------------------------------
 
 Fused::Fused(Kind kind) : stepping_(std::make_unique<FusedStepping>(kind)) {}
@@ -202,8 +230,8 @@ bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
     return false;
   }
   FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf);
-  if (decision.found_inf.defined()) {
-    amp_step->end_fused_step(std::move(attempt), std::move(decision.verdicts));
+  if (amp_step != nullptr) {
+    amp_step->end_fused_step(std::move(attempt), std::move(decision));
   } else {
     stepping_->settle(attempt, /*skipped=*/false, optimizer.state());
   }

@@ -41,6 +41,13 @@ class FusedStepping {
   FusedAttempt step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf);
   // The outcome of `attempt`: counts its step, or drops the state it created.
   void settle(const FusedAttempt& attempt, bool skipped, StateMap& state);
+  // Whether a step now could be captured in a CUDA graph: every parameter
+  // with a gradient has its state and (Adam) its device step count, so the
+  // step allocates nothing whose first values a replay would write again.
+  bool holds_all_state(const torch::optim::Optimizer& optimizer) const;
+  // Sets the state's host step counts (Adam's `step`) to the device's, which
+  // count every step taken, replayed ones included. One host read.
+  void adopt_device_counts(StateMap& state);
   // Forgets the device step counts (the state was loaded or stepped by
   // LibTorch's own step); they are rebuilt from the state.
   void reset() { device_steps_.clear(); }

@@ -44,11 +44,17 @@ std::vector<StateTensor> state_tensors(const OptimizerParamState& state, int64_t
   return {};
 }
 
+void set_step_count(OptimizerParamState& state, int64_t steps) {
+  if (auto* s = dynamic_cast<AdamParamState*>(&state)) s->step(steps);
+  if (auto* s = dynamic_cast<AdamWParamState*>(&state)) s->step(steps);
+  if (auto* s = dynamic_cast<AdagradParamState*>(&state)) s->step(steps);
+  if (auto* s = dynamic_cast<RMSpropParamState*>(&state)) s->step(steps);
+}
+
 void count_step(OptimizerParamState& state) {
-  if (auto* s = dynamic_cast<AdamParamState*>(&state)) s->step(s->step() + 1);
-  if (auto* s = dynamic_cast<AdamWParamState*>(&state)) s->step(s->step() + 1);
-  if (auto* s = dynamic_cast<AdagradParamState*>(&state)) s->step(s->step() + 1);
-  if (auto* s = dynamic_cast<RMSpropParamState*>(&state)) s->step(s->step() + 1);
+  int64_t steps = 0;
+  (void)state_tensors(state, steps);
+  set_step_count(state, steps + 1);
 }
 
 std::vector<std::pair<const char*, double>> numeric_options(const OptimizerOptions& options) {

@@ -30,6 +30,8 @@ struct StateTensor {
 // others); `step` receives its step count where it keeps one.
 std::vector<StateTensor> state_tensors(const torch::optim::OptimizerParamState& state, int64_t& step);
 
+// Sets the step count of a state that keeps one (others are left alone).
+void set_step_count(torch::optim::OptimizerParamState& state, int64_t steps);
 // Counts one more step taken in a state that keeps a step count.
 void count_step(torch::optim::OptimizerParamState& state);
 

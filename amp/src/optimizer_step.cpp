@@ -1,6 +1,7 @@
 #include "optimizer_step.h"
 
 #include "fused_stepping.h"
+#include "graph_capture.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
@@ -37,6 +38,18 @@ bool OptimizerStep::holds_gradients() const {
     }
   }
   return false;
+}
+
+const at::Tensor* OptimizerStep::first_parameter() const {
+  for (const auto& group : optimizer_->param_groups()) {
+    if (!group.params().empty()) return &group.params().front();
+  }
+  return nullptr;
+}
+
+bool OptimizerStep::capturing() const {
+  const at::Tensor* p = first_parameter();
+  return p != nullptr && detail::capturing(p->device());
 }
 
 void OptimizerStep::drop_gradients() {
@@ -140,6 +153,17 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   bool created = false;
   for (const PendingStep& p : pending_) created = created || !p.attempt.created.empty();
   settle(/*wait=*/created);
+  if (capturing()) {
+    try {
+      check_capturable(kernels_apply);
+    } catch (...) {
+      queued_.clear();  // verdicts of the failed capture: never computed
+      throw;
+    }
+  }
+  if (const at::Tensor* p = first_parameter(); !replay_tally_.defined() && p && p->is_cuda()) {
+    replay_tally_ = at::zeros({3}, p->options().dtype(at::kFloat));
+  }
   FusedDecision decision;
   if (queued_.empty() || !holds_gradients()) {
     queued_.clear();
@@ -162,15 +186,61 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   }
   if (decision.skip) drop_gradients();
   record_outcome(decision.skip);
+  if (captured_) note_last_outcome(at::full({1}, decision.skip ? 1.0 : 0.0, replay_tally_.options()));
   return decision;
 }
 
-void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, Verdicts verdicts) {
-  pending_.push_back({DeferredVerdicts(std::move(verdicts)), std::move(attempt), true});
+void OptimizerStep::check_capturable(bool kernels_apply) const {
+  TORCH_CHECK(kernels_apply, "amp: step() is being captured in a CUDA graph, but the fused kernels "
+              "cannot step these parameters (each gradient must be dense, contiguous and of its "
+              "parameter's dtype, all on one device), and LibTorch's own step needs the overflow "
+              "verdict on the host, which a capture cannot read.");
+  TORCH_CHECK(replay_tally_.defined() && fused_->stepping().holds_all_state(*optimizer_),
+              "amp: step() is being captured in a CUDA graph before the optimizer has taken a step "
+              "on every parameter: the state it would create here would be reset on every replay. "
+              "Run warm-up iterations (forward, scale_loss, step) before capturing, then "
+              "amp::skipped_steps(optimizer) so that their outcome is known.");
+  bool unread = true;
+  for (const auto& v : queued_) unread = unread && !v->resolved;
+  TORCH_CHECK(unread, "amp: step() is being captured in a CUDA graph, but a guard's overflow "
+              "verdict was already read on the host (amp::last_step_skipped or "
+              "amp::skipped_steps inside the captured region); read them outside it.");
+}
+
+void OptimizerStep::note_last_outcome(const at::Tensor& skipped) {
+  replay_tally_.narrow(0, 2, 1).copy_(skipped.reshape({1}).to(replay_tally_.device()));
+}
+
+void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, FusedDecision decision) {
+  if (capturing()) {  // runs on every replay: counted there
+    captured_ = true;
+    const at::Tensor skipped = decision.found_inf.defined()
+                                   ? decision.found_inf.reshape({1}).to(replay_tally_.device())
+                                   : at::zeros({1}, replay_tally_.options());
+    replay_tally_.narrow(0, 0, 1).add_(1);
+    replay_tally_.narrow(0, 1, 1).add_(skipped);
+    note_last_outcome(skipped);
+    return;
+  }
+  if (!decision.found_inf.defined()) {  // no verdict to wait for: taken
+    fused_->stepping().settle(attempt, /*skipped=*/false, optimizer_->state());
+    if (captured_) note_last_outcome(at::zeros({1}, replay_tally_.options()));
+    return;
+  }
+  if (captured_) note_last_outcome(decision.found_inf);
+  pending_.push_back({DeferredVerdicts(std::move(decision.verdicts)), std::move(attempt), true});
   settle(/*wait=*/false);
 }
 
 void OptimizerStep::settle(bool wait) {
+  if (pending_.empty()) return;  // (the optimizer may be gone: amp's teardown)
+  if (capturing()) {  // a query or a wait would end the capture
+    TORCH_CHECK(!wait, "amp: a CUDA graph is being captured, and this "
+                "optimizer's next step depends on an earlier step whose overflow verdict has not "
+                "reached the host; a capture cannot wait for it. Before capturing, call "
+                "amp::skipped_steps(optimizer), which waits for every pending step.");
+    return;
+  }
   while (!pending_.empty() && (wait || pending_.front().verdicts.ready())) {
     PendingStep step = std::move(pending_.front());
     pending_.pop_front();
@@ -188,13 +258,24 @@ void OptimizerStep::settle(bool wait) {
   }
 }
 
-int64_t OptimizerStep::skipped_steps() {
+void OptimizerStep::catch_up() {
   settle(/*wait=*/true);
+  if (!captured_) return;
+  const at::Tensor tally = replay_tally_.cpu();  // one host sync
+  count_host_read();
+  skipped_steps_ += static_cast<int64_t>(tally[1].item<float>());
+  last_step_skipped_ = tally[2].item<float>() > 0;
+  replay_tally_.narrow(0, 0, 2).zero_();
+  fused_->stepping().adopt_device_counts(optimizer_->state());
+}
+
+int64_t OptimizerStep::skipped_steps() {
+  catch_up();
   return skipped_steps_;
 }
 
 bool OptimizerStep::last_step_skipped() {
-  settle(/*wait=*/true);
+  catch_up();
   return last_step_skipped_;
 }
 

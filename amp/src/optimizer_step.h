@@ -22,6 +22,14 @@
 // created is dropped and gradients it left are discarded (a loop that never
 // zeroes must not carry inf/NaN into the next step).
 //
+// CUDA graphs (graph_capture.h). A fused step captured in a graph runs again
+// on every replay without the host: while capturing, amp neither queries
+// nor waits, the captured step leaves nothing pending, and replays count
+// on the device (replay_tally_), read when the host asks (catch_up).
+// Capturing needs warm-up steps first (state, device step counts and the
+// tally exist) and amp's fused optimizers under a dynamic scale; otherwise
+// the capture stops with an error that says which.
+//
 // amp cannot see LibTorch's own step(), so an overflow ends what the
 // optimizer accumulated: later guards in the same iteration (over losses
 // recorded before the overflow) drop theirs too; a guard over a loss
@@ -85,15 +93,18 @@ class OptimizerStep {
   // Errors: a step inside a guard or during delay_unscale accumulation; an
   // overflow at the floor with AtFloor::kRaise (the step is skipped).
   FusedDecision begin_fused_step(bool kernels_apply);
-  // The kernels ran on `decision.found_inf`: pending until its verdicts
-  // reach the host.
-  void end_fused_step(optim::FusedAttempt attempt, Verdicts verdicts);
+  // The kernels ran as `decision` said: with a device verdict the step is
+  // pending until it reaches the host; without one it was taken.
+  void end_fused_step(optim::FusedAttempt attempt, FusedDecision decision);
 
   int64_t skipped_steps();
   bool last_step_skipped();
   // Learns the outcome of pending fused steps whose verdicts reached the
   // host, or with `wait`, of all of them.
   void settle(bool wait);
+  // Learns every outcome: all pending steps and, after a CUDA graph
+  // capture, what its replays counted (host step counts included).
+  void catch_up();
 
  private:
   struct PendingStep;
@@ -101,6 +112,10 @@ class OptimizerStep {
   void drop_gradients();
   void record_outcome(bool skipped);
   void move_scaled_gradients(bool to_parameters);
+  const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
+  bool capturing() const;
+  void check_capturable(bool kernels_apply) const;
+  void note_last_outcome(const at::Tensor& skipped);  // after a capture: on the device
 
   torch::optim::Optimizer* optimizer_;
   optim::Fused* fused_;
@@ -119,6 +134,11 @@ class OptimizerStep {
   // iteration (Apex's losses computed first, then a guard each), so the
   // step stays skipped.
   uint64_t skipped_before_graph_ = 0;
+  // CUDA parameters: [replayed steps, of them skipped, last step skipped]
+  // on the device, made by the first fused step so it exists before a
+  // capture; written by replays and, once captured_, by every fused step.
+  at::Tensor replay_tally_;
+  bool captured_ = false;
 };
 
 const char* to_string(OptimizerStep::State state);

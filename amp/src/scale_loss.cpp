@@ -4,6 +4,7 @@
 #include <amp/casting_scope.h>
 
 #include "context.h"
+#include "graph_capture.h"
 #include "non_finite_check.h"
 #include "unscale_plan.h"
 
@@ -25,6 +26,7 @@ class scale_loss::State {
 
   State(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers, ScaleLossOptions options);
 
+  void check_capturable(c10::Device device) const;
   void unscale_gradients();
   void check_kept_gradients();
   void commit();
@@ -69,6 +71,17 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     steps.push_back(&step);
   }
   detail::ModelWeights& weights = context->weights();
+  const LossScale& configured = context->properties().loss_scale;
+  passthrough = !configured.dynamic && configured.value == 1.0 &&
+                weights.mode() != detail::ModelWeights::Mode::kMasters;
+  if (!passthrough && detail::capturing(loss.device())) {
+    try {
+      check_capturable(loss.device());
+    } catch (...) {
+      clear_cast_cache();  // casts the capture recorded but never ran
+      throw;
+    }
+  }
   weights.prepare_backward();
   for (detail::OptimizerStep* step : steps) step->settle_before_guard();
 
@@ -90,14 +103,27 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
   if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
-  const LossScale& configured = context->properties().loss_scale;
-  passthrough = !configured.dynamic && configured.value == 1.0 &&
-                weights.mode() != detail::ModelWeights::Mode::kMasters;
   const at::Tensor fp32_loss = loss.to(at::kFloat);
   scaled_loss = passthrough ? fp32_loss
                             : fp32_loss * context->scaler(options.loss_id)
                                               .scale_tensor(loss.device())
                                               .reshape(loss.sizes());
+}
+
+// A guard captured in a CUDA graph runs again on every replay without the
+// host: the scale must already be on the device, and no optimizer may need
+// the verdict on the host.
+void scale_loss::State::check_capturable(c10::Device device) const {
+  const LossScaler& scaler = context->scaler(options.loss_id);
+  TORCH_CHECK(scaler.device() == device, "amp: this scale_loss guard is being captured in a CUDA "
+              "graph before loss scaler ", options.loss_id, " has been used on ", device, ". Run "
+              "warm-up iterations (forward, scale_loss, step) before capturing.");
+  for (const detail::OptimizerStep* step : steps) {
+    TORCH_CHECK(!scaler.dynamic() || step->fused(), "amp: this scale_loss guard is being captured "
+                "in a CUDA graph, but one of its optimizers is LibTorch's own: its step needs the "
+                "overflow verdict on the host, which a capture cannot read. Use "
+                "amp::optim::FusedAdam, FusedAdamW or FusedSGD, which skip on the device.");
+  }
 }
 
 void scale_loss::State::unscale_gradients() {

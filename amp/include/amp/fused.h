@@ -24,7 +24,16 @@
 // The kernels need every gradient dense and of its parameter's dtype
 // (float32 or float64) and parameters on one CPU or CUDA device; otherwise
 // step() runs LibTorch's own step (after one host read of a pending
-// overflow flag). Errors: those of the base class's step().
+// overflow flag).
+//
+// A whole step (forward, scale_loss, step) can be captured in a CUDA graph
+// after warm-up steps; replays skip on the device and are counted there
+// (docs/guide.md, "A whole step in a CUDA graph").
+//
+// Errors: those of the base class's step(); inside a CUDA graph capture, a
+// step the graph could not replay: gradients the kernels cannot take, state
+// not yet created (no warm-up), a pending step's outcome the capture would
+// have to wait for, or a verdict already read on the host.
 #pragma once
 
 #include <torch/optim/adam.h>

@@ -56,6 +56,8 @@ class LossScaler {
   // The scale as a 1-element float32 tensor on `device` (moved there on the
   // first call with a new device).
   const at::Tensor& scale_tensor(c10::Device device);
+  // Where the scale lives (the device of the first scale_tensor call).
+  c10::Device device() const { return scale_.device(); }
   // Host values: each reads the device (a sync); for logs, tests, checkpoints.
   double scale() const;
   int64_t growth_tracker() const;

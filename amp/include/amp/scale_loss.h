@@ -62,7 +62,11 @@
 //     gradients scaled;
 //   - at O2/O5: a master weight with a float16/bfloat16 gradient (a backward
 //     ran outside amp::scale_loss), or one converted to another dtype behind
-//     amp's back (e.g. model->to(torch::kHalf)).
+//     amp's back (e.g. model->to(torch::kHalf));
+//   - inside a CUDA graph capture: a loss scaler not yet used on the loss's
+//     device (warm up before capturing), or, with a dynamic scale, one of
+//     LibTorch's own optimizers (it needs the verdict on the host; capture
+//     with amp::optim's fused ones). See docs/guide.md, CUDA graphs.
 // unscale(): called twice, after finish(), or with delay_unscale.
 // finish(): called twice; errors of the overflow all-reduce; an overflow at
 // the floor with AtFloor::kRaise. The guard has ended when finish() throws.

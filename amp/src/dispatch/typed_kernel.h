@@ -14,6 +14,7 @@
 #include "cast_decision.h"
 #include "op_binding.h"
 
+#include <ATen/ops/_cudnn_rnn_ops.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -44,6 +45,27 @@ class TypedArgs {
 
  private:
   std::tuple<const Args&...> args_;
+};
+
+// How a kCastTo decision calls `Op`: every castable argument cast to `to`.
+// An op that needs more specializes it here.
+template <class Op>
+struct CastCall {
+  template <class... Args>
+  static auto call(at::ScalarType to, c10::DeviceType device, const Args&... args) {
+    return Op::call(cast_arg(to, device, args)...);
+  }
+};
+// cuDNN RNNs: the weights cast one by one, not through cuDNN's packed buffer
+// (cudnn_rnn_cast.cpp).
+template <>
+struct CastCall<at::_ops::_cudnn_rnn> {
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call(
+      at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
+      int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
+      const std::optional<at::Tensor>& cx, int64_t mode, const c10::SymInt& hidden_size,
+      const c10::SymInt& proj_size, int64_t num_layers, bool batch_first, double dropout, bool train,
+      bool bidirectional, c10::SymIntArrayRef batch_sizes, const std::optional<at::Tensor>& dropout_state);
 };
 
 // AppendTarget: for kFp32AppendDtype, the overload taking a trailing dtype.
@@ -77,7 +99,7 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     switch (decision.action) {
       case Action::kCastTo: {
         const c10::DeviceType device = binding_->casting->device;
-        return Op::call(cast_arg(decision.to, device, args)...);
+        return CastCall<Op>::call(decision.to, device, args...);
       }
       case Action::kSetOptDtype:
         return Op::call(set_opt_dtype(args)...);

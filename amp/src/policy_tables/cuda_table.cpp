@@ -1,13 +1,9 @@
 // amp's default cast policies for CUDA tensors (the AutocastCUDA key).
 //
 // The same lists as LibTorch 2.11's native CUDA autocast (the AT_FORALL_*
-// lists of ATen/autocast_mode.h plus autocast_mode.cpp's extras). One native
-// kernel is deliberately left in place: aten::_cudnn_rnn, whose autocast
-// kernel re-flattens cuDNN's packed weight buffer in low precision (with
-// ATen's private cuDNN helpers, which LibTorch does not install). That
-// kernel casts to float16 whatever the autocast dtype, so at the bfloat16
-// levels cuDNN RNNs (nn::LSTM, GRU, RNN) are expected to run in float16;
-// CudaTrainingTest.RecurrentNetsRunInTheLevelsDtype measures it on a GPU.
+// lists of ATen/autocast_mode.h plus autocast_mode.cpp's extras), and
+// aten::_cudnn_rnn, which LibTorch's autocast kernel always runs in float16:
+// amp's runs it in the level's dtype (dispatch/cudnn_rnn_cast.cpp).
 // Native cat/stack on CUDA already promote mixed inputs, so
 // neither table lists them for CUDA (as in LibTorch).
 #include "table_entry.h"
@@ -51,6 +47,7 @@ const std::vector<TableEntry>& cuda_policy_table() {
       AMP_OP(gru_cell, kLowerPrecision),
       AMP_OP(rnn_tanh_cell, kLowerPrecision),
       AMP_OP(rnn_relu_cell, kLowerPrecision),
+      AMP_OP(_cudnn_rnn, kLowerPrecision),
       AMP_OP(_scaled_dot_product_flash_attention, kLowerPrecision),
       AMP_OP(scaled_dot_product_attention, kLowerPrecision),
 
