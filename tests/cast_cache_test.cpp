@@ -195,7 +195,8 @@ TEST_F(CastCacheThreadsTest, ConcurrentForwardsShareTheCacheSafely) {
   EXPECT_GE(after.cache_hits - before.cache_hits, 2 * 4 * 50 * 2 - 8);  // a weight cast at most once per thread
 }
 
-// --- One iteration ends: LibTorch's native autocast cache too ----------------
+// --- One iteration ends: LibTorch's autocast cache too (other libraries' ------
+// autocast kernels, such as torchvision's, cast through it) ---------------------
 
 TEST_F(AmpTest, GuardEndClearsLibTorchsNativeAutocastCache) {
   auto model = TinyNet();

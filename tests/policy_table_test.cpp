@@ -430,7 +430,7 @@ Outcome attempt(const std::function<std::vector<at::Tensor>()>& run) {
 class PolicyTableCpuOp : public ::testing::TestWithParam<at::ScalarType> {};
 
 // Rows whose low-precision kernel is oneDNN's alone (AMP_OP_ONEDNN in
-// amp/src/policy_tables/cpu_table.cpp): float32 where oneDNN lacks `low`.
+// amp/src/interception/policy_tables/cpu_table.cpp): float32 where oneDNN lacks `low`.
 bool runs_fp32_here(const std::string& op, at::ScalarType low) {
   return op == "aten::mkldnn_rnn_layer" && !cpu_precision().onednn_supports(low);
 }

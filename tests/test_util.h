@@ -2,6 +2,7 @@
 #pragma once
 
 #include <amp/amp.h>
+#include <amp/testing.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -154,7 +155,7 @@ inline void load_state_bytes(const std::string& bytes) {
 class AmpTest : public ::testing::Test {
  protected:
   void TearDown() override {
-    if (amp::global_handle().active()) amp::deinitialize();
+    if (amp::is_initialized()) amp::deinitialize();
     amp::reset_user_registrations();
   }
   static amp::Options quiet(amp::Options options) {

@@ -3,11 +3,11 @@
 #include <amp/cast_cache.h>
 #include <amp/hardware.h>
 
-#include "casting_scope_internal.h"
-#include "dispatch/interceptor.h"
+#include "interception/casting_scope_internal.h"
+#include "interception/dispatch/interceptor.h"
 #include "log.h"
-#include "optimizer_kinds.h"
-#include "policy_registry.h"
+#include "step/optimizer_kinds.h"
+#include "interception/policy_registry.h"
 
 #include <c10/util/Exception.h>
 

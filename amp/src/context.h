@@ -5,9 +5,9 @@
 #include <amp/loss_scaler.h>
 #include <amp/options.h>
 
-#include "dispatch/op_binding.h"
-#include "model_weights.h"
-#include "optimizer_step.h"
+#include "interception/dispatch/op_binding.h"
+#include "model/model_weights.h"
+#include "step/optimizer_step.h"
 
 #include <torch/optim/optimizer.h>
 

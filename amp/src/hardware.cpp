@@ -1,4 +1,5 @@
 #include <amp/hardware.h>
+#include <amp/testing.h>
 
 #include <ATen/cpu/Utils.h>
 

@@ -5,8 +5,8 @@
 
 #include "context.h"
 #include "log.h"
-#include "module_walk.h"
-#include "optimizer_kinds.h"
+#include "model/module_walk.h"
+#include "step/optimizer_kinds.h"
 
 #include <c10/util/Exception.h>
 
@@ -242,7 +242,7 @@ bool Handle::active() const {
   return context_ != nullptr && detail::live_context() == context_;
 }
 
-Handle& global_handle() {
+Handle& internal::global_handle() {
   static Handle* handle = new Handle();  // never destroyed: no teardown during static exit
   return *handle;
 }
@@ -250,7 +250,7 @@ Handle& global_handle() {
 void deinitialize() {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
   const auto live = detail::require_live_context("amp::deinitialize");
-  TORCH_CHECK(global_handle().active(), "amp: amp::deinitialize() ends the initialization made by "
+  TORCH_CHECK(internal::global_handle().active(), "amp: amp::deinitialize() ends the initialization made by "
               "amp::initialize, but the live one is owned by an amp::Handle. End it with "
               "handle.deinitialize(), or let the handle go out of scope.");
   detail::end_live_context(live);

@@ -10,6 +10,7 @@
 //   5. Adam step with overflow check: amp's fused step vs amp with LibTorch's
 //      own step vs the same sequences by hand, with host syncs per step.
 #include <amp/amp.h>
+#include <amp/testing.h>
 
 #include "bench_util.h"
 #include "common/fashion_mnist_net.h"

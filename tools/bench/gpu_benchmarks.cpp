@@ -17,6 +17,7 @@
 //
 //   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
 #include <amp/amp.h>
+#include <amp/testing.h>
 
 #include "common/char_transformer.h"
 

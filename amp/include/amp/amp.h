@@ -29,6 +29,8 @@
 // natively), log.h (amp's events: skipped steps, warnings), loss_scaler.h,
 // model_conversion.h, op_stats.h, state.h and
 // checkpoint.h (saving and resuming), distributed.h (data-parallel ranks).
+// Not included here: testing.h (host_syncs and test hooks, for benchmarks
+// and tests); internal/ holds what the headers need but programs do not.
 #pragma once
 
 #include <amp/cast_cache.h>

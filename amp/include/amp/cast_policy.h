@@ -5,7 +5,7 @@
 // amp's kernel at that device's Autocast dispatch key, which casts the
 // arguments per the op's policy and calls the op again below itself. Every
 // other operator runs untouched. The default tables mirror LibTorch 2.11's
-// native autocast lists for CPU and CUDA (amp/src/policy_tables/); the
+// native autocast lists for CPU and CUDA (amp/src/interception/policy_tables/); the
 // effective tables, with user registrations, are readable via policy_table().
 //
 // Users add operators by name, in any namespace, before or after initialize:

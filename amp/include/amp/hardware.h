@@ -54,8 +54,4 @@ CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::str
 // the choices. Empty when the CPU computes `dtype` natively.
 std::string describe(const CpuPrecision& cpu, c10::ScalarType dtype);
 
-// Tests: makes cpu_precision() report `cpu` (nullopt: the real CPU again).
-// Takes effect at the next amp::initialize.
-void set_cpu_precision_for_testing(std::optional<CpuPrecision> cpu);
-
 }  // namespace amp

@@ -69,6 +69,7 @@
 
 #include <amp/loss_scaler.h>
 #include <amp/options.h>
+#include <amp/internal/global_handle.h>
 #include <amp/refs.h>
 
 #include <initializer_list>
@@ -146,24 +147,21 @@ class Handle {
   std::shared_ptr<detail::Context> context_;
 };
 
-// The process-wide handle behind the free functions below (never destroyed).
-Handle& global_handle();
-
 template <class Model, class... Rest>
 decltype(auto) initialize(Model&& model, Rest&&... rest) {
-  return global_handle().initialize(std::forward<Model>(model), std::forward<Rest>(rest)...);
+  return internal::global_handle().initialize(std::forward<Model>(model), std::forward<Rest>(rest)...);
 }
 inline void initialize(std::initializer_list<ModelRef> models,
                        std::initializer_list<OptimizerRef> optimizers, const Options& options = {}) {
-  global_handle().initialize(models, optimizers, options);
+  internal::global_handle().initialize(models, optimizers, options);
 }
 inline void initialize(std::initializer_list<ModelRef> models, const Options& options) {
-  global_handle().initialize(models, options);
+  internal::global_handle().initialize(models, options);
 }
 inline std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
     const std::vector<ModulePtr>& models, const std::vector<OptimizerPtr>& optimizers,
     const Options& options = {}) {
-  return global_handle().initialize(models, optimizers, options);
+  return internal::global_handle().initialize(models, optimizers, options);
 }
 // Ends the initialization made by amp::initialize. Errors (nothing changes):
 // amp is not initialized; the live initialization belongs to an amp::Handle

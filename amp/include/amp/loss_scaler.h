@@ -36,16 +36,6 @@
 
 namespace amp {
 
-// How many times the host has waited for the device to learn whether a step
-// is skipped: once per step() of an optimizer that runs its own step after
-// reading the verdict; never for a fused step (optimizer.h), whose kernel
-// decides on the device, unless its outcome is asked for before it reached
-// the host (last_step_skipped, skipped_steps, a checkpoint; on a GPU only).
-// A loss on the CPU with gradients on a GPU costs one more per device each
-// unscale (the overflow flag lives beside the loss): keep the loss on the
-// GPU. Monotonic.
-int64_t host_syncs();
-
 class LossScaler {
  public:
   LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0);

@@ -1,0 +1,237 @@
+#include "interception/cast_cache.h"
+
+#include <amp/cast_cache.h>
+#include <amp/opt_levels.h>
+
+#include "interception/dispatch/call_record.h"
+#include "interception/dispatch/cast.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/flat_hash_map.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace amp {
+namespace detail {
+namespace {
+
+// Cast counts per thread, summed when read: a cast writes only its own
+// thread's counters - no locked instruction, no cache line shared between
+// threads on the hot path. The registry owns every thread's counters; a
+// thread that ends folds its counts into `retired_` and frees its slot.
+struct ThreadCounts {
+  std::atomic<int64_t> casts{0};  // atomic for the reader; written by one thread only
+  std::atomic<int64_t> hits{0};
+};
+
+class CountRegistry {
+ public:
+  ThreadCounts* enlist() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.empty()) {
+      slots_.push_back(std::make_unique<ThreadCounts>());
+      return slots_.back().get();
+    }
+    ThreadCounts* counts = free_.back();
+    free_.pop_back();
+    return counts;
+  }
+  void retire(ThreadCounts* counts) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retired_.casts += counts->casts.exchange(0, std::memory_order_relaxed);
+    retired_.cache_hits += counts->hits.exchange(0, std::memory_order_relaxed);
+    free_.push_back(counts);
+  }
+  CastCounts sum() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CastCounts total = retired_;
+    for (const auto& counts : slots_) {
+      total.casts += counts->casts.load(std::memory_order_relaxed);
+      total.cache_hits += counts->hits.load(std::memory_order_relaxed);
+    }
+    return total;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<ThreadCounts>> slots_;
+  std::vector<ThreadCounts*> free_;
+  CastCounts retired_;
+};
+
+CountRegistry& registry() {
+  static auto* r = new CountRegistry();  // leaked: threads may end during static destruction
+  return *r;
+}
+
+// A plain pointer, so reading it needs no thread_local initialisation check
+// on every cast; the object with a destructor is touched once per thread.
+thread_local ThreadCounts* t_counts = nullptr;
+thread_local bool t_exited = false;
+
+struct RetireAtThreadExit {
+  ThreadCounts* counts = nullptr;
+  ~RetireAtThreadExit() {
+    t_exited = true;
+    t_counts = nullptr;
+    registry().retire(counts);
+  }
+};
+
+// Out of line, so the hot path stays a load, a test and an add.
+C10_NOINLINE ThreadCounts* enlist_this_thread() {
+  t_counts = registry().enlist();
+  // A cast made by another thread_local's destructor after ours ran keeps
+  // its slot for good rather than revive a destroyed object.
+  if (!t_exited) {
+    static thread_local RetireAtThreadExit retire;
+    retire.counts = t_counts;
+  }
+  return t_counts;
+}
+
+ThreadCounts& thread_counts() {
+  ThreadCounts* counts = t_counts;
+  return C10_LIKELY(counts != nullptr) ? *counts : *enlist_this_thread();
+}
+
+void count(std::atomic<int64_t> ThreadCounts::*counter) {
+  std::atomic<int64_t>& c = thread_counts().*counter;
+  c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+struct Key {
+  const c10::TensorImpl* weight;
+  at::ScalarType to;
+  bool operator==(const Key& other) const { return weight == other.weight && to == other.to; }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return std::hash<const void*>()(k.weight) ^ (static_cast<size_t>(k.to) << 1);
+  }
+};
+
+struct Entry {
+  // Keeps the weight's TensorImpl allocated, so its address (the key) cannot
+  // be reused by another tensor while the entry lives.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;
+  at::Tensor copy;
+  int64_t weight_version;  // the weight's version counter when copied
+};
+
+class CastCache {
+ public:
+  at::Tensor get_or_cast(const at::Tensor& t, at::ScalarType to) {
+    const Key key{t.unsafeGetTensorImpl(), to};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = entries_.find(key);
+      if (it != entries_.end() && is_fresh(it->second, t)) {
+        count(&ThreadCounts::hits);
+        CallRecord::note_cache_hit();
+        return it->second.copy;
+      }
+    }
+    at::Tensor copy = t.to(to);  // outside the lock: casts of other weights run in parallel
+    count(&ThreadCounts::casts);
+    CallRecord::note_cast(copy);
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl,
+                                                                 c10::UndefinedTensorImpl>(
+                                             t.getIntrusivePtr()),
+                                         copy, t._version()});
+    return copy;
+  }
+
+  void clear() {
+    ska::flat_hash_map<Key, Entry, KeyHash> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped.swap(entries_);
+    }  // copies are freed outside the lock
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_.size();
+  }
+
+ private:
+  static bool is_fresh(const Entry& e, const at::Tensor& t) {
+    if (e.weight_version != t._version()) return false;  // edited in place since the cast
+    // A copy made under no_grad has no history; reusing it with grad on
+    // would silently cut the weight out of the graph.
+    return e.copy.requires_grad() || !at::GradMode::is_enabled();
+  }
+
+  std::mutex mutex_;
+  ska::flat_hash_map<Key, Entry, KeyHash> entries_;
+};
+
+CastCache& cache() {
+  static CastCache* c = new CastCache();  // leaked: tensors may die during static destruction
+  return *c;
+}
+
+}  // namespace
+
+namespace {
+
+bool is_weight(const at::TensorBase& t) { return t.requires_grad() && t.is_leaf() && !t.is_view(); }
+
+// A view of a contiguous weight, such as the weight.t() that LibTorch's
+// nn::Linear passes to addmm: served as the same view of the weight's cached
+// copy, so the weight itself is still cast once.
+bool is_view_of_weight(const at::Tensor& t) {
+  return t.is_view() && is_weight(t._base()) && t._base().is_contiguous();
+}
+
+}  // namespace
+
+// Not under InferenceMode, nor in a disable_cast_cache region (LibTorch's
+// thread-local autocast cache switch, as torch.autocast(cache_enabled=False)).
+bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
+  // Without autograd metadata a tensor is neither a weight nor a view (views
+  // always carry it): a pointer read instead of two calls through autograd.
+  return is_low_precision(to) && t.scalar_type() == at::kFloat &&
+         t.unsafeGetTensorImpl()->autograd_meta() != nullptr && (is_weight(t) || is_view_of_weight(t)) &&
+         !c10::InferenceMode::is_enabled() && at::autocast::is_autocast_cache_enabled();
+}
+
+at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
+  if (!t.is_view()) return cache().get_or_cast(t, to);
+  const at::Tensor base(t._base());
+  const at::Tensor copy = cache().get_or_cast(base, to);  // contiguous, like its base
+  return copy.as_strided(t.sizes(), t.strides(), t.storage_offset() - base.storage_offset());
+}
+
+at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
+  if (is_cacheable(t, to)) return cached_cast(t, to);
+  at::Tensor copy = t.to(to);
+  count(&ThreadCounts::casts);
+  CallRecord::note_cast(copy);
+  return copy;
+}
+
+}  // namespace detail
+
+CastCounts cast_counts() { return detail::registry().sum(); }
+
+void clear_cast_cache() {
+  detail::cache().clear();
+  // Autocast kernels amp does not replace (other libraries' own, such as
+  // torchvision's) cache their casts in LibTorch's cache.
+  at::autocast::clear_cache();
+}
+
+size_t cast_cache_size() { return detail::cache().size(); }
+
+}  // namespace amp

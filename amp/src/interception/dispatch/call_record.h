@@ -1,0 +1,79 @@
+// Private: how a kernel reports one call to the live OpStatsRecorder
+// (op_stats.cpp holds the recorder and its rows).
+#pragma once
+
+#include <amp/op_stats.h>
+
+#include "interception/dispatch/cast.h"
+
+#include <ATen/core/IListRef.h>
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace amp::detail {
+
+struct OpBinding;
+
+// True while an OpStatsRecorder lives: kernels then report every call.
+extern std::atomic<bool> g_recording;
+inline bool recording() { return g_recording.load(std::memory_order_relaxed); }
+// Adds one call's row to the recorder's table (dropped when none records).
+void add_op_stats(const OpStats& row);
+
+// Collects one intercepted call: arguments before casting, casts made while
+// it is the thread's current record, and the output dtype. Backward calls
+// are reported as pass-through: amp never casts there.
+class CallRecord {
+ public:
+  CallRecord(const OpBinding& binding, CastPolicy policy, std::string input_dtypes);
+  ~CallRecord();
+  CallRecord(const CallRecord&) = delete;
+  CallRecord& operator=(const CallRecord&) = delete;
+
+  // The policy this call applies: the binding's, or pass-through in backward.
+  CastPolicy policy() const { return row_.policy; }
+  void finish(std::string output_dtype);
+
+  // Called by the cast path for the thread's current record, if any.
+  static void note_cast(const at::Tensor& copy);  // its bytes are read only while recording
+  static void note_cache_hit();
+
+ private:
+  OpStats row_;
+  CallRecord* previous_;
+};
+
+// Dtype descriptions of arguments and results: "BFloat16, Float", "-" for
+// an undefined tensor.
+inline void describe(std::string& out, const at::Tensor& t) {
+  if (!out.empty()) out += ", ";
+  out += t.defined() ? c10::toString(t.scalar_type()) : "-";
+}
+// `view`: the arguments of a call (TypedArgs, BoxedArgs).
+template <class View>
+std::string describe_tensors(const View& view) {
+  std::string out;
+  view.for_each_tensor([&](const at::Tensor& t, bool) { describe(out, t); });
+  return out;
+}
+template <class... Ts>
+std::string describe_result(const std::tuple<Ts...>& result) {
+  std::string out;
+  auto add = [&](const at::Tensor& t, bool) { describe(out, t); };
+  std::apply([&](const auto&... items) { (visit_tensors(items, add), ...); }, result);
+  return "(" + out + ")";
+}
+template <class T>
+std::string describe_result(const T& result) {
+  std::string out;
+  auto add = [&](const at::Tensor& t, bool) { describe(out, t); };
+  visit_tensors(result, add);
+  return out;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,90 @@
+// The OpStatsRecorder: the rows kernels report while one records, and their
+// table.
+#include <amp/op_stats.h>
+
+#include "interception/dispatch/call_record.h"
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+
+namespace amp {
+namespace detail {
+
+std::atomic<bool> g_recording{false};
+
+namespace {
+
+// Calls with the same op, device, policy, direction and dtypes share a row.
+using RowKey = std::tuple<std::string, int, int, bool, std::string, std::string>;
+
+struct Rows {
+  std::mutex mutex;
+  std::map<RowKey, OpStats> rows;
+};
+
+Rows& rows() {
+  static Rows* r = new Rows();  // leaked: kernels may report during static destruction
+  return *r;
+}
+
+}  // namespace
+
+void add_op_stats(const OpStats& row) {
+  Rows& r = rows();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!g_recording.load(std::memory_order_relaxed)) return;
+  const RowKey key{row.op, static_cast<int>(row.device), static_cast<int>(row.policy),
+                   row.in_backward, row.input_dtypes, row.output_dtype};
+  auto [it, inserted] = r.rows.emplace(key, row);
+  if (!inserted) {
+    it->second.calls += row.calls;
+    it->second.casts += row.casts;
+    it->second.cache_hits += row.cache_hits;
+    it->second.bytes_cast += row.bytes_cast;
+  }
+}
+
+}  // namespace detail
+
+OpStatsRecorder::OpStatsRecorder() {
+  bool expected = false;
+  TORCH_CHECK(detail::g_recording.compare_exchange_strong(expected, true),
+              "amp: an OpStatsRecorder is already recording; only one may be alive at a time.");
+  reset();
+}
+
+OpStatsRecorder::~OpStatsRecorder() { detail::g_recording.store(false); }
+
+std::vector<OpStats> OpStatsRecorder::stats() const {
+  auto& r = detail::rows();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<OpStats> out;
+  for (const auto& [key, row] : r.rows) out.push_back(row);
+  return out;
+}
+
+void OpStatsRecorder::reset() {
+  auto& r = detail::rows();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.rows.clear();
+}
+
+std::string format_op_stats(const std::vector<OpStats>& rows) {
+  std::ostringstream out;
+  out << "| op | device | policy | input dtypes | output | calls | casts | cache hits | bytes cast |\n"
+      << "|---|---|---|---|---|---:|---:|---:|---:|\n";
+  for (const OpStats& r : rows) {
+    out << "| " << r.op << " | " << c10::DeviceTypeName(r.device, /*lower_case=*/true) << " | "
+        << to_string(r.policy) << (r.in_backward ? " (backward)" : "") << " | " << r.input_dtypes
+        << " | " << r.output_dtype << " | " << r.calls << " | " << r.casts << " | " << r.cache_hits
+        << " | " << r.bytes_cast << " |\n";
+  }
+  return out.str();
+}
+
+}  // namespace amp

@@ -1,0 +1,169 @@
+#include <amp/checkpoint.h>
+
+#include <amp/opt_levels.h>
+#include <amp/state.h>
+
+#include "context.h"
+#include "persistence/optimizer_state_load.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <unordered_map>
+
+namespace amp {
+namespace {
+
+// Float32 values of a model's tensors: master weights as they are, other
+// low-precision tensors widened exactly (model_weights.h).
+at::Tensor fp32_value(const at::Tensor& t) {
+  const auto context = detail::live_context();
+  if (context) return context->weights().fp32_value(t);
+  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
+}
+
+torch::nn::Module& model_of(const ModelRef& ref) {
+  TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's models; got a null one.");
+  return *ref.get();
+}
+
+// torch::nn::Module::save's layout, in float32, masters in place of their
+// parameters.
+void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    archive.write(p.key(), fp32_value(p.value()));
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), fp32_value(b.value()), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    torch::serialize::OutputArchive nested(archive.compilation_unit());
+    write_module(*child.value(), nested);
+    archive.write(child.key(), nested);
+  }
+}
+
+// Pending fused steps settled, so the state's host step counts are current.
+std::vector<torch::optim::Optimizer*> settled(detail::Context& context,
+                                              const std::vector<OptimizerRef>& optimizers) {
+  std::vector<torch::optim::Optimizer*> out;
+  for (const OptimizerRef& ref : optimizers) {
+    TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's optimizers; got a null one.");
+    if (detail::OptimizerStep* step = context.step_of(*ref.get())) step->catch_up();
+    out.push_back(ref.get());
+  }
+  return out;
+}
+
+struct PendingCopy {
+  at::Tensor target;
+  at::Tensor value;
+};
+
+// Reads every parameter and buffer of `module` from `archive`, checking
+// presence and shape, without changing anything.
+void read_module(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& prefix, std::vector<PendingCopy>& copies) {
+  auto read = [&](const std::string& key, const at::Tensor& target, bool is_buffer) {
+    at::Tensor value;
+    TORCH_CHECK(archive.try_read(key, value, is_buffer), "amp: the checkpoint has no entry '",
+                prefix + key, "'; it was saved from a different model.");
+    TORCH_CHECK(value.sizes() == target.sizes(), "amp: checkpoint entry '", prefix + key,
+                "' has shape ", value.sizes(), ", the model expects ", target.sizes());
+    TORCH_CHECK(value.is_floating_point() == target.is_floating_point(), "amp: checkpoint entry '",
+                prefix + key, "' holds ", value.scalar_type(), " values, the model holds ",
+                target.scalar_type(), "; the checkpoint is corrupt or from another model.");
+    copies.push_back({target, value});
+  };
+  for (const auto& p : module.named_parameters(false)) read(p.key(), p.value(), false);
+  for (const auto& b : module.named_buffers(false)) read(b.key(), b.value(), true);
+  for (const auto& child : module.named_children()) {
+    torch::serialize::InputArchive nested;
+    TORCH_CHECK(archive.try_read(child.key(), nested), "amp: the checkpoint has no submodule '",
+                prefix + child.key(), "'; it was saved from a different model.");
+    read_module(*child.value(), nested, prefix + child.key() + ".", copies);
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
+  auto context = detail::require_live_context("amp::save_checkpoint");
+  const std::vector<ModelRef>& models = model_refs.items();
+  const auto optimizers = settled(*context, optimizer_refs.items());
+  torch::serialize::OutputArchive archive;
+  for (size_t i = 0; i < models.size(); ++i) {
+    torch::serialize::OutputArchive model(archive.compilation_unit());
+    write_module(model_of(models[i]), model);
+    archive.write("model" + std::to_string(i), model);
+  }
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    torch::serialize::OutputArchive optimizer(archive.compilation_unit());
+    optimizers[i]->save(optimizer);
+    archive.write("optimizer" + std::to_string(i), optimizer);
+  }
+  torch::serialize::OutputArchive amp(archive.compilation_unit());
+  save_state(amp);
+  archive.write("amp", amp);
+  archive.save_to(path);
+}
+
+void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
+  auto context = detail::require_live_context("amp::load_checkpoint");
+  const std::vector<ModelRef>& models = model_refs.items();
+  const auto optimizers = settled(*context, optimizer_refs.items());
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "amp: cannot read checkpoint '", path, "' (missing, truncated or "
+                "corrupt); nothing was loaded. Cause: ", e.what());
+  }
+  std::vector<PendingCopy> copies;
+  for (size_t i = 0; i < models.size(); ++i) {
+    torch::serialize::InputArchive model;
+    TORCH_CHECK(archive.try_read("model" + std::to_string(i), model), "amp: checkpoint '", path,
+                "' has no model", i, "; it holds fewer models than were passed.");
+    read_module(model_of(models[i]), model, "", copies);
+  }
+  std::vector<torch::serialize::InputArchive> optimizer_archives(optimizers.size());
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    TORCH_CHECK(archive.try_read("optimizer" + std::to_string(i), optimizer_archives[i]),
+                "amp: checkpoint '", path, "' has no optimizer", i, ".");
+  }
+  torch::serialize::InputArchive amp;
+  TORCH_CHECK(archive.try_read("amp", amp), "amp: checkpoint '", path, "' has no amp state.");
+
+  // Master weights take the values in float32, and optimizer state is
+  // checked against them.
+  context->weights().finish_backward();
+  // Scalers and optimizers load all-or-nothing: if one part is refused, the
+  // parts already loaded go back to their state before this call.
+  std::vector<LossScaler::State> scalers_before;
+  for (int i = 0; i < context->num_losses(); ++i) scalers_before.push_back(context->scaler(i).state());
+  std::vector<std::string> optimizers_before;
+  for (const auto* optimizer : optimizers) optimizers_before.push_back(detail::state_bytes(*optimizer));
+  size_t loaded = 0;
+  try {
+    load_state(amp);
+    for (; loaded < optimizers.size(); ++loaded) {
+      detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded],
+                                   optimizers_before[loaded]);
+    }
+  } catch (...) {
+    for (int i = 0; i < context->num_losses(); ++i) context->scaler(i).restore(scalers_before[i]);
+    for (size_t i = 0; i < loaded; ++i) detail::restore_state_bytes(*optimizers[i], optimizers_before[i]);
+    throw;
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& c : copies) c.target.copy_(c.value);
+}
+
+void save_fp32_weights(ModelRef model, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  write_module(model_of(model), archive);
+  archive.save_to(path);
+}
+
+}  // namespace amp

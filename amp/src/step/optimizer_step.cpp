@@ -1,0 +1,282 @@
+#include "step/optimizer_step.h"
+
+#include "step/fused_stepping.h"
+#include "step/graph_capture.h"
+
+#include <ATen/SequenceNumber.h>
+#include <c10/util/Exception.h>
+
+namespace amp::detail {
+
+struct OptimizerStep::PendingStep {
+  DeferredVerdicts verdicts;
+  optim::FusedAttempt attempt;
+  bool gradients_live = true;  // the gradients are still this step's
+};
+
+const char* to_string(OptimizerStep::State state) {
+  switch (state) {
+    case OptimizerStep::State::kReady:
+      return "ready";
+    case OptimizerStep::State::kInGuard:
+      return "inside a live scale_loss guard";
+    case OptimizerStep::State::kAccumulating:
+      return "accumulating scaled gradients (delay_unscale)";
+  }
+  return "?";
+}
+
+OptimizerStep::OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused)
+    : optimizer_(&optimizer), fused_(fused) {}
+
+OptimizerStep::~OptimizerStep() = default;
+
+bool OptimizerStep::holds_gradients() const {
+  for (const auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) return true;
+    }
+  }
+  return false;
+}
+
+const at::Tensor* OptimizerStep::first_parameter() const {
+  for (const auto& group : optimizer_->param_groups()) {
+    if (!group.params().empty()) return &group.params().front();
+  }
+  return nullptr;
+}
+
+bool OptimizerStep::capturing() const {
+  const at::Tensor* p = first_parameter();
+  return p != nullptr && detail::capturing(p->device());
+}
+
+void OptimizerStep::drop_gradients() {
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+// ---- scale_loss guards ------------------------------------------------------
+
+void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
+  TORCH_CHECK(state_ != State::kInGuard, "amp: the optimizer is ", to_string(state_), "; end that "
+              "guard's scope before starting another over the same optimizer.");
+  if (state_ == State::kAccumulating) {
+    TORCH_CHECK(scaled_by_ == loss_id, "amp: the optimizer is ", to_string(state_), " from "
+                "loss_id ", scaled_by_, "; finish it (delay_unscale=false) with the same loss_id "
+                "before scaling loss ", loss_id, ".");
+  }
+  TORCH_CHECK(!delay_unscale || state_ == State::kAccumulating || !holds_gradients(),
+              "amp: delay_unscale=true while the optimizer's gradients hold unscaled values; "
+              "call zero_grad() before the first micro-batch of an accumulation.");
+}
+
+void OptimizerStep::settle_before_guard() {
+  // Gradients kept from a pending step are discarded if it was skipped, so
+  // its outcome is needed now; without any, the guard need not wait, and a
+  // verdict no longer judges anything (zero_grad cleared what it judged).
+  const bool kept = holds_gradients();
+  if (!kept) {
+    for (PendingStep& p : pending_) p.gradients_live = false;
+    queued_.clear();
+  }
+  settle(/*wait=*/kept);
+}
+
+void OptimizerStep::open() {
+  before_guard_ = state_;
+  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/true);
+  state_ = State::kInGuard;
+}
+
+// kAccumulating keeps the scaled sum away from the optimizer, so a step()
+// taken before the guard that ends the accumulation changes nothing.
+void OptimizerStep::move_scaled_gradients(bool to_parameters) {
+  if (to_parameters) {
+    for (auto& [param, grad] : scaled_) param.mutable_grad() = std::move(grad);
+    scaled_.clear();
+    return;
+  }
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) scaled_.emplace_back(p, std::exchange(p.mutable_grad(), at::Tensor()));
+    }
+  }
+}
+
+void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale,
+                           int loss_id) {
+  TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: commit outside a guard");
+  if (device_verdict) queued_.push_back(std::move(device_verdict));
+  state_ = delay_unscale ? State::kAccumulating : State::kReady;
+  scaled_by_ = loss_id;
+  if (delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
+}
+
+void OptimizerStep::skip() {
+  drop_gradients();
+  queued_.clear();  // the step they judged will not run
+  record_outcome(/*skipped=*/true);
+  skipped_before_graph_ = at::sequence_number::peek();
+}
+
+void OptimizerStep::record_clean(uint64_t loss_graph) {
+  if (loss_graph < skipped_before_graph_) {  // the overflowed iteration goes on: still skipped
+    drop_gradients();
+    return;
+  }
+  record_outcome(/*skipped=*/false);
+}
+
+void OptimizerStep::unwind() noexcept {
+  state_ = before_guard_;
+  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/false);
+}
+
+void OptimizerStep::record_outcome(bool skipped) {
+  last_step_skipped_ = skipped;
+  if (skipped) ++skipped_steps_;
+}
+
+// ---- amp's fused step() -------------------------------------------------------
+
+OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply) {
+  TORCH_CHECK(state_ == State::kReady, "amp: step() while the optimizer is ", to_string(state_),
+              state_ == State::kInGuard
+                  ? "; end the guard's scope (it unscales the gradients) before stepping."
+                  : "; the last micro-batch's guard must use delay_unscale=false so the "
+                    "accumulated gradients are unscaled and checked.");
+  // A pending step that created state must be known taken before that
+  // state is used again (on a GPU: once, after the first step).
+  bool created = false;
+  for (const PendingStep& p : pending_) created = created || !p.attempt.created.empty();
+  settle(/*wait=*/created);
+  if (capturing()) {
+    try {
+      check_capturable(kernels_apply);
+    } catch (...) {
+      queued_.clear();  // verdicts of the failed capture: never computed
+      throw;
+    }
+  }
+  if (const at::Tensor* p = first_parameter(); !replay_tally_.defined() && p && p->is_cuda()) {
+    replay_tally_ = at::zeros({3}, p->options().dtype(at::kFloat));
+  }
+  FusedDecision decision;
+  if (queued_.empty() || !holds_gradients()) {
+    queued_.clear();
+    return decision;
+  }
+  bool unread = true;
+  for (const auto& v : queued_) unread = unread && !v->resolved;
+  if (kernels_apply && unread) {
+    decision.found_inf = combined_found_inf(queued_);
+    decision.verdicts = std::exchange(queued_, {});
+    return decision;
+  }
+  Verdicts verdicts = std::exchange(queued_, {});
+  try {
+    decision.skip = read_verdicts(verdicts);
+  } catch (...) {  // an overflow at the floor with AtFloor::kRaise: skipped
+    drop_gradients();
+    record_outcome(true);
+    throw;
+  }
+  if (decision.skip) drop_gradients();
+  record_outcome(decision.skip);
+  if (captured_) note_last_outcome(at::full({1}, decision.skip ? 1.0 : 0.0, replay_tally_.options()));
+  return decision;
+}
+
+void OptimizerStep::check_capturable(bool kernels_apply) const {
+  TORCH_CHECK(kernels_apply, "amp: step() is being captured in a CUDA graph, but the fused kernels "
+              "cannot step these parameters (each gradient must be dense, contiguous and of its "
+              "parameter's dtype, all on one device), and LibTorch's own step needs the overflow "
+              "verdict on the host, which a capture cannot read.");
+  TORCH_CHECK(replay_tally_.defined() && fused_->stepping().holds_all_state(*optimizer_),
+              "amp: step() is being captured in a CUDA graph before the optimizer has taken a step "
+              "on every parameter: the state it would create here would be reset on every replay. "
+              "Run warm-up iterations (forward, scale_loss, step) before capturing, then "
+              "amp::skipped_steps(optimizer) so that their outcome is known.");
+  bool unread = true;
+  for (const auto& v : queued_) unread = unread && !v->resolved;
+  TORCH_CHECK(unread, "amp: step() is being captured in a CUDA graph, but a guard's overflow "
+              "verdict was already read on the host (amp::last_step_skipped or "
+              "amp::skipped_steps inside the captured region); read them outside it.");
+}
+
+void OptimizerStep::note_last_outcome(const at::Tensor& skipped) {
+  replay_tally_.narrow(0, 2, 1).copy_(skipped.reshape({1}).to(replay_tally_.device()));
+}
+
+void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, FusedDecision decision) {
+  if (capturing()) {  // runs on every replay: counted there
+    captured_ = true;
+    const at::Tensor skipped = decision.found_inf.defined()
+                                   ? decision.found_inf.reshape({1}).to(replay_tally_.device())
+                                   : at::zeros({1}, replay_tally_.options());
+    replay_tally_.narrow(0, 0, 1).add_(1);
+    replay_tally_.narrow(0, 1, 1).add_(skipped);
+    note_last_outcome(skipped);
+    return;
+  }
+  if (!decision.found_inf.defined()) {  // no verdict to wait for: taken
+    fused_->stepping().settle(attempt, /*skipped=*/false, optimizer_->state());
+    if (captured_) note_last_outcome(at::zeros({1}, replay_tally_.options()));
+    return;
+  }
+  if (captured_) note_last_outcome(decision.found_inf);
+  pending_.push_back({DeferredVerdicts(std::move(decision.verdicts)), std::move(attempt), true});
+  settle(/*wait=*/false);
+}
+
+void OptimizerStep::settle(bool wait) {
+  if (pending_.empty()) return;  // (the optimizer may be gone: amp's teardown)
+  if (capturing()) {  // a query or a wait would end the capture
+    TORCH_CHECK(!wait, "amp: a CUDA graph is being captured, and this "
+                "optimizer's next step depends on an earlier step whose overflow verdict has not "
+                "reached the host; a capture cannot wait for it. Before capturing, call "
+                "amp::skipped_steps(optimizer), which waits for every pending step.");
+    return;
+  }
+  while (!pending_.empty() && (wait || pending_.front().verdicts.ready())) {
+    PendingStep step = std::move(pending_.front());
+    pending_.pop_front();
+    bool skipped = true;
+    std::exception_ptr error;
+    try {
+      skipped = step.verdicts.resolve();
+    } catch (...) {  // an overflow at the floor with AtFloor::kRaise: the step was skipped
+      error = std::current_exception();
+    }
+    fused_->stepping().settle(step.attempt, skipped, optimizer_->state());
+    if (skipped && step.gradients_live) drop_gradients();
+    record_outcome(skipped);
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+void OptimizerStep::catch_up() {
+  settle(/*wait=*/true);
+  if (!captured_) return;
+  const at::Tensor tally = replay_tally_.cpu();  // one host sync
+  count_host_read();
+  skipped_steps_ += static_cast<int64_t>(tally[1].item<float>());
+  last_step_skipped_ = tally[2].item<float>() > 0;
+  replay_tally_.narrow(0, 0, 2).zero_();
+  fused_->stepping().adopt_device_counts(optimizer_->state());
+}
+
+int64_t OptimizerStep::skipped_steps() {
+  catch_up();
+  return skipped_steps_;
+}
+
+bool OptimizerStep::last_step_skipped() {
+  catch_up();
+  return last_step_skipped_;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,146 @@
+// Private: one optimizer's side of the training step - the state machine
+// that scale_loss guards and amp's fused step() drive. Every transition is
+// in optimizer_step.cpp; errors name the state.
+//
+//   state          meaning                                   leaves by
+//   -------------  ----------------------------------------  --------------------------------
+//   kReady         gradients, if any, hold true values;      a guard opening -> kInGuard
+//                  step() may run
+//   kInGuard       a scale_loss guard over it is open        commit -> kReady or kAccumulating
+//                                                            (delay_unscale); unwind -> before
+//   kAccumulating  delay_unscale: amp holds the gradients,   a guard for the same loss
+//                  scaled by loss `scaled_by`, away from     opening -> kInGuard
+//                  the optimizer (its step() does nothing)
+//
+// Overflow verdicts. A guard over LibTorch's optimizers reads its verdict on
+// the host when it ends and, after an overflow, calls skip(): the optimizer
+// loses its gradients, so its own step() changes nothing. A guard whose
+// optimizers are all amp's fused ones (fused.h) queues the device verdict
+// instead (commit); their step() hands the combined flag to the kernels
+// and leaves a pending step - the one queue - until the verdicts reach the
+// host (settle): then the step is counted or, if skipped, the state it
+// created is dropped and gradients it left are discarded (a loop that never
+// zeroes must not carry inf/NaN into the next step).
+//
+// CUDA graphs (graph_capture.h). A fused step captured in a graph runs again
+// on every replay without the host: while capturing, amp neither queries
+// nor waits, the captured step leaves nothing pending, and replays count
+// on the device (replay_tally_), read when the host asks (catch_up).
+// Capturing needs warm-up steps first (state, device step counts and the
+// tally exist) and amp's fused optimizers under a dynamic scale; otherwise
+// the capture stops with an error that says which.
+//
+// amp cannot see LibTorch's own step(), so an overflow ends what the
+// optimizer accumulated: later guards in the same iteration (over losses
+// recorded before the overflow) drop theirs too; a guard over a loss
+// recorded after it starts afresh. In kAccumulating the optimizer sees
+// no gradients, so a step() taken then changes nothing instead of applying
+// gradients multiplied by the loss scale.
+#pragma once
+
+#include "step/overflow_verdict.h"
+
+#include <amp/fused.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace amp::optim {
+struct FusedAttempt;
+}
+
+namespace amp::detail {
+
+class OptimizerStep {
+ public:
+  enum class State : uint8_t { kReady, kInGuard, kAccumulating };
+
+  OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused);
+  ~OptimizerStep();
+
+  State state() const { return state_; }
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  bool fused() const { return fused_ != nullptr; }
+
+  // ---- scale_loss guards -------------------------------------------------
+  // Throws, changing nothing, when a guard for `loss_id` cannot open now.
+  void check_can_open(int loss_id, bool delay_unscale) const;
+  // Learns what a guard opening now must know of pending fused steps:
+  // gradients kept from a step the device skipped are discarded.
+  void settle_before_guard();
+  void open();  // kReady | kAccumulating -> kInGuard
+  // The guard ended well. `device_verdict` (fused optimizers, dynamic
+  // scale) judges the next step on the device.
+  void commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale, int loss_id);
+  // The guard read its verdict on the host (before commit), for a loss
+  // whose graph autograd numbered up to `loss_graph` (its root node's
+  // sequence number).
+  void skip();  // overflow: the gradients are dropped
+  void record_clean(uint64_t loss_graph);
+  void unwind() noexcept;  // kInGuard -> the state before open()
+
+  // ---- amp's fused step() ------------------------------------------------
+  struct FusedDecision {
+    bool skip = false;      // decided on the host: do not step
+    at::Tensor found_inf;   // defined: the kernels decide (exactly 0 or 1)
+    Verdicts verdicts;      // what found_inf combines
+  };
+  // Errors: a step inside a guard or during delay_unscale accumulation; an
+  // overflow at the floor with AtFloor::kRaise (the step is skipped).
+  FusedDecision begin_fused_step(bool kernels_apply);
+  // The kernels ran as `decision` said: with a device verdict the step is
+  // pending until it reaches the host; without one it was taken.
+  void end_fused_step(optim::FusedAttempt attempt, FusedDecision decision);
+
+  int64_t skipped_steps();
+  bool last_step_skipped();
+  // Learns the outcome of pending fused steps whose verdicts reached the
+  // host, or with `wait`, of all of them.
+  void settle(bool wait);
+  // Learns every outcome: all pending steps and, after a CUDA graph
+  // capture, what its replays counted (host step counts included).
+  void catch_up();
+
+ private:
+  struct PendingStep;
+  bool holds_gradients() const;
+  void drop_gradients();
+  void record_outcome(bool skipped);
+  void move_scaled_gradients(bool to_parameters);
+  const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
+  bool capturing() const;
+  void check_capturable(bool kernels_apply) const;
+  void note_last_outcome(const at::Tensor& skipped);  // after a capture: on the device
+
+  torch::optim::Optimizer* optimizer_;
+  optim::Fused* fused_;
+  State state_ = State::kReady;
+  State before_guard_ = State::kReady;
+  int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry
+  // kAccumulating: the scaled sum, off the parameters until the guard that
+  // ends the accumulation.
+  std::vector<std::pair<at::Tensor, at::Tensor>> scaled_;
+  Verdicts queued_;                       // device verdicts for the next fused step
+  std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
+  int64_t skipped_steps_ = 0;
+  bool last_step_skipped_ = false;
+  // After an overflow dropped the gradients: autograd's next sequence number
+  // then. A later guard's loss recorded before it belongs to the same
+  // iteration (Apex's losses computed first, then a guard each), so the
+  // step stays skipped.
+  uint64_t skipped_before_graph_ = 0;
+  // CUDA parameters: [replayed steps, of them skipped, last step skipped]
+  // on the device, made by the first fused step so it exists before a
+  // capture; written by replays and, once captured_, by every fused step.
+  at::Tensor replay_tally_;
+  bool captured_ = false;
+};
+
+const char* to_string(OptimizerStep::State state);
+
+}  // namespace amp::detail
