@@ -23,6 +23,17 @@ class CudaTrainingTest : public AmpTest {
   }
 };
 
+// One training step on `x`, as users write it: zero_grad, forward, the
+// guard around backward, step.
+void train_step(TinyNet& model, torch::optim::Optimizer& optimizer, const at::Tensor& x) {
+  optimizer.zero_grad();
+  {
+    scale_loss scaled(model(x).to(at::kFloat).pow(2).mean(), optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+}
+
 struct ConvBnNetImpl : torch::nn::Module {
   ConvBnNetImpl()
       : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)))),
@@ -180,11 +191,7 @@ TEST_F(CudaTrainingTest, CheckpointOfCudaStateResumesBitForBit) {
   auto train = [&](TinyNet& model, torch::optim::Optimizer& optimizer, int from, int to) {
     for (int step = from; step < to; ++step) {
       torch::manual_seed(100 + step);
-      optimizer.zero_grad();
-      scale_loss scaled(model(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(), optimizer);
-      scaled.backward();
-      scaled.finish();
-      optimizer.step();
+      train_step(model, optimizer, torch::randn({16, 8}, torch::kCUDA));
     }
   };
   torch::manual_seed(0);
@@ -226,12 +233,7 @@ TEST_F(CudaTrainingTest, ASideStreamTrainsAsTheDefaultStream) {
     if (side) guard.emplace(c10::cuda::getStreamFromPool());
     for (int step = 0; step < 4; ++step) {
       torch::manual_seed(step + 1);
-      optimizer.zero_grad();
-      {
-        scale_loss scaled(model(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(), optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
+      train_step(model, optimizer, torch::randn({16, 8}, torch::kCUDA));
     }
     torch::cuda::synchronize();
     return clones(model->parameters());
@@ -289,14 +291,7 @@ TEST_F(CudaTrainingTest, AStepCapturedInACudaGraphReplaysAsTheEagerSteps) {
       x.copy_(torch::randn({16, 8}));
       if (step == kOverflowAt) x[0][0].fill_(std::numeric_limits<float>::infinity());
     };
-    auto step = [&] {
-      optimizer.zero_grad();
-      {
-        scale_loss scaled(model(x).to(at::kFloat).pow(2).mean(), optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
-    };
+    auto step = [&] { train_step(model, optimizer, x); };
     int s = 0;
     for (; s < kWarmUp; ++s) feed(s), step();
     (void)skipped_steps(optimizer);  // the warm-up's outcome known before capturing
@@ -343,12 +338,7 @@ TEST_F(CudaTrainingTest, AStepCapturedInACudaGraphReplaysAsTheEagerSteps) {
 // amp trains on eagerly afterwards.
 TEST_F(CudaTrainingTest, CapturingWhatCannotBeCapturedSaysWhich) {
   auto step = [](TinyNet& model, torch::optim::Optimizer& optimizer) {
-    optimizer.zero_grad();
-    {
-      scale_loss scaled(model(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(), optimizer);
-      scaled.backward();
-    }
-    optimizer.step();
+    train_step(model, optimizer, torch::randn({16, 8}, torch::kCUDA));
   };
   auto refused = [&](TinyNet& model, torch::optim::Optimizer& optimizer) {
     at::cuda::CUDAGraph graph;

@@ -3,6 +3,11 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <fstream>
+#include <map>
+#include <regex>
 #include <limits>
 
 namespace amp::testing {
@@ -108,6 +113,46 @@ TEST_P(OptLevelTable, ResolvesOrRejects) {
 
 INSTANTIATE_TEST_SUITE_P(Rows, OptLevelTable, ::testing::ValuesIn(rows()),
                          [](const auto& info) { return info.param.name; });
+
+// opt_levels.h documents the level table in a comment; levels.cpp holds it
+// as data. The comment must say what the data does.
+TEST(OptLevelDocs, HeaderTableSaysWhatTheLevelsResolveTo) {
+  const auto header = std::filesystem::path(__FILE__).parent_path().parent_path() /
+                      "opt_levels" / "include" / "amp" / "opt_levels.h";
+  std::ifstream in(header);
+  ASSERT_TRUE(in) << header;
+  std::map<std::string, std::vector<std::string>> documented;  // "O2" -> its cells
+  const std::regex row(R"(^//\s+(O[0-9])\s{2,}(.*\S)\s*$)"), gap(R"(\s{2,})");
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (!std::regex_match(line, m, row)) continue;
+    const std::string cells = m[2];
+    documented[m[1]] = {std::sregex_token_iterator(cells.begin(), cells.end(), gap, -1), {}};
+  }
+  auto yes_no = [](bool b) { return std::string(b ? "true" : "false"); };
+  auto one_decimal = [](double v) {
+    std::ostringstream out;
+    out << std::fixed << std::setprecision(1) << v;
+    return out.str();
+  };
+  for (OptLevel level : {O0, O1, O2, O3, O4, O5}) {
+    SCOPED_TRACE(to_string(level));
+    const Properties cuda = resolve_properties(level, {}, c10::kCUDA);
+    const Properties cpu = resolve_properties(level, {}, c10::kCPU);
+    const bool casts_model = cuda.cast_model_type.has_value() && *cuda.cast_model_type != at::kFloat;
+    std::string cast = "-";
+    if (cuda.cast_model_type == at::kFloat) cast = "float32";
+    if (casts_model) cast = cuda.cast_model_type == cpu.cast_model_type ? "bfloat16" : "low precision";
+    const bool bf16 = cuda.cuda_dtype == at::kBFloat16;
+    const std::vector<std::string> expected = {
+        cast,
+        cuda.patch_torch_functions ? (bf16 ? "true (bf16)" : "true") : "false",
+        casts_model ? yes_no(cuda.keep_batchnorm_fp32) : "-",
+        cuda.patch_torch_functions ? "-" : yes_no(cuda.master_weights),
+        cuda.loss_scale.dynamic ? "dynamic" : one_decimal(cuda.loss_scale.value)};
+    EXPECT_EQ(documented[std::string(to_string(level))], expected);
+  }
+}
 
 TEST(OptLevelNames, ParseAcceptsTheLevelsAndExplainsTheLetterO) {
   ASSERT_EQ(all_opt_levels().size(), 6u);
