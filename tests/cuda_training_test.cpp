@@ -23,6 +23,19 @@ class CudaTrainingTest : public AmpTest {
   }
 };
 
+// A TinyNet on the GPU with amp's FusedAdamW, initialized at `level`.
+struct FusedCudaRun {
+  explicit FusedCudaRun(OptLevel level) {
+    model->to(torch::kCUDA);  // in place: the optimizer holds the same parameters
+    amp::Options options(level);
+    options.verbosity = 0;
+    handle.initialize(model, optimizer, options);
+  }
+  TinyNet model;
+  amp::optim::FusedAdamW optimizer{model->parameters(), torch::optim::AdamWOptions(1e-2)};
+  Handle handle;
+};
+
 // One training step on `x`, as users write it: zero_grad, forward, the
 // guard around backward, step.
 void train_step(TinyNet& model, torch::optim::Optimizer& optimizer, const at::Tensor& x) {
@@ -224,11 +237,9 @@ TEST_F(CudaTrainingTest, CheckpointOfCudaStateResumesBitForBit) {
 TEST_F(CudaTrainingTest, ASideStreamTrainsAsTheDefaultStream) {
   auto run = [](bool side) {
     torch::manual_seed(0);
-    TinyNet model;
-    model->to(torch::kCUDA);
-    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    Handle handle;
-    handle.initialize(model, optimizer, quiet(O2));
+    FusedCudaRun net(O2);
+    TinyNet& model = net.model;
+    amp::optim::FusedAdamW& optimizer = net.optimizer;
     std::optional<c10::cuda::CUDAStreamGuard> guard;
     if (side) guard.emplace(c10::cuda::getStreamFromPool());
     for (int step = 0; step < 4; ++step) {
@@ -279,11 +290,9 @@ TEST_F(CudaTrainingTest, AStepCapturedInACudaGraphReplaysAsTheEagerSteps) {
   };
   auto run = [&](OptLevel level, bool graphed) {
     torch::manual_seed(0);
-    TinyNet model;
-    model->to(torch::kCUDA);
-    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    Handle handle;
-    handle.initialize(model, optimizer, quiet(level));
+    FusedCudaRun net(level);
+    TinyNet& model = net.model;
+    amp::optim::FusedAdamW& optimizer = net.optimizer;
     c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());  // graphs capture off the default stream
     at::Tensor x = torch::empty({16, 8}, torch::kCUDA);
     auto feed = [&](int step) {
@@ -363,11 +372,9 @@ TEST_F(CudaTrainingTest, CapturingWhatCannotBeCapturedSaysWhich) {
     EXPECT_THAT(refused(model, optimizer), ::testing::HasSubstr("one of its optimizers is LibTorch's own"));
   }
   {
-    TinyNet model;
-    model->to(torch::kCUDA);
-    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    Handle handle;
-    handle.initialize(model, optimizer, quiet(O1));
+    FusedCudaRun net(O1);
+    TinyNet& model = net.model;
+    amp::optim::FusedAdamW& optimizer = net.optimizer;
     EXPECT_THAT(refused(model, optimizer), ::testing::HasSubstr("Run warm-up iterations"));
     const auto before = clones(model->parameters());
     step(model, optimizer);

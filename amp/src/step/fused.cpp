@@ -203,12 +203,13 @@ void FusedStepping::adopt_device_counts(StateMap& state) {
   for (const auto& [key, count] : device_steps_) {
     if (!state.count(key)) continue;
     keys.push_back(key);
-    counts.push_back(count.to(at::kDouble).reshape({1}).cpu());
+    counts.push_back(count);
   }
   if (keys.empty()) return;
+  const at::Tensor host = at::stack(counts).to(at::kDouble).cpu();  // one host sync
   detail::count_host_read();
   for (size_t i = 0; i < keys.size(); ++i) {
-    detail::set_step_count(*state.at(keys[i]), static_cast<int64_t>(counts[i].item<double>()));
+    detail::set_step_count(*state.at(keys[i]), static_cast<int64_t>(host[i].item<double>()));
   }
 }
 

@@ -186,7 +186,7 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   }
   if (decision.skip) drop_gradients();
   record_outcome(decision.skip);
-  if (captured_) note_last_outcome(at::full({1}, decision.skip ? 1.0 : 0.0, replay_tally_.options()));
+  if (captured_) replay_tally_.narrow(0, 2, 1).fill_(decision.skip ? 1.0 : 0.0);
   return decision;
 }
 
@@ -207,27 +207,24 @@ void OptimizerStep::check_capturable(bool kernels_apply) const {
               "amp::skipped_steps inside the captured region); read them outside it.");
 }
 
-void OptimizerStep::note_last_outcome(const at::Tensor& skipped) {
-  replay_tally_.narrow(0, 2, 1).copy_(skipped.reshape({1}).to(replay_tally_.device()));
-}
-
 void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, FusedDecision decision) {
-  if (capturing()) {  // runs on every replay: counted there
-    captured_ = true;
+  const bool in_capture = capturing();
+  if (in_capture || captured_) {  // the device keeps the last outcome; replays count there
     const at::Tensor skipped = decision.found_inf.defined()
                                    ? decision.found_inf.reshape({1}).to(replay_tally_.device())
                                    : at::zeros({1}, replay_tally_.options());
-    replay_tally_.narrow(0, 0, 1).add_(1);
-    replay_tally_.narrow(0, 1, 1).add_(skipped);
-    note_last_outcome(skipped);
-    return;
+    replay_tally_.narrow(0, 2, 1).copy_(skipped);
+    if (in_capture) {
+      captured_ = true;
+      replay_tally_.narrow(0, 0, 1).add_(1);
+      replay_tally_.narrow(0, 1, 1).add_(skipped);
+      return;
+    }
   }
   if (!decision.found_inf.defined()) {  // no verdict to wait for: taken
     fused_->stepping().settle(attempt, /*skipped=*/false, optimizer_->state());
-    if (captured_) note_last_outcome(at::zeros({1}, replay_tally_.options()));
     return;
   }
-  if (captured_) note_last_outcome(decision.found_inf);
   pending_.push_back({DeferredVerdicts(std::move(decision.verdicts)), std::move(attempt), true});
   settle(/*wait=*/false);
 }

@@ -115,7 +115,6 @@ class OptimizerStep {
   const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
   bool capturing() const;
   void check_capturable(bool kernels_apply) const;
-  void note_last_outcome(const at::Tensor& skipped);  // after a capture: on the device
 
   torch::optim::Optimizer* optimizer_;
   optim::Fused* fused_;
