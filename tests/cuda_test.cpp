@@ -86,7 +86,7 @@ TEST_F(CudaTest, TrainingStepsAtO1AndO2WithFp16AndBf16) {
         scaled.backward();
       }
       optimizer->step();
-      EXPECT_TRUE(loss_scaler()->scale_tensor(torch::kCUDA).is_cuda());
+      EXPECT_TRUE(loss_scaler()->device().is_cuda());
     }
     if (level == O2 || level == O5) {
       for (const auto& m : master_params(*optimizer)) EXPECT_EQ(m.scalar_type(), at::kFloat);
@@ -169,7 +169,7 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
 TEST_F(CudaTest, GradientsOnTwoDevicesFoldIntoOneVerdict) {
   for (c10::DeviceType inf_on : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
     SCOPED_TRACE(c10::DeviceTypeName(inf_on));
-    LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+    internal::LossScaling scaler(LossScale::Dynamic(), DynamicScaling{});
     at::Tensor found_inf = torch::zeros({1}, torch::kCUDA);
     (void)scaler.scale_tensor(torch::kCUDA);
     auto on_cpu = torch::full({3}, 1024.0), on_cuda = torch::full({3}, 2048.0, torch::kCUDA);
@@ -179,7 +179,7 @@ TEST_F(CudaTest, GradientsOnTwoDevicesFoldIntoOneVerdict) {
     EXPECT_EQ(on_cpu[0].item<float>(), 1024.0f / 65536.0f);
     EXPECT_EQ(on_cuda[0].item<float>(), 2048.0f / 65536.0f);
   }
-  LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+  internal::LossScaling scaler(LossScale::Dynamic(), DynamicScaling{});
   at::Tensor found_inf = torch::zeros({1}, torch::kCUDA);
   (void)scaler.scale_tensor(torch::kCUDA);
   scaler.unscale({torch::ones({3}), torch::ones({3}, torch::kCUDA)}, found_inf);

@@ -37,7 +37,7 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   }
   std::vector<at::Tensor> before;
   for (const auto& p : master_params(*optimizer)) before.push_back(p.grad().clone());
-  const LossScaler::State scaler_before = loss_scaler()->state();
+  const internal::LossScaling::State scaler_before = internal::mechanics(*loss_scaler()).state();
   try {
     scale_loss scaled(model->forward(x * 2).to(at::kFloat).sum(), optimizer);
     scaled.backward();
@@ -48,8 +48,8 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   }
   const auto params = master_params(*optimizer);
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(BitEqual(params[i].grad(), before[i])) << "param " << i;
-  EXPECT_TRUE(BitEqual(loss_scaler()->state().scale, scaler_before.scale));
-  EXPECT_TRUE(BitEqual(loss_scaler()->state().growth_tracker, scaler_before.growth_tracker));
+  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().scale, scaler_before.scale));
+  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().growth_tracker, scaler_before.growth_tracker));
   optimizer->step();
   ref_optimizer->step();
   EXPECT_FALSE(last_step_skipped(*optimizer));

@@ -281,6 +281,26 @@ TEST_F(InterceptionThreadsTest, WithCurrentCastsCarriesTheCastingStateToAWorkerT
   EXPECT_AMP_ERROR(wrapped(x), "needs amp to be initialized");  // casting state it cannot give
 }
 
+TEST_F(InterceptionTest, ACastingStateWrittenOutAppliesAsWritten) {
+  auto model = TinyNet();
+  Handle handle;
+  handle.initialize(model, quiet(O1));
+  const auto a = torch::randn({2, 2});
+  {
+    with_casting_state half(CastingState(/*casts=*/true, at::kHalf, at::kHalf, /*cache_enabled=*/false));
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), at::kHalf);
+    EXPECT_FALSE(CastingState::current().cache_enabled());
+    EXPECT_EQ(CastingState::current().dtype(c10::DeviceType::CPU), at::kHalf);
+  }
+  {
+    with_casting_state off(CastingState(/*casts=*/false, at::kBFloat16, at::kHalf, /*cache_enabled=*/true));
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), at::kFloat);
+    EXPECT_FALSE(CastingState::current().casts());
+  }
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), at::kBFloat16);  // restored
+  EXPECT_TRUE(CastingState::current().cache_enabled());
+}
+
 TEST_F(InterceptionTest, DisableCastsNestsAndSurvivesExceptions) {
   auto model = TinyNet();
   Handle handle;

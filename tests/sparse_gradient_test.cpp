@@ -93,7 +93,7 @@ TEST_F(SparseGradientTest, Fp16DuplicateIndicesWhoseSumOverflowsAreAnOverflow) {
     const auto values = torch::tensor({40000.0, 40000.0, 2.0}).to(dtype);
     auto grad = torch::sparse_coo_tensor(indices, values.clone(), {4});
     ASSERT_FALSE(grad.is_coalesced());
-    LossScaler scaler(LossScale::Dynamic(), DynamicScaling{});
+    internal::LossScaling scaler(LossScale::Dynamic(), DynamicScaling{});
     at::Tensor found_inf = torch::zeros({1});
     scaler.unscale({grad}, found_inf);
     EXPECT_EQ(found_inf.item<float>() > 0, dtype == at::kHalf) << "only float16 sums overflow";

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <amp/amp.h>
+#include <amp/internal/loss_scaling.h>
 #include <amp/testing.h>
 
 #include <gmock/gmock.h>

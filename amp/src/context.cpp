@@ -47,7 +47,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   }
   for (int i = 0; i < options.num_losses; ++i) {
     scalers_.push_back(
-        std::make_shared<LossScaler>(properties.loss_scale, properties.dynamic_scaling, i));
+        std::make_shared<internal::LossScaling>(properties.loss_scale, properties.dynamic_scaling, i));
   }
   skip_logs_.resize(scalers_.size());
   if (!casting_.empty()) {
@@ -100,7 +100,7 @@ void Context::rethrow_deferred_error() {
   if (deferred_error_) std::rethrow_exception(std::exchange(deferred_error_, nullptr));
 }
 
-std::shared_ptr<LossScaler> Context::shared_scaler(int loss_id) {
+std::shared_ptr<internal::LossScaling> Context::shared_scaler(int loss_id) {
   TORCH_CHECK(loss_id >= 0 && loss_id < num_losses(), "amp: loss_id ", loss_id,
               " is out of range: amp was initialized with num_losses=", num_losses(), ".");
   return scalers_[loss_id];

@@ -2,7 +2,7 @@
 // dispatcher interception and the initializing thread's casting state.
 #pragma once
 
-#include <amp/loss_scaler.h>
+#include <amp/internal/loss_scaling.h>
 #include <amp/options.h>
 
 #include "interception/dispatch/op_binding.h"
@@ -46,8 +46,8 @@ class Context {
   const Properties& properties() const { return properties_; }
   int verbosity() const { return options_.verbosity; }
   int num_losses() const { return static_cast<int>(scalers_.size()); }
-  LossScaler& scaler(int loss_id) { return *shared_scaler(loss_id); }
-  std::shared_ptr<LossScaler> shared_scaler(int loss_id);
+  internal::LossScaling& scaler(int loss_id) { return *shared_scaler(loss_id); }
+  std::shared_ptr<internal::LossScaling> shared_scaler(int loss_id);
   SkipLog& skip_log(int loss_id) { return skip_logs_.at(loss_id); }
 
   // How this initialization casts per device; empty when it does not
@@ -92,7 +92,7 @@ class Context {
   Properties properties_;
   Options options_;
   std::vector<DeviceCasting> casting_;
-  std::vector<std::shared_ptr<LossScaler>> scalers_;  // shared: amp::loss_scaler()
+  std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;

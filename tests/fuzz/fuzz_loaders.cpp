@@ -15,6 +15,7 @@
 // when it is accepted, the scalers must hold sane values and one training
 // step must run. Before each input it is written to fuzz_last_input.pt, so
 // a crash leaves its reproducer behind.
+#include <amp/internal/loss_scaling.h>
 #include <amp/amp.h>
 
 #include <absl/flags/flag.h>
@@ -153,7 +154,7 @@ std::vector<at::Tensor> snapshot(Setup& s) {
     }
   }
   for (int i = 0; i < 2; ++i) {
-    const auto state = amp::loss_scaler(i)->state();
+    const auto state = amp::internal::mechanics(*amp::loss_scaler(i)).state();
     out.push_back(state.scale.clone());
     out.push_back(state.growth_tracker.clone());
     out.push_back(state.hysteresis_tracker.clone());

@@ -57,13 +57,6 @@
 
 namespace amp {
 
-namespace detail {
-class Context;
-class ThreadCasting;
-}  // namespace detail
-class custom_fwd;
-class custom_bwd;
-
 class [[nodiscard]] disable_casts {
  public:
   disable_casts();
@@ -83,8 +76,8 @@ class [[nodiscard]] enable_casts {
   enable_casts& operator=(const enable_casts&) = delete;
 
  private:
-  std::unique_ptr<detail::ThreadCasting> state_;
-  std::shared_ptr<detail::Context> worker_of_;  // set on worker threads: counted by the context
+  class Scope;  // the thread's saved autocast state; on worker threads, amp's count of them
+  std::unique_ptr<Scope> scope_;
 };
 
 class [[nodiscard]] cast_dtype {
@@ -116,6 +109,9 @@ class [[nodiscard]] disable_cast_cache {
 class CastingState {
  public:
   static CastingState current();
+  // A state written out, e.g. one saved from current() and carried along.
+  CastingState(bool casts, c10::ScalarType cpu_dtype, c10::ScalarType cuda_dtype, bool cache_enabled)
+      : casts_(casts), cpu_dtype_(cpu_dtype), cuda_dtype_(cuda_dtype), cache_(cache_enabled) {}
 
   bool casts() const { return casts_; }  // amp casts this thread's ops
   c10::ScalarType dtype(c10::DeviceType device) const {
@@ -124,12 +120,9 @@ class CastingState {
   bool cache_enabled() const { return cache_; }
 
  private:
-  friend class with_casting_state;
-  friend class custom_fwd;  // custom_function.h: carried from forward to backward
-  friend class custom_bwd;
-  bool casts_ = false;
-  c10::ScalarType cpu_dtype_ = c10::kBFloat16, cuda_dtype_ = c10::kHalf;
-  bool cache_ = true;
+  bool casts_;
+  c10::ScalarType cpu_dtype_, cuda_dtype_;
+  bool cache_;
 };
 
 // RAII: gives the current thread `state`, restoring its own on exit.

@@ -36,43 +36,19 @@
 
 namespace amp {
 
+// Every scaler is created by amp (one per loss); programs reach them with
+// amp::loss_scaler(loss_id).
 class LossScaler {
  public:
-  LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0);
-
   int loss_id() const { return loss_id_; }
   bool dynamic() const { return dynamic_; }
 
-  // The scale as a 1-element float32 tensor on `device` (moved there on the
-  // first call with a new device).
-  const at::Tensor& scale_tensor(c10::Device device);
-  // Where the scale lives (the device of the first scale_tensor call).
+  // Where the scale lives (the device of the first loss scaled; CPU before).
   c10::Device device() const { return scale_.device(); }
   // Host values: each reads the device (a sync); for logs, tests, checkpoints.
   double scale() const;
   int64_t growth_tracker() const;
   int64_t hysteresis_tracker() const;
-
-  // Multiplies `grads` in place by 1/scale (computed in double, then float,
-  // as GradScaler does) and sets `found_inf` (a 1-element float32 tensor on
-  // the scale's device) to 1 if any of them holds an inf or NaN. A sparse
-  // gradient has its values unscaled; in float16 the sums of its duplicate
-  // indices are checked too (on a coalesced copy), as GradScaler does.
-  void unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
-
-  // Updates the scale from `found_inf` without a host sync. Returns a
-  // 3-element float32 snapshot [found_inf, scale before, scale after] for the
-  // one deferred host read that decides whether the step is skipped.
-  at::Tensor update(const at::Tensor& found_inf);
-
-  // A copy of the scaler's device state, to undo an update (scale_loss does
-  // when an exception ends a guard after unscale()). Copies stay on the
-  // device: no host sync.
-  struct State {
-    at::Tensor scale, growth_tracker, hysteresis_tracker;
-  };
-  State state() const;
-  void restore(const State& state);
 
   // The floor an overflow cannot push the scale below.
   double floor() const;
@@ -98,8 +74,10 @@ class LossScaler {
   // loading fails.
   void load(torch::serialize::InputArchive& archive);
 
- private:
-  void update_with_hysteresis(const at::Tensor& found_inf);
+ protected:
+  // The guard's side (scale, unscale, update, undo) is amp's own:
+  // amp/internal/loss_scaling.h.
+  LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id);
 
   int loss_id_;
   bool dynamic_;

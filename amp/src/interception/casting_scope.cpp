@@ -9,6 +9,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <memory>
+#include <optional>
+#include <thread>
+
 namespace amp {
 namespace detail {
 
@@ -53,27 +57,40 @@ disable_casts::~disable_casts() {
   c10::impl::tls_set_dispatch_key_excluded(kAutocastCUDA, cuda_was_excluded_);
 }
 
+// On a worker thread the context counts the scope, before the thread casts
+// (so deinitialize sees it) until after it stops.
+class enable_casts::Scope {
+ public:
+  explicit Scope(std::shared_ptr<detail::Context> context) {
+    if (std::this_thread::get_id() != context->owner()) {
+      TORCH_CHECK(context->add_worker(), "amp: amp::enable_casts needs amp to be initialized; it "
+                  "was being deinitialized. Open the scope while amp is live.");
+      worker_of_ = context;
+    }
+    try {
+      casting_.emplace(context->casting());
+    } catch (...) {
+      if (worker_of_) worker_of_->remove_worker();
+      throw;
+    }
+  }
+  ~Scope() {
+    casting_.reset();
+    if (worker_of_) worker_of_->remove_worker();
+  }
+
+ private:
+  std::shared_ptr<detail::Context> worker_of_;
+  std::optional<detail::ThreadCasting> casting_;
+};
+
 enable_casts::enable_casts() {
   std::shared_ptr<detail::Context> context = detail::require_live_context("amp::enable_casts");
   if (context->casting().empty()) return;  // this level does not intercept ops
-  if (std::this_thread::get_id() != context->owner()) {
-    // Counted before this thread casts, so deinitialize sees it.
-    TORCH_CHECK(context->add_worker(), "amp: amp::enable_casts needs amp to be initialized; it "
-                "was being deinitialized. Open the scope while amp is live.");
-    worker_of_ = context;
-  }
-  try {
-    state_ = std::make_unique<detail::ThreadCasting>(context->casting());
-  } catch (...) {
-    if (worker_of_) worker_of_->remove_worker();
-    throw;
-  }
+  scope_ = std::make_unique<Scope>(std::move(context));
 }
 
-enable_casts::~enable_casts() {
-  state_.reset();
-  if (worker_of_) worker_of_->remove_worker();
-}
+enable_casts::~enable_casts() = default;
 
 cast_dtype::cast_dtype(c10::ScalarType dtype, std::optional<c10::DeviceType> device) {
   detail::require_live_context("amp::cast_dtype");
@@ -100,27 +117,25 @@ disable_cast_cache::disable_cast_cache() : was_enabled_(at::autocast::is_autocas
 disable_cast_cache::~disable_cast_cache() { at::autocast::set_autocast_cache_enabled(was_enabled_); }
 
 CastingState CastingState::current() {
-  CastingState state;
+  bool casts = false;
   const std::shared_ptr<detail::Context> context = detail::live_context();
   for (const detail::DeviceCasting& c : context ? context->casting() : std::vector<detail::DeviceCasting>{}) {
-    state.casts_ = state.casts_ ||
-                   (at::autocast::is_autocast_enabled(c.device) && !excluded(c.autocast_key));
+    casts = casts || (at::autocast::is_autocast_enabled(c.device) && !excluded(c.autocast_key));
   }
-  state.cpu_dtype_ = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
-  state.cuda_dtype_ = at::autocast::get_autocast_dtype(c10::DeviceType::CUDA);
-  state.cache_ = at::autocast::is_autocast_cache_enabled();
-  return state;
+  return CastingState(casts, at::autocast::get_autocast_dtype(c10::DeviceType::CPU),
+                      at::autocast::get_autocast_dtype(c10::DeviceType::CUDA),
+                      at::autocast::is_autocast_cache_enabled());
 }
 
 with_casting_state::with_casting_state(const CastingState& state) {
-  if (state.casts_) {
+  if (state.casts()) {
     enable_.emplace();
-    cpu_dtype_.emplace(state.cpu_dtype_, c10::DeviceType::CPU);
-    cuda_dtype_.emplace(state.cuda_dtype_, c10::DeviceType::CUDA);
+    cpu_dtype_.emplace(state.dtype(c10::DeviceType::CPU), c10::DeviceType::CPU);
+    cuda_dtype_.emplace(state.dtype(c10::DeviceType::CUDA), c10::DeviceType::CUDA);
   } else {
     disable_.emplace();
   }
-  if (!state.cache_) no_cache_.emplace();
+  if (!state.cache_enabled()) no_cache_.emplace();
 }
 
 with_casting_state::~with_casting_state() = default;

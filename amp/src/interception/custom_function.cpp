@@ -22,10 +22,10 @@ custom_fwd::custom_fwd(torch::autograd::AutogradContext* ctx, std::optional<c10:
     off_.emplace();
   }
   const CastingState forward = CastingState::current();  // what forward runs with
-  ctx->saved_data[kCasts] = forward.casts_;
-  ctx->saved_data[kCpuDtype] = static_cast<int64_t>(forward.cpu_dtype_);
-  ctx->saved_data[kCudaDtype] = static_cast<int64_t>(forward.cuda_dtype_);
-  ctx->saved_data[kCache] = forward.cache_;
+  ctx->saved_data[kCasts] = forward.casts();
+  ctx->saved_data[kCpuDtype] = static_cast<int64_t>(forward.dtype(c10::DeviceType::CPU));
+  ctx->saved_data[kCudaDtype] = static_cast<int64_t>(forward.dtype(c10::DeviceType::CUDA));
+  ctx->saved_data[kCache] = forward.cache_enabled();
 }
 
 custom_fwd::~custom_fwd() = default;
@@ -39,13 +39,12 @@ custom_bwd::custom_bwd(torch::autograd::AutogradContext* ctx) {
   auto it = ctx->saved_data.find(kCasts);
   TORCH_CHECK(it != ctx->saved_data.end(), "amp: custom_bwd found no casting state from forward; "
               "open an amp::custom_fwd at the top of this function's forward.");
-  CastingState forward;
-  forward.casts_ = it->second.toBool();
-  forward.cpu_dtype_ = static_cast<c10::ScalarType>(ctx->saved_data.at(kCpuDtype).toInt());
-  forward.cuda_dtype_ = static_cast<c10::ScalarType>(ctx->saved_data.at(kCudaDtype).toInt());
-  forward.cache_ = ctx->saved_data.at(kCache).toBool();
+  const CastingState forward(it->second.toBool(),
+                             static_cast<c10::ScalarType>(ctx->saved_data.at(kCpuDtype).toInt()),
+                             static_cast<c10::ScalarType>(ctx->saved_data.at(kCudaDtype).toInt()),
+                             ctx->saved_data.at(kCache).toBool());
   state_.emplace(forward);
-  casts_ = forward.casts_;
+  casts_ = forward.casts();
   if (casts_) detail::allow_casts_in_backward(true);
 }
 

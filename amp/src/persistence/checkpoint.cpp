@@ -140,7 +140,7 @@ void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const
   context->weights().finish_backward();
   // Scalers and optimizers load all-or-nothing: if one part is refused, the
   // parts already loaded go back to their state before this call.
-  std::vector<LossScaler::State> scalers_before;
+  std::vector<internal::LossScaling::State> scalers_before;
   for (int i = 0; i < context->num_losses(); ++i) scalers_before.push_back(context->scaler(i).state());
   std::vector<std::string> optimizers_before;
   for (const auto* optimizer : optimizers) optimizers_before.push_back(detail::state_bytes(*optimizer));

@@ -69,7 +69,7 @@ void load_state(torch::serialize::InputArchive& archive) {
                 "amp::save_state?");
   }
   // Load into copies first, so a bad entry leaves every live scaler untouched.
-  std::vector<LossScaler> loaded;
+  std::vector<internal::LossScaling> loaded;
   for (int i = 0; i < context->num_losses(); ++i) {
     torch::serialize::InputArchive scaler;
     TORCH_CHECK(archive.try_read("loss_scaler" + std::to_string(i), scaler), "amp: the state has "

@@ -1,4 +1,4 @@
-#include <amp/loss_scaler.h>
+#include <amp/internal/loss_scaling.h>
 
 #include "step/non_finite_check.h"
 
@@ -13,6 +13,8 @@
 
 namespace amp {
 
+using internal::LossScaling;
+
 LossScaler::LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id)
     : loss_id_(loss_id), dynamic_(loss_scale.dynamic), options_(dynamic) {
   scale_ = at::full({1}, loss_scale.value, at::kFloat);
@@ -20,7 +22,7 @@ LossScaler::LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id
   hysteresis_tracker_ = at::full({1}, dynamic.hysteresis, at::kInt);
 }
 
-const at::Tensor& LossScaler::scale_tensor(c10::Device device) {
+const at::Tensor& LossScaling::scale_tensor(c10::Device device) {
   if (scale_.device() != device) {
     scale_ = scale_.to(device);
     growth_tracker_ = growth_tracker_.to(device);
@@ -37,24 +39,24 @@ double LossScaler::floor() const {
   return options_.min_loss_scale.value_or(std::numeric_limits<float>::min());
 }
 
-void LossScaler::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
+void LossScaling::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
   if (grads.empty()) return;
   // GradScaler computes 1/scale in double, then rounds once to float.
   const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   detail::non_finite_check_and_unscale(grads, found_inf, inv_scale);
 }
 
-LossScaler::State LossScaler::state() const {
+LossScaling::State LossScaling::state() const {
   return {scale_.clone(), growth_tracker_.clone(), hysteresis_tracker_.clone()};
 }
 
-void LossScaler::restore(const State& state) {
+void LossScaling::restore(const State& state) {
   scale_.copy_(state.scale);
   growth_tracker_.copy_(state.growth_tracker);
   hysteresis_tracker_.copy_(state.hysteresis_tracker);
 }
 
-at::Tensor LossScaler::update(const at::Tensor& found_inf) {
+at::Tensor LossScaling::update(const at::Tensor& found_inf) {
   const at::Tensor before = at::cat({found_inf, scale_});
   if (dynamic_) {
     if (options_.hysteresis == 1) {
@@ -71,7 +73,7 @@ at::Tensor LossScaler::update(const at::Tensor& found_inf) {
 // Megatron's DynamicGradScaler.update, as tensor ops: an overflow resets the
 // growth tracker and spends one unit of hysteresis; the scale backs off once
 // hysteresis is spent; growth refills it.
-void LossScaler::update_with_hysteresis(const at::Tensor& found_inf) {
+void LossScaling::update_with_hysteresis(const at::Tensor& found_inf) {
   const at::Tensor found = found_inf > 0;
   hysteresis_tracker_.copy_(at::where(found, hysteresis_tracker_ - 1, hysteresis_tracker_));
   const at::Tensor back_off = found & (hysteresis_tracker_ <= 0);

@@ -43,7 +43,7 @@ class scale_loss::State {
   uint64_t loss_graph = 0;  // the loss's root node's autograd sequence number
   bool passthrough = false;  // static scale 1 without masters: no multiply, no unscale
   Stage stage = Stage::kOpen;
-  std::optional<LossScaler::State> scaler_before;  // set by unscale(): to unwind its update
+  std::optional<internal::LossScaling::State> scaler_before;  // set by unscale(): to unwind its update
   std::shared_ptr<detail::OverflowVerdict> verdict;
   int uncaught_at_entry = std::uncaught_exceptions();
   disable_casts no_casts;
@@ -128,7 +128,7 @@ void scale_loss::State::check_capturable(c10::Device device) const {
 
 void scale_loss::State::unscale_gradients() {
   detail::UnscalePlan plan(slots);
-  LossScaler& scaler = context->scaler(options.loss_id);
+  internal::LossScaling& scaler = context->scaler(options.loss_id);
   const bool unscaling = !options.delay_unscale && !passthrough;
   at::Tensor found_inf;
   if (unscaling) found_inf = at::zeros({1}, scaler.scale_tensor(scaled_loss.device()).options());

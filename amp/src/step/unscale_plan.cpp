@@ -27,7 +27,7 @@ UnscalePlan::UnscalePlan(std::vector<GradSlot>& slots) {
   }
 }
 
-void UnscalePlan::run(LossScaler* scaler, at::Tensor& found_inf) {
+void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   // 1. Results from fresh gradients: copies in the slot's gradient dtype of
   //    low-precision scratch gradients, the new .grad itself otherwise;
   //    asides alone stand in for slots without one (copied when they will be

@@ -14,7 +14,7 @@
 // can still unwind to them.
 #pragma once
 
-#include <amp/loss_scaler.h>
+#include <amp/internal/loss_scaling.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -39,7 +39,7 @@ class UnscalePlan {
   // tensor on the scale's device) when any scaled value is inf or NaN;
   // without (delay_unscale, or a static scale of 1 without masters), leaves
   // values as they are.
-  void run(LossScaler* scaler, at::Tensor& found_inf);
+  void run(internal::LossScaling* scaler, at::Tensor& found_inf);
 
  private:
   struct Item {

@@ -38,16 +38,17 @@ class BoxedArgs {
 };
 
 // `args`: the op's arguments, the top `num_args` entries of the stack.
-void cast_stack(c10::IValue* args, size_t num_args, at::ScalarType to, c10::DeviceType device) {
+// The stack's entries are replaced in place: nothing moves when none is cast.
+void cast_stack(c10::IValue* args, size_t num_args, CastCheck cast) {
   for (c10::IValue* arg_it = args; arg_it != args + num_args; ++arg_it) {
     c10::IValue& arg = *arg_it;
     if (arg.isTensor()) {
-      if (needs_cast(to, device, arg.toTensor())) arg = cast_uncached_or_cached(arg.toTensor(), to);
+      if (cast.casts(arg.toTensor())) arg = cast_uncached_or_cached(arg.toTensor(), cast.to());
     } else if (arg.isTensorList()) {
       auto list = arg.toTensorList();
       for (size_t i = 0; i < list.size(); ++i) {
         const at::Tensor t = list.get(i);
-        if (needs_cast(to, device, t)) list.set(i, cast_uncached_or_cached(t, to));
+        if (cast.casts(t)) list.set(i, cast_uncached_or_cached(t, cast.to()));
       }
     }
   }
@@ -86,9 +87,10 @@ class BoxedKernel final : public c10::OperatorKernel {
     using Action = CastDecision::Action;
     c10::IValue* args = stack->data() + stack->size() - num_args;
     switch (decision.action) {
-      case Action::kCastTo:
-        cast_stack(args, num_args, decision.to, binding_->casting->device);
+      case Action::kCastTo: {
+        cast_stack(args, num_args, CastCheck(decision.to, binding_->casting->device));
         break;
+      }
       case Action::kSetOptDtype:
         set_float32_dtype(op.schema(), args, num_args);
         break;

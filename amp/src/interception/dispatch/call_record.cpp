@@ -27,14 +27,14 @@ void CallRecord::finish(std::string output_dtype) {
   add_op_stats(row_);
 }
 
-void CallRecord::note_cast(const at::Tensor& copy) {
+void CallRecord::add_cast(const at::Tensor& copy) {
   if (CallRecord* r = t_current) {
     r->row_.casts += 1;
     r->row_.bytes_cast += static_cast<int64_t>(copy.nbytes());
   }
 }
 
-void CallRecord::note_cache_hit() {
+void CallRecord::add_cache_hit() {
   if (CallRecord* r = t_current) r->row_.cache_hits += 1;
 }
 

@@ -39,11 +39,19 @@ class CallRecord {
   CastPolicy policy() const { return row_.policy; }
   void finish(std::string output_dtype);
 
-  // Called by the cast path for the thread's current record, if any.
-  static void note_cast(const at::Tensor& copy);  // its bytes are read only while recording
-  static void note_cache_hit();
+  // Called by the cast path for the thread's current record, if any; a
+  // global flag read, not a thread-local one, when nothing records.
+  static void note_cast(const at::Tensor& copy) {
+    if (C10_UNLIKELY(recording())) add_cast(copy);
+  }
+  static void note_cache_hit() {
+    if (C10_UNLIKELY(recording())) add_cache_hit();
+  }
 
  private:
+  static void add_cast(const at::Tensor& copy);
+  static void add_cache_hit();
+
   OpStats row_;
   CallRecord* previous_;
 };

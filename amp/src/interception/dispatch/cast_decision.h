@@ -48,13 +48,9 @@ CastDecision decide(CastPolicy policy, const DeviceCasting& casting, const Args&
 
 namespace decide_detail {
 
-template <class Args>
-CastDecision cast_to(at::ScalarType to, c10::DeviceType device, const Args& args) {
-  bool any = false;
-  args.for_each_tensor([&](const at::Tensor& t, bool) { any = any || needs_cast(to, device, t); });
-  if (!any || in_backward()) return {};
-  return {CastDecision::Action::kCastTo, to};
-}
+// Which arguments are cast, and whether backward forbids it, is settled as
+// they are cast (ArgCast, cast.h): one walk.
+inline CastDecision cast_to(at::ScalarType to) { return {CastDecision::Action::kCastTo, to}; }
 
 // kLowerPrecision at O2/O3/O5: the dtype of the first weight among the
 // tensor arguments (a floating leaf that requires grad), so fp32 inputs meet
@@ -124,10 +120,10 @@ CastDecision decide(CastPolicy policy, const DeviceCasting& c, const Args& args)
   switch (policy) {
     case CastPolicy::kLowerPrecision: {
       const at::ScalarType low = thread_low_dtype(c.device);
-      return d::cast_to(c.weights_decide ? d::weights_dtype(low, c, args) : low, c.device, args);
+      return d::cast_to(c.weights_decide ? d::weights_dtype(low, c, args) : low);
     }
     case CastPolicy::kFp32:
-      return d::cast_to(at::kFloat, c.device, args);
+      return d::cast_to(at::kFloat);
     case CastPolicy::kFp32SetOptDtype:
       if (d::first_castable(c.device, args) && !in_backward()) return {Action::kSetOptDtype};
       return {};
@@ -138,9 +134,9 @@ CastDecision decide(CastPolicy policy, const DeviceCasting& c, const Args& args)
       return {Action::kAppendDtype, to_fp32 ? at::kFloat : first->scalar_type()};
     }
     case CastPolicy::kPromote:
-      return d::cast_to(d::widest(thread_low_dtype(c.device), c.device, args), c.device, args);
+      return d::cast_to(d::widest(thread_low_dtype(c.device), c.device, args));
     case CastPolicy::kMatchParameters:
-      if (const auto to = d::parameters_dtype(c.device, args)) return d::cast_to(*to, c.device, args);
+      if (const auto to = d::parameters_dtype(c.device, args)) return d::cast_to(*to);
       return {};
     case CastPolicy::kBanned:
       if (!in_backward()) return {Action::kRefuse};

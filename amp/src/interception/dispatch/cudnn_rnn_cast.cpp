@@ -53,16 +53,17 @@ CastCall<at::_ops::_cudnn_rnn>::call(
     return Op::call(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
                     num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state);
   }
-  const bool cast_weights = !weight.empty() && needs_cast(to, device, weight[0]);
+  ArgCast</*kTensors=*/3, /*kLists=*/1> cast(to, device);  // input, hx, cx; weight
+  const bool cast_weights = !weight.empty() && cast.casts(weight[0]);
   if (!cast_weights) {  // already in a low dtype (a converted model): its buffer stays
-    return Op::call(cast_arg(to, device, input), weight, weight_stride0, weight_buf,
-                    cast_arg(to, device, hx), cast_arg(to, device, cx), mode, hidden_size, proj_size,
-                    num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state);
+    return Op::call(cast(input), weight, weight_stride0, weight_buf, cast(hx), cast(cx), mode,
+                    hidden_size, proj_size, num_layers, batch_first, dropout, train, bidirectional,
+                    batch_sizes, dropout_state);
   }
-  const std::vector<at::Tensor> low = cast_arg(to, device, weight);
+  const at::TensorList low = cast(weight);
   QuietUnpackedWeights quiet;
-  return Op::call(cast_arg(to, device, input), low, weight_stride0, /*weight_buf=*/std::nullopt,
-                  cast_arg(to, device, hx), cast_arg(to, device, cx), mode, hidden_size, proj_size,
+  return Op::call(cast(input), low, weight_stride0, /*weight_buf=*/std::nullopt, cast(hx), cast(cx),
+                  mode, hidden_size, proj_size,
                   num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state);
 }
 

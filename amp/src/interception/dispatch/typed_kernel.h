@@ -53,7 +53,8 @@ template <class Op>
 struct CastCall {
   template <class... Args>
   static auto call(at::ScalarType to, c10::DeviceType device, const Args&... args) {
-    return Op::call(cast_arg(to, device, args)...);
+    ArgCastFor<Args...> cast(to, device);
+    return Op::call(cast(args)...);
   }
 };
 // cuDNN RNNs: the weights cast one by one, not through cuDNN's packed buffer
@@ -97,10 +98,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
   Ret apply(const CastDecision& decision, Args... args) const {
     using Action = CastDecision::Action;
     switch (decision.action) {
-      case Action::kCastTo: {
-        const c10::DeviceType device = binding_->casting->device;
-        return CastCall<Op>::call(decision.to, device, args...);
-      }
+      case Action::kCastTo:
+        return CastCall<Op>::call(decision.to, binding_->casting->device, args...);
       case Action::kSetOptDtype:
         return Op::call(set_opt_dtype(args)...);
       case Action::kAppendDtype:
