@@ -36,12 +36,14 @@ std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, Mo
 
 Context::Context(const Properties& properties, const Options& options, const RegistrationLock& held,
                  std::unique_ptr<ModelWeights> weights,
-                 const std::vector<torch::optim::Optimizer*>& optimizers)
+                 const std::vector<torch::optim::Optimizer*>& optimizers,
+                 std::shared_ptr<const ParameterNames> parameter_names)
     : properties_(properties),
       options_(options),
       casting_(casting_for(properties, options, weights.get())),
       owner_(std::this_thread::get_id()),
       weights_(std::move(weights)) {
+  parameter_names_ = std::move(parameter_names);
   for (torch::optim::Optimizer* optimizer : optimizers) {
     steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));
   }
@@ -150,9 +152,11 @@ std::shared_ptr<Context> require_live_context(const char* what) {
 
 std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
                                             std::unique_ptr<ModelWeights> weights,
-                                            const std::vector<torch::optim::Optimizer*>& optimizers) {
+                                            const std::vector<torch::optim::Optimizer*>& optimizers,
+                                            std::shared_ptr<const ParameterNames> parameter_names) {
   const RegistrationLock held;
-  auto context = std::make_shared<Context>(properties, options, held, std::move(weights), optimizers);
+  auto context = std::make_shared<Context>(properties, options, held, std::move(weights), optimizers,
+                                           std::move(parameter_names));
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live = context;
   return context;

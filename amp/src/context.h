@@ -8,6 +8,7 @@
 #include "interception/dispatch/op_binding.h"
 #include "model/model_weights.h"
 #include "step/optimizer_step.h"
+#include "step/overflow_provenance.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -38,7 +39,8 @@ class Context {
   // OptimizerStep state machines.
   Context(const Properties& properties, const Options& options, const RegistrationLock& held,
           std::unique_ptr<ModelWeights> weights,
-          const std::vector<torch::optim::Optimizer*>& optimizers);
+          const std::vector<torch::optim::Optimizer*>& optimizers,
+          std::shared_ptr<const ParameterNames> parameter_names);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -49,6 +51,9 @@ class Context {
   internal::LossScaling& scaler(int loss_id) { return *shared_scaler(loss_id); }
   std::shared_ptr<internal::LossScaling> shared_scaler(int loss_id);
   SkipLog& skip_log(int loss_id) { return skip_logs_.at(loss_id); }
+  // Options::overflow_provenance, and the names its reports use.
+  bool provenance() const { return options_.overflow_provenance; }
+  const std::shared_ptr<const ParameterNames>& parameter_names() const { return parameter_names_; }
 
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
@@ -94,6 +99,7 @@ class Context {
   std::vector<DeviceCasting> casting_;
   std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
+  std::shared_ptr<const ParameterNames> parameter_names_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;
@@ -118,7 +124,8 @@ std::shared_ptr<Context> require_live_context(const char* what);
 // Builds a context and makes it the live one.
 std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
                                             std::unique_ptr<ModelWeights> weights,
-                                            const std::vector<torch::optim::Optimizer*>& optimizers);
+                                            const std::vector<torch::optim::Optimizer*>& optimizers,
+                                            std::shared_ptr<const ParameterNames> parameter_names);
 // The live initialization's state machine of `optimizer`, or null when amp
 // is not live or the optimizer was not passed to it.
 OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer);

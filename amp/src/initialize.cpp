@@ -176,6 +176,19 @@ std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool 
   return std::make_unique<detail::ModelWeights>(mode, std::move(entries), models.size());
 }
 
+// Names for overflow reports, as amp's checkpoints name parameters:
+// "model<i>." before each when there are several models.
+std::shared_ptr<const detail::ParameterNames> parameter_names(const Modules& models) {
+  auto names = std::make_shared<detail::ParameterNames>();
+  for (size_t i = 0; i < models.size(); ++i) {
+    const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "." : "";
+    for (const auto& item : models[i]->named_parameters()) {
+      names->emplace(item.value().unsafeGetTensorImpl(), prefix + item.key());
+    }
+  }
+  return names;
+}
+
 }  // namespace
 
 void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
@@ -220,7 +233,8 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
 
   // Everything is validated; from here on amp changes state.
   auto weights = lower_weights(models, !optimizers.empty(), properties, options);
-  context_ = detail::start_live_context(properties, options, std::move(weights), optimizers);
+  context_ = detail::start_live_context(properties, options, std::move(weights), optimizers,
+                                        parameter_names(models));
   if (options.verbosity >= 1) detail::emit({LogEvent::Kind::kProperties, "", describe(properties)});
 }
 

@@ -28,7 +28,8 @@
 // autograd functions), cast_cache.h, hardware.h (what the CPU computes
 // natively), log.h (amp's events: skipped steps, warnings), loss_scaler.h,
 // model_conversion.h, op_stats.h, state.h and
-// checkpoint.h (saving and resuming), distributed.h (data-parallel ranks).
+// checkpoint.h (saving and resuming), distributed.h (data-parallel ranks),
+// overflow.h (where a skipped step's inf/NaN came from).
 // Not included here: testing.h (host_syncs and test hooks, for benchmarks
 // and tests); internal/ holds what the headers need but programs do not.
 #pragma once
@@ -49,6 +50,7 @@
 #include <amp/opt_levels.h>
 #include <amp/optimizer.h>
 #include <amp/options.h>
+#include <amp/overflow.h>
 #include <amp/refs.h>
 #include <amp/scale_loss.h>
 #include <amp/state.h>

@@ -55,6 +55,11 @@ struct Options : PropertyOverrides {
   // together. Set it with amp::overflow_all_reduce(process_group)
   // (distributed.h).
   std::function<void(at::Tensor& found_inf)> reduce_overflow;
+  // Record, on the device, where an overflow comes from, to say after a
+  // skipped step which backward node produced the first inf/NaN and which
+  // gradients held one (amp::last_overflow, overflow.h; and the skip log).
+  // No host sync on healthy steps; a few small kernels per backward node.
+  bool overflow_provenance = false;
 };
 
 }  // namespace amp

@@ -115,10 +115,10 @@ void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool
   if (delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
 }
 
-void OptimizerStep::skip() {
+void OptimizerStep::skip(std::shared_ptr<const OverflowReport> report) {
   drop_gradients();
   queued_.clear();  // the step they judged will not run
-  record_outcome(/*skipped=*/true);
+  record_outcome(/*skipped=*/true, std::move(report));
   skipped_before_graph_ = at::sequence_number::peek();
 }
 
@@ -135,9 +135,10 @@ void OptimizerStep::unwind() noexcept {
   if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/false);
 }
 
-void OptimizerStep::record_outcome(bool skipped) {
+void OptimizerStep::record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report) {
   last_step_skipped_ = skipped;
   if (skipped) ++skipped_steps_;
+  if (report) last_overflow_ = std::move(report);
 }
 
 // ---- amp's fused step() -------------------------------------------------------
@@ -185,7 +186,7 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
     throw;
   }
   if (decision.skip) drop_gradients();
-  record_outcome(decision.skip);
+  record_outcome(decision.skip, report_of(verdicts));
   if (captured_) replay_tally_.narrow(0, 2, 1).fill_(decision.skip ? 1.0 : 0.0);
   return decision;
 }
@@ -250,7 +251,7 @@ void OptimizerStep::settle(bool wait) {
     }
     fused_->stepping().settle(step.attempt, skipped, optimizer_->state());
     if (skipped && step.gradients_live) drop_gradients();
-    record_outcome(skipped);
+    record_outcome(skipped, skipped ? step.verdicts.report() : nullptr);
     if (error) std::rethrow_exception(error);
   }
 }
@@ -274,6 +275,11 @@ int64_t OptimizerStep::skipped_steps() {
 bool OptimizerStep::last_step_skipped() {
   catch_up();
   return last_step_skipped_;
+}
+
+std::shared_ptr<const OverflowReport> OptimizerStep::last_overflow() {
+  catch_up();
+  return last_overflow_;
 }
 
 }  // namespace amp::detail

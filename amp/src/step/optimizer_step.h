@@ -80,7 +80,7 @@ class OptimizerStep {
   // The guard read its verdict on the host (before commit), for a loss
   // whose graph autograd numbered up to `loss_graph` (its root node's
   // sequence number).
-  void skip();  // overflow: the gradients are dropped
+  void skip(std::shared_ptr<const OverflowReport> report);  // overflow: the gradients are dropped
   void record_clean(uint64_t loss_graph);
   void unwind() noexcept;  // kInGuard -> the state before open()
 
@@ -99,6 +99,9 @@ class OptimizerStep {
 
   int64_t skipped_steps();
   bool last_step_skipped();
+  // The report of the latest overflow that skipped a step (null: none, or
+  // provenance off).
+  std::shared_ptr<const OverflowReport> last_overflow();
   // Learns the outcome of pending fused steps whose verdicts reached the
   // host, or with `wait`, of all of them.
   void settle(bool wait);
@@ -110,7 +113,7 @@ class OptimizerStep {
   struct PendingStep;
   bool holds_gradients() const;
   void drop_gradients();
-  void record_outcome(bool skipped);
+  void record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report = nullptr);
   void move_scaled_gradients(bool to_parameters);
   const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
   bool capturing() const;
@@ -128,6 +131,7 @@ class OptimizerStep {
   std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
   int64_t skipped_steps_ = 0;
   bool last_step_skipped_ = false;
+  std::shared_ptr<const OverflowReport> last_overflow_;
   // After an overflow dropped the gradients: autograd's next sequence number
   // then. A later guard's loss recorded before it belongs to the same
   // iteration (Apex's losses computed first, then a guard each), so the

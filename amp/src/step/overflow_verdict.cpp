@@ -19,6 +19,25 @@ namespace {
 
 std::atomic<int64_t> g_host_reads{0};
 
+// " First inf/NaN: MmBackward0 (fc2, Half). Non-finite gradients: fc2.weight."
+std::string describe(const OverflowReport& r) {
+  std::ostringstream out;
+  if (r.first_non_finite) {
+    const NonFiniteOp& op = *r.first_non_finite;
+    out << ". First inf/NaN produced by " << op.op << " in backward ("
+        << (op.module.empty() ? "" : "module " + op.module + ", ") << c10::toString(op.dtype) << ")";
+  } else {
+    out << ". No backward node produced the first inf/NaN: it came with the loss, or a hook set it";
+  }
+  if (!r.non_finite_gradients.empty()) {
+    out << ". Non-finite gradients:";
+    for (size_t i = 0; i < r.non_finite_gradients.size(); ++i) {
+      out << (i ? ", " : " ") << r.non_finite_gradients[i];
+    }
+  }
+  return out.str();
+}
+
 void log_overflow(const OverflowVerdict& v) {
   Context& ctx = *v.context;
   SkipLog& log = ctx.skip_log(v.loss_id);
@@ -40,6 +59,7 @@ void log_overflow(const OverflowVerdict& v) {
          << " keeping loss scale " << v.scale_after
          << (v.scale_after <= ctx.scaler(v.loss_id).floor() ? " (its floor)" : " (hysteresis)");
   }
+  if (v.report && log.consecutive <= kLoggedInARow) line << describe(*v.report);
   event.message = line.str();
   emit(event);
 }
@@ -55,6 +75,10 @@ void resolve_from(const Verdicts& verdicts, const std::vector<size_t>& which, co
     v.scale_after = values[3 * k + 2];
     v.resolved = true;
     v.snapshot = at::Tensor();
+    if (v.overflow && v.trace) {
+      v.report = std::make_shared<const OverflowReport>(v.trace->report(v.loss_id, v.scale_before));
+    }
+    v.trace.reset();
     log_overflow(v);
   }
 }
@@ -89,6 +113,13 @@ bool judge(const Verdicts& verdicts) {
 }
 
 }  // namespace
+
+std::shared_ptr<const OverflowReport> report_of(const Verdicts& verdicts) {
+  for (const auto& v : verdicts) {
+    if (v->overflow && v->report) return v->report;
+  }
+  return nullptr;
+}
 
 bool read_verdicts(const Verdicts& verdicts) {
   const auto [which, snapshots] = unresolved(verdicts);

@@ -12,6 +12,8 @@
 //     (DeferredVerdicts) and are logged and counted once they arrive.
 #pragma once
 
+#include "step/overflow_provenance.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
 
@@ -31,9 +33,17 @@ struct OverflowVerdict {
   bool overflow = false;
   double scale_before = 0;
   double scale_after = 0;
+  // Options::overflow_provenance: the guard's device records, and once an
+  // overflow is resolved, the report built from them.
+  std::shared_ptr<ProvenanceTrace> trace;
+  std::shared_ptr<const OverflowReport> report;
 };
 
+
 using Verdicts = std::vector<std::shared_ptr<OverflowVerdict>>;
+
+// The report of the first overflowed verdict in `verdicts` that has one.
+std::shared_ptr<const OverflowReport> report_of(const Verdicts& verdicts);
 
 // Reads every unresolved verdict in `verdicts` with one host sync, logs each
 // overflow (concisely: no flood when the scale sits at its floor), and
@@ -58,6 +68,7 @@ class DeferredVerdicts {
   // and returns whether the step was skipped. Waits for the copy if it has
   // not arrived: that wait is a host sync and is counted.
   bool resolve();
+  std::shared_ptr<const OverflowReport> report() const { return report_of(verdicts_); }
 
  private:
   Verdicts verdicts_;

@@ -45,6 +45,7 @@ class scale_loss::State {
   Stage stage = Stage::kOpen;
   std::optional<internal::LossScaling::State> scaler_before;  // set by unscale(): to unwind its update
   std::shared_ptr<detail::OverflowVerdict> verdict;
+  std::shared_ptr<detail::ProvenanceTrace> trace;  // Options::overflow_provenance
   int uncaught_at_entry = std::uncaught_exceptions();
   disable_casts no_casts;
 };
@@ -108,6 +109,9 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
                             : fp32_loss * context->scaler(options.loss_id)
                                               .scale_tensor(loss.device())
                                               .reshape(loss.sizes());
+  if (context->provenance() && !passthrough) {
+    trace = detail::ProvenanceTrace::watch(scaled_loss, context->parameter_names());
+  }
 }
 
 // A guard captured in a CUDA graph runs again on every replay without the
@@ -139,6 +143,15 @@ void scale_loss::State::unscale_gradients() {
   verdict->snapshot = scaler.update(found_inf);
   verdict->loss_id = options.loss_id;
   verdict->context = context;
+  if (trace) {
+    std::vector<at::Tensor> params, grads;
+    for (const detail::GradSlot& s : slots) {
+      params.push_back(s.param);
+      grads.push_back(s.param.grad());
+    }
+    trace->record_gradients(params, grads);
+    verdict->trace = std::move(trace);
+  }
 }
 
 void scale_loss::State::check_kept_gradients() {
@@ -167,7 +180,9 @@ void scale_loss::State::commit() {
     } catch (...) {  // an overflow at the floor with AtFloor::kRaise
       error = std::current_exception();
     }
-    for (detail::OptimizerStep* step : steps) overflow ? step->skip() : step->record_clean(loss_graph);
+    for (detail::OptimizerStep* step : steps) {
+      overflow ? step->skip(detail::report_of({verdict})) : step->record_clean(loss_graph);
+    }
   }
   for (detail::OptimizerStep* step : steps) {
     step->commit(host_reads ? nullptr : verdict, options.delay_unscale, options.loss_id);

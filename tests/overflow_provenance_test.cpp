@@ -1,0 +1,222 @@
+// Overflow provenance (overflow.h): after a skipped step amp names the
+// backward node that produced the first inf/NaN and the gradients that held
+// one; healthy steps report nothing and cost no host sync.
+#include "test_util.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace amp::testing {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Identity forward; its backward turns the gradient into inf/NaN.
+struct InfInBackward : torch::autograd::Function<InfInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] * kInf};
+  }
+};
+
+// TinyNet with an injection point between its layers.
+struct ProbedNetImpl : torch::nn::Module {
+  ProbedNetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = torch::relu(fc1(x));
+    if (inject_in_backward) h = InfInBackward::apply(h);
+    return fc2(h);
+  }
+  torch::nn::Linear fc1, fc2;
+  bool inject_in_backward = false;
+};
+TORCH_MODULE(ProbedNet);
+
+Options provenance(OptLevel level) {
+  Options options = level;
+  options.verbosity = 0;
+  options.overflow_provenance = true;
+  options.loss_scale = LossScale::Dynamic();  // O4/O5 default to a static scale, which never skips
+  return options;
+}
+
+std::vector<std::string> sorted(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+class OverflowProvenanceTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {
+ protected:
+  // One iteration as users write it, the optimizer held by value.
+  static void train_step(ProbedNet& model, torch::optim::SGD& optimizer, const at::Tensor& x,
+                         const at::Tensor& y) {
+    optimizer.zero_grad();
+    const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+};
+
+TEST_P(OverflowProvenanceTest, ABackwardInjectionNamesItsNodeAndTheGradientsBelowIt) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  initialize(model, optimizer, provenance(GetParam()));
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+
+  train_step(model, optimizer, x, y);
+  EXPECT_FALSE(last_step_skipped(optimizer));
+  EXPECT_FALSE(last_overflow(optimizer).has_value());  // nothing overflowed yet
+
+  const double scale = loss_scaler()->scale();
+  model->inject_in_backward = true;
+  train_step(model, optimizer, x, y);
+  ASSERT_TRUE(last_step_skipped(optimizer));
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->loss_id, 0);
+  EXPECT_EQ(report->loss_scale, scale);
+  ASSERT_TRUE(report->first_non_finite.has_value());
+  EXPECT_NE(report->first_non_finite->op.find("InfInBackward"), std::string::npos)
+      << report->first_non_finite->op;
+  EXPECT_EQ(report->first_non_finite->module, "fc1");  // its gradient flows into fc1
+  // fc2's gradients were computed before the injection: finite.
+  EXPECT_EQ(sorted(report->non_finite_gradients), (std::vector<std::string>{"fc1.bias", "fc1.weight"}));
+
+  // A healthy step afterwards keeps the last report and adds none.
+  model->inject_in_backward = false;
+  train_step(model, optimizer, x, y);
+  EXPECT_FALSE(last_step_skipped(optimizer));
+  EXPECT_EQ(last_overflow(optimizer)->non_finite_gradients.size(), 2u);
+}
+
+TEST_P(OverflowProvenanceTest, OneParametersGradientIsNamedAndNoNodeIsBlamed) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  initialize(model, optimizer, provenance(GetParam()));
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  // The program's own hook makes one gradient non-finite after backward's
+  // nodes produced it.
+  model->fc2->bias.register_hook([](const at::Tensor& g) { return g * kInf; });
+  train_step(model, optimizer, x, y);
+  ASSERT_TRUE(last_step_skipped(optimizer));
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_FALSE(report->first_non_finite.has_value()) << report->first_non_finite->op;
+  EXPECT_EQ(report->non_finite_gradients, (std::vector<std::string>{"fc2.bias"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, OverflowProvenanceTest, ::testing::Values(O1, O2, O4, O5),
+                         [](const auto& info) { return to_string(info.param); });
+
+TEST_F(AmpTest, OverflowProvenanceNamesTheModuleOfTheNodeAndLogsIt) {
+  torch::manual_seed(0);
+  TinyNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.verbosity = 1;
+  LogRecorder log;
+  initialize(model, optimizer, options);
+  const auto x = torch::randn({4, 8});
+  optimizer.zero_grad();
+  // An output gradient of inf reaches fc2's matmul first: the first node
+  // that makes non-finite gradients from finite ones is fc2's own.
+  const at::Tensor out = model->forward(x);
+  const at::Tensor loss = (out.to(at::kFloat) * torch::tensor({1.0f, 1.0f, 1.0f, 3e38f})).sum();
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value());
+  ASSERT_TRUE(report->first_non_finite.has_value());
+  EXPECT_EQ(report->first_non_finite->op, "MulBackward0");  // 3e38 * 65536 overflows float32
+  EXPECT_EQ(report->first_non_finite->module, "fc2");
+  EXPECT_EQ(report->first_non_finite->dtype, at::kFloat);
+  std::string logged;
+  for (const LogEvent& e : log.take()) {
+    if (e.kind == LogEvent::Kind::kStepSkipped) logged = e.message;
+  }
+  EXPECT_NE(logged.find("First inf/NaN produced by MulBackward0 in backward (module fc2, Float)"),
+            std::string::npos) << logged;
+  EXPECT_NE(logged.find("fc2.weight"), std::string::npos) << logged;
+}
+
+TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
+  auto syncs_over_healthy_steps = [&](bool provenance_on) {
+    torch::manual_seed(0);
+    ProbedNet model;
+    torch::optim::SGD optimizer(model->parameters(), 0.01);
+    Options options = provenance(O2);
+    options.overflow_provenance = provenance_on;
+    Handle handle;
+    handle.initialize(model, optimizer, options);
+    const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+    const int64_t before = host_syncs();
+    for (int i = 0; i < 5; ++i) {
+      optimizer.zero_grad();
+      const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    EXPECT_FALSE(last_overflow(optimizer).has_value());
+    return host_syncs() - before;
+  };
+  EXPECT_EQ(syncs_over_healthy_steps(true), syncs_over_healthy_steps(false));
+}
+
+TEST_F(AmpTest, OverflowProvenanceReportsPerLossAndOptimizer) {
+  torch::manual_seed(0);
+  ProbedNet first, second;
+  torch::optim::SGD opt_first(first->parameters(), 0.01), opt_second(second->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.num_losses = 2;
+  initialize({first, second}, {opt_first, opt_second}, options);
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  second->inject_in_backward = true;
+  opt_first.zero_grad();
+  opt_second.zero_grad();
+  const at::Tensor loss_first = torch::mse_loss(first->forward(x).to(at::kFloat), y);
+  const at::Tensor loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
+  {
+    scale_loss scaled(loss_first, opt_first, {.loss_id = 0});
+    scaled.backward();
+  }
+  {
+    scale_loss scaled(loss_second, opt_second, {.loss_id = 1});
+    scaled.backward();
+  }
+  opt_first.step();
+  opt_second.step();
+  EXPECT_FALSE(last_overflow(opt_first).has_value());
+  const std::optional<OverflowReport> report = last_overflow(opt_second);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->loss_id, 1);
+  EXPECT_EQ(sorted(report->non_finite_gradients),
+            (std::vector<std::string>{"model1.fc1.bias", "model1.fc1.weight"}));
+}
+
+TEST_F(AmpTest, LastOverflowNeedsAnOptimizerAmpKnows) {
+  EXPECT_AMP_ERROR(last_overflow(std::make_shared<torch::optim::SGD>(TinyNet()->parameters(), 0.1)),
+                   "needs amp to be initialized");
+  auto model = TinyNet();
+  torch::optim::SGD optimizer(model->parameters(), 0.1), stranger(model->parameters(), 0.1);
+  initialize(model, optimizer, provenance(O1));
+  EXPECT_AMP_ERROR(last_overflow(stranger), "not passed to the live amp::initialize");
+}
+
+}  // namespace
+}  // namespace amp::testing
