@@ -77,18 +77,18 @@ std::shared_ptr<ProvenanceTrace> ProvenanceTrace::watch(const at::Tensor& scaled
                                                         std::shared_ptr<const ParameterNames> names) {
   std::shared_ptr<ProvenanceTrace> trace(new ProvenanceTrace(std::move(names)));
   const ParameterNames& by_tensor = *trace->names_;
-  std::vector<Node*> todo;
+  std::vector<Node*> unvisited;
   std::unordered_set<Node*> seen;
-  if (const auto& root = scaled_loss.grad_fn()) todo.push_back(root.get());
-  while (!todo.empty()) {
-    Node* node = todo.back();
-    todo.pop_back();
+  if (const auto& root = scaled_loss.grad_fn()) unvisited.push_back(root.get());
+  while (!unvisited.empty()) {
+    Node* node = unvisited.back();
+    unvisited.pop_back();
     if (!seen.insert(node).second) continue;
     if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) == nullptr) {
       node->add_post_hook(std::make_unique<NodeHook>(trace, node->name(), module_of(*node, by_tensor)));
     }
     for (const auto& edge : node->next_edges()) {
-      if (edge.function) todo.push_back(edge.function.get());
+      if (edge.function) unvisited.push_back(edge.function.get());
     }
   }
   return trace;

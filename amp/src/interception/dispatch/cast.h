@@ -5,8 +5,8 @@
 #pragma once
 
 #include <ATen/core/IListRef.h>
-#include <c10/macros/Macros.h>
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
 #include <c10/util/ArrayRef.h>
 
 #include <array>
