@@ -1,8 +1,11 @@
 // Overflow provenance (overflow.h): after a skipped step amp names the
-// backward node that produced the first inf/NaN and the gradients that held
-// one; healthy steps report nothing and cost no host sync.
+// forward op and the backward node that produced the first inf/NaN and the
+// gradients that held one; healthy steps report nothing and cost no host
+// sync.
 #include "test_util.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -22,7 +25,7 @@ struct InfInBackward : torch::autograd::Function<InfInBackward> {
   }
 };
 
-// TinyNet with an injection point between its layers.
+// TinyNet with injection points between its layers.
 struct ProbedNetImpl : torch::nn::Module {
   ProbedNetImpl()
       : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
@@ -30,10 +33,11 @@ struct ProbedNetImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     torch::Tensor h = torch::relu(fc1(x));
     if (inject_in_backward) h = InfInBackward::apply(h);
+    if (inject_in_forward) h = h * kInf;  // fc1's activations become inf/NaN
     return fc2(h);
   }
   torch::nn::Linear fc1, fc2;
-  bool inject_in_backward = false;
+  bool inject_in_backward = false, inject_in_forward = false;
 };
 TORCH_MODULE(ProbedNet);
 
@@ -84,10 +88,10 @@ TEST_P(OverflowProvenanceTest, ABackwardInjectionNamesItsNodeAndTheGradientsBelo
   ASSERT_TRUE(report.has_value());
   EXPECT_EQ(report->loss_id, 0);
   EXPECT_EQ(report->loss_scale, scale);
-  ASSERT_TRUE(report->first_non_finite.has_value());
-  EXPECT_NE(report->first_non_finite->op.find("InfInBackward"), std::string::npos)
-      << report->first_non_finite->op;
-  EXPECT_EQ(report->first_non_finite->module, "fc1");  // its gradient flows into fc1
+  ASSERT_TRUE(report->backward.has_value());
+  EXPECT_NE(report->backward->op.find("InfInBackward"), std::string::npos)
+      << report->backward->op;
+  EXPECT_EQ(report->backward->module, "fc1");  // its gradient flows into fc1
   // fc2's gradients were computed before the injection: finite.
   EXPECT_EQ(sorted(report->non_finite_gradients), (std::vector<std::string>{"fc1.bias", "fc1.weight"}));
 
@@ -111,8 +115,48 @@ TEST_P(OverflowProvenanceTest, OneParametersGradientIsNamedAndNoNodeIsBlamed) {
   ASSERT_TRUE(last_step_skipped(optimizer));
   const std::optional<OverflowReport> report = last_overflow(optimizer);
   ASSERT_TRUE(report.has_value());
-  EXPECT_FALSE(report->first_non_finite.has_value()) << report->first_non_finite->op;
+  EXPECT_FALSE(report->backward.has_value()) << report->backward->op;
   EXPECT_EQ(report->non_finite_gradients, (std::vector<std::string>{"fc2.bias"}));
+}
+
+TEST_P(OverflowProvenanceTest, AForwardInjectionNamesItsOpAndModule) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  initialize(model, optimizer, provenance(GetParam()));
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  train_step(model, optimizer, x, y);
+  const at::ScalarType activation_dtype = torch::relu(model->fc1(x)).scalar_type();
+
+  model->inject_in_forward = true;
+  train_step(model, optimizer, x, y);
+  ASSERT_TRUE(last_step_skipped(optimizer));
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value());
+  ASSERT_TRUE(report->forward.has_value());
+  EXPECT_EQ(report->forward->op, "aten::mul.Scalar");  // h * inf; the ops before it were finite
+  EXPECT_EQ(report->forward->module, "fc1");
+  EXPECT_EQ(report->forward->dtype, activation_dtype);
+  EXPECT_FALSE(report->forward->input_non_finite);
+}
+
+TEST_P(OverflowProvenanceTest, ANonFiniteParameterIsNamedAsTheInputOfTheOpThatReadIt) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  initialize(model, optimizer, provenance(GetParam()));
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  {
+    torch::NoGradGuard no_grad;
+    model->fc2->bias[1].fill_(kInf);  // the model's own (at O2/O5 low-precision) parameter
+  }
+  train_step(model, optimizer, x, y);
+  ASSERT_TRUE(last_step_skipped(optimizer));
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value() && report->forward.has_value());
+  EXPECT_EQ(report->forward->op, "aten::addmm");  // LibTorch's Linear on a matrix
+  EXPECT_EQ(report->forward->module, "fc2");
+  EXPECT_TRUE(report->forward->input_non_finite);
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, OverflowProvenanceTest, ::testing::Values(O1, O2, O4, O5),
@@ -139,18 +183,108 @@ TEST_F(AmpTest, OverflowProvenanceNamesTheModuleOfTheNodeAndLogsIt) {
   optimizer.step();
   const std::optional<OverflowReport> report = last_overflow(optimizer);
   ASSERT_TRUE(report.has_value());
-  ASSERT_TRUE(report->first_non_finite.has_value());
-  EXPECT_EQ(report->first_non_finite->op, "MulBackward0");  // 3e38 * 65536 overflows float32
-  EXPECT_EQ(report->first_non_finite->module, "fc2");
-  EXPECT_EQ(report->first_non_finite->dtype, at::kFloat);
+  ASSERT_TRUE(report->backward.has_value());
+  EXPECT_EQ(report->backward->op, "MulBackward0");  // 3e38 * 65536 overflows float32
+  EXPECT_EQ(report->backward->module, "fc2");
+  EXPECT_EQ(report->backward->dtype, at::kFloat);
   std::string logged;
   for (const LogEvent& e : log.take()) {
     if (e.kind == LogEvent::Kind::kStepSkipped) logged = e.message;
   }
-  EXPECT_NE(logged.find("First inf/NaN produced by MulBackward0 in backward (module fc2, Float)"),
+  EXPECT_NE(logged.find("First inf/NaN produced in backward: MulBackward0 (module fc2, Float)"),
             std::string::npos) << logged;
   EXPECT_NE(logged.find("fc2.weight"), std::string::npos) << logged;
 }
+
+TEST_F(AmpTest, AFloat16CastThatOverflowsIsNamedAtTheOpThatCast) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.cpu_dtype = at::kHalf;
+  initialize(model, optimizer, options);
+  const auto x = torch::full({4, 8}, 1e5f), y = torch::randn({4, 4});  // finite in float32, not in float16
+  const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value() && report->forward.has_value());
+  EXPECT_EQ(report->forward->op, "aten::addmm");
+  EXPECT_EQ(report->forward->module, "fc1");
+  EXPECT_EQ(report->forward->dtype, at::kHalf);
+  EXPECT_FALSE(report->forward->input_non_finite);  // it read finite float32 and cast it
+}
+
+TEST_F(AmpTest, ForwardRecordsStayWithTheLossWhoseGraphHoldsThem) {
+  torch::manual_seed(0);
+  ProbedNet first, second;
+  torch::optim::SGD opt_first(first->parameters(), 0.01), opt_second(second->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.num_losses = 2;
+  initialize({first, second}, {opt_first, opt_second}, options);
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  second->inject_in_forward = true;
+  opt_first.zero_grad();
+  opt_second.zero_grad();
+  // The second model runs first: the first guard must leave its records.
+  const at::Tensor loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
+  const at::Tensor loss_first = torch::mse_loss(first->forward(x).to(at::kFloat), y);
+  {
+    scale_loss scaled(loss_first, opt_first, {.loss_id = 0});
+    scaled.backward();
+  }
+  {
+    scale_loss scaled(loss_second, opt_second, {.loss_id = 1});
+    scaled.backward();
+  }
+  opt_first.step();
+  opt_second.step();
+  EXPECT_FALSE(last_step_skipped(opt_first));
+  const std::optional<OverflowReport> report = last_overflow(opt_second);
+  ASSERT_TRUE(report.has_value() && report->forward.has_value());
+  EXPECT_EQ(report->loss_id, 1);
+  EXPECT_EQ(report->forward->op, "aten::mul.Scalar");
+  EXPECT_EQ(report->forward->module, "model1.fc1");
+}
+
+TEST_F(AmpTest, ForwardWatchKernelsLeaveWithTheContext) {
+  const auto relu = c10::Dispatcher::singleton().findOp({"aten::relu", ""});
+  ASSERT_TRUE(relu.has_value());
+  EXPECT_FALSE(relu->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));
+  TinyNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  initialize(model, optimizer, provenance(O1));
+  EXPECT_TRUE(relu->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));
+  deinitialize();
+  EXPECT_FALSE(relu->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));
+  Options off = provenance(O1);
+  off.overflow_provenance = false;
+  initialize(model, optimizer, off);
+  EXPECT_FALSE(relu->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));  // off: no watch kernels
+}
+
+// Counts reads of a tensor's value to the host (Tensor::item and the like),
+// on any thread, while it lives.
+class HostReadCounter {
+ public:
+  HostReadCounter()
+      : handle_(at::addGlobalCallback(at::RecordFunctionCallback(&on_call).needsInputs(false))) {
+    count_ = 0;
+  }
+  ~HostReadCounter() { at::removeCallback(handle_); }
+  int64_t count() const { return count_.load(); }
+
+ private:
+  static std::unique_ptr<at::ObserverContext> on_call(const at::RecordFunction& fn) {
+    if (std::string_view(fn.name()) == "aten::_local_scalar_dense") ++count_;
+    return nullptr;
+  }
+  static inline std::atomic<int64_t> count_{0};
+  at::CallbackHandle handle_;
+};
 
 TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
   auto syncs_over_healthy_steps = [&](bool provenance_on) {
@@ -163,6 +297,7 @@ TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
     handle.initialize(model, optimizer, options);
     const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
     const int64_t before = host_syncs();
+    HostReadCounter reads;
     for (int i = 0; i < 5; ++i) {
       optimizer.zero_grad();
       const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
@@ -173,6 +308,7 @@ TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
       optimizer.step();
     }
     EXPECT_FALSE(last_overflow(optimizer).has_value());
+    EXPECT_EQ(reads.count(), 0) << "provenance " << provenance_on;
     return host_syncs() - before;
   };
   EXPECT_EQ(syncs_over_healthy_steps(true), syncs_over_healthy_steps(false));

@@ -4,6 +4,8 @@
 #include <amp/hardware.h>
 
 #include "interception/casting_scope_internal.h"
+#include "interception/dispatch/call_record.h"
+#include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/interceptor.h"
 #include "log.h"
 #include "step/optimizer_kinds.h"
@@ -19,16 +21,17 @@ namespace {
 std::mutex g_live_mutex;
 std::shared_ptr<Context> g_live;
 
-std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights) {
+std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights,
+                                       ForwardLog* forward_log) {
   if (!p.intercepts_ops()) return {};
   const bool weights_decide = p.weights_decide_op_dtype();
   const bool fp32_ops = p.runs_fp32_policies();
   ModelWeights* lowered = weights->mode() == ModelWeights::Mode::kNone ? nullptr : weights;
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
-       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered},
+       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered, forward_log},
       {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
-       fp32_ops, o.allow_banned, true, lowered},
+       fp32_ops, o.allow_banned, true, lowered, forward_log},
   };
 }
 
@@ -40,7 +43,9 @@ Context::Context(const Properties& properties, const Options& options, const Reg
                  std::shared_ptr<const ParameterNames> parameter_names)
     : properties_(properties),
       options_(options),
-      casting_(casting_for(properties, options, weights.get())),
+      forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
+                                                                              : nullptr),
+      casting_(casting_for(properties, options, weights.get(), forward_log_.get())),
       owner_(std::this_thread::get_id()),
       weights_(std::move(weights)) {
   parameter_names_ = std::move(parameter_names);
@@ -56,6 +61,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     interceptor_ = std::make_unique<Interceptor>(casting_, held);
     owner_casting_ = std::make_unique<ThreadCasting>(casting_);
   }
+  if (forward_log_) g_observers.fetch_or(kForwardWatch);
 }
 
 Context::~Context() {
@@ -70,6 +76,10 @@ Context::~Context() {
 }
 
 void Context::teardown() {
+  if (forward_log_) {
+    g_observers.fetch_and(~kForwardWatch);
+    forward_log_->clear();
+  }
   interceptor_.reset();
   owner_casting_.reset();
   clear_cast_cache();

@@ -21,6 +21,7 @@
 
 namespace amp::detail {
 
+class ForwardLog;
 class Interceptor;
 class RegistrationLock;
 class ThreadCasting;
@@ -54,6 +55,8 @@ class Context {
   // Options::overflow_provenance, and the names its reports use.
   bool provenance() const { return options_.overflow_provenance; }
   const std::shared_ptr<const ParameterNames>& parameter_names() const { return parameter_names_; }
+  // Where forward ops record for provenance; null when it is off or at O0.
+  ForwardLog* forward_log() const { return forward_log_.get(); }
 
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
@@ -96,6 +99,7 @@ class Context {
 
   Properties properties_;
   Options options_;
+  std::unique_ptr<ForwardLog> forward_log_;  // before casting_, which points to it
   std::vector<DeviceCasting> casting_;
   std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;

@@ -15,7 +15,7 @@
 namespace amp {
 namespace detail {
 
-std::atomic<bool> g_recording{false};
+std::atomic<int> g_observers{0};
 
 namespace {
 
@@ -37,7 +37,7 @@ Rows& rows() {
 void add_op_stats(const OpStats& row) {
   Rows& r = rows();
   std::lock_guard<std::mutex> lock(r.mutex);
-  if (!g_recording.load(std::memory_order_relaxed)) return;
+  if (!recording()) return;
   const RowKey key{row.op, static_cast<int>(row.device), static_cast<int>(row.policy),
                    row.in_backward, row.input_dtypes, row.output_dtype};
   auto [it, inserted] = r.rows.emplace(key, row);
@@ -52,13 +52,13 @@ void add_op_stats(const OpStats& row) {
 }  // namespace detail
 
 OpStatsRecorder::OpStatsRecorder() {
-  bool expected = false;
-  TORCH_CHECK(detail::g_recording.compare_exchange_strong(expected, true),
+  const int before = detail::g_observers.fetch_or(detail::kOpStats);
+  TORCH_CHECK((before & detail::kOpStats) == 0,
               "amp: an OpStatsRecorder is already recording; only one may be alive at a time.");
   reset();
 }
 
-OpStatsRecorder::~OpStatsRecorder() { detail::g_recording.store(false); }
+OpStatsRecorder::~OpStatsRecorder() { detail::g_observers.fetch_and(~detail::kOpStats); }
 
 std::vector<OpStats> OpStatsRecorder::stats() const {
   auto& r = detail::rows();

@@ -7,7 +7,8 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <cmath>
-#include <unordered_set>
+#include <map>
+#include <optional>
 #include <utility>
 
 namespace amp::detail {
@@ -15,18 +16,6 @@ namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-
-// The largest magnitude among `grads` as a 0-dim float32 tensor (inf or NaN
-// when any holds one), or undefined when none is defined.
-at::Tensor amax_of(at::TensorList grads) {
-  std::vector<at::Tensor> dense;
-  for (const at::Tensor& g : grads) {
-    if (g.defined()) dense.push_back(g.is_sparse() ? g._values() : g);
-  }
-  if (dense.empty()) return {};
-  const std::vector<at::Tensor> norms = at::_foreach_norm(dense, INFINITY);
-  return at::stack(norms).to(at::kFloat).amax();
-}
 
 // The module of the named parameter nearest to `node` along backward
 // (breadth first, at most kDepth nodes on: a linear layer's matmul reaches
@@ -71,33 +60,63 @@ class NodeHook final : public torch::autograd::FunctionPostHook {
   std::string op_, module_;
 };
 
+// Whether each group of 0-dim tensors holds only finite values, read in
+// one copy per device (records may live on several).
+std::vector<bool> finite_groups(const std::vector<const std::vector<at::Tensor>*>& groups) {
+  std::vector<bool> finite(groups.size(), true);
+  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<size_t>>> by_device;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& t : *groups[g]) {
+      auto& [values, owners] = by_device[t.device().str()];
+      values.push_back(t.reshape({1}).to(at::kFloat));
+      owners.push_back(g);
+    }
+  }
+  for (const auto& [device, entry] : by_device) {
+    const at::Tensor host = at::cat(entry.first).cpu();
+    const float* v = host.data_ptr<float>();
+    for (size_t i = 0; i < entry.second.size(); ++i) {
+      if (!std::isfinite(v[i])) finite[entry.second[i]] = false;
+    }
+  }
+  return finite;
+}
+
 }  // namespace
 
 std::shared_ptr<ProvenanceTrace> ProvenanceTrace::watch(const at::Tensor& scaled_loss,
-                                                        std::shared_ptr<const ParameterNames> names) {
+                                                        std::shared_ptr<const ParameterNames> names,
+                                                        ForwardLog* forward) {
   std::shared_ptr<ProvenanceTrace> trace(new ProvenanceTrace(std::move(names)));
   const ParameterNames& by_tensor = *trace->names_;
+  std::unordered_map<const Node*, std::string> module_by_node;
   std::vector<Node*> unvisited;
-  std::unordered_set<Node*> seen;
   if (const auto& root = scaled_loss.grad_fn()) unvisited.push_back(root.get());
   while (!unvisited.empty()) {
     Node* node = unvisited.back();
     unvisited.pop_back();
-    if (!seen.insert(node).second) continue;
+    if (module_by_node.count(node)) continue;
+    const std::string& module = module_by_node[node] = module_of(*node, by_tensor);
     if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) == nullptr) {
-      node->add_post_hook(std::make_unique<NodeHook>(trace, node->name(), module_of(*node, by_tensor)));
+      node->add_post_hook(std::make_unique<NodeHook>(trace, node->name(), module));
     }
     for (const auto& edge : node->next_edges()) {
       if (edge.function) unvisited.push_back(edge.function.get());
     }
+  }
+  if (forward == nullptr) return trace;
+  for (ForwardRecord& r : forward->claim([&](const Node* n) { return module_by_node.count(n) > 0; })) {
+    const auto node = r.node.lock();
+    trace->forward_.push_back({*r.op, node ? module_by_node[node.get()] : std::string(), r.dtype,
+                               std::move(r.read_amax), std::move(r.returned_amax)});
   }
   return trace;
 }
 
 void ProvenanceTrace::record_node(const std::string& op, const std::string& module,
                                   const at::TensorList received, const at::TensorList produced) {
-  at::Tensor in = amax_of(received), out = amax_of(produced);
-  if (!out.defined()) return;
+  std::vector<at::Tensor> made = amax_each(produced);
+  if (made.empty()) return;
   c10::ScalarType dtype = c10::kFloat;
   for (const at::Tensor& g : produced) {
     if (g.defined()) {
@@ -105,21 +124,19 @@ void ProvenanceTrace::record_node(const std::string& op, const std::string& modu
       break;
     }
   }
-  if (!in.defined()) in = at::zeros({}, out.options());
+  std::vector<at::Tensor> read = amax_each(received);
   std::lock_guard<std::mutex> lock(mutex_);
-  nodes_.push_back({op, module, dtype, std::move(in), std::move(out)});
+  nodes_.push_back({op, module, dtype, std::move(read), std::move(made)});
 }
 
 void ProvenanceTrace::record_gradients(const std::vector<at::Tensor>& params,
                                        const std::vector<at::Tensor>& grads) {
-  std::vector<at::Tensor> amax;
   for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor a = amax_of(grads[i]);
-    if (!a.defined()) continue;
+    std::vector<at::Tensor> amax = amax_each(grads[i]);
+    if (amax.empty()) continue;
     grad_params_.push_back(params[i].unsafeGetTensorImpl());
-    amax.push_back(a);
+    grad_amax_.push_back(std::move(amax.front()));
   }
-  if (!amax.empty()) grad_amax_ = at::stack(amax);
 }
 
 OverflowReport ProvenanceTrace::report(int loss_id, double loss_scale) const {
@@ -127,24 +144,36 @@ OverflowReport ProvenanceTrace::report(int loss_id, double loss_scale) const {
   report.loss_id = loss_id;
   report.loss_scale = loss_scale;
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<at::Tensor> parts;
-  for (const NodeRecord& n : nodes_) {
-    parts.push_back(n.received_amax.reshape({1}));
-    parts.push_back(n.produced_amax.reshape({1}));
-  }
-  if (grad_amax_.defined()) parts.push_back(grad_amax_.to(parts.empty() ? grad_amax_.device() : parts[0].device()));
-  if (parts.empty()) return report;
-  const at::Tensor host = at::cat(parts).cpu();  // the one read of the device's records
-  const float* v = host.data_ptr<float>();
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (std::isfinite(v[2 * i]) && !std::isfinite(v[2 * i + 1])) {
-      report.first_non_finite = NonFiniteOp{nodes_[i].op, nodes_[i].module, nodes_[i].dtype};
-      break;
+  // Groups: each forward op's reads and outputs, each node's, each gradient.
+  std::vector<const std::vector<at::Tensor>*> groups;
+  for (const auto* records : {&forward_, &nodes_}) {
+    for (const OpRecord& r : *records) {
+      groups.push_back(&r.read_amax);
+      groups.push_back(&r.made_amax);
     }
   }
-  const float* grads = v + 2 * nodes_.size();
+  std::vector<std::vector<at::Tensor>> each_gradient;
+  for (const at::Tensor& amax : grad_amax_) each_gradient.push_back({amax});
+  for (const auto& g : each_gradient) groups.push_back(&g);
+  const std::vector<bool> finite = finite_groups(groups);
+
+  // The first record that made an inf/NaN (forward: whatever it read;
+  // backward: from finite gradients).
+  auto first_to_make = [&](const std::vector<OpRecord>& records, size_t offset, bool forward)
+      -> std::optional<NonFiniteOp> {
+    for (size_t i = 0; i < records.size(); ++i) {
+      const bool read_finite = finite[offset + 2 * i], made_finite = finite[offset + 2 * i + 1];
+      if (made_finite || (!forward && !read_finite)) continue;
+      const OpRecord& r = records[i];
+      return NonFiniteOp{r.op, r.module, r.dtype, forward && !read_finite};
+    }
+    return std::nullopt;
+  };
+  report.forward = first_to_make(forward_, 0, /*forward=*/true);
+  report.backward = first_to_make(nodes_, 2 * forward_.size(), /*forward=*/false);
+  const size_t grads_at = 2 * (forward_.size() + nodes_.size());
   for (size_t i = 0; i < grad_params_.size(); ++i) {
-    if (std::isfinite(grads[i])) continue;
+    if (finite[grads_at + i]) continue;
     auto it = names_->find(grad_params_[i]);
     report.non_finite_gradients.push_back(it != names_->end() ? it->second : "(unnamed parameter)");
   }

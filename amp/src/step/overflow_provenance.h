@@ -1,14 +1,18 @@
 // Private: what one scale_loss guard records, on the device, to say where an
 // overflow came from (amp/overflow.h), and the report built from it.
 //
-// Recording never reads the device. Each backward node of the guarded loss
-// gets a post hook that stacks the largest magnitude (a foreach inf-norm)
-// of the gradients it received and of those it produced; the guard adds the
-// largest magnitude of every gradient it unscaled. Only when the verdict
-// says overflow does report() read them, in one copy.
+// Recording never reads the device. At guard construction the trace claims
+// the forward records of its loss (interception/dispatch/forward_watch.h)
+// and gives each backward node of the guarded loss a post hook that stacks
+// the largest magnitude (a foreach inf-norm) of the gradients it received
+// and of those it produced; the guard adds the largest magnitude of every
+// gradient it unscaled. Only when the verdict says overflow does report()
+// read them, in one copy per device.
 #pragma once
 
 #include <amp/overflow.h>
+
+#include "interception/dispatch/forward_watch.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
@@ -29,15 +33,17 @@ using ParameterNames = std::unordered_map<const c10::TensorImpl*, std::string>;
 class ProvenanceTrace {
  public:
   // Hooks every node of `scaled_loss`'s graph (nodes hooked by an earlier
-  // trace record into the newest one).
+  // trace record into the newest one) and takes `forward`'s records of it
+  // (none without a log).
   static std::shared_ptr<ProvenanceTrace> watch(const at::Tensor& scaled_loss,
-                                                std::shared_ptr<const ParameterNames> names);
+                                                std::shared_ptr<const ParameterNames> names,
+                                                ForwardLog* forward);
 
   // The unscaled gradients of `params` (same order), checked by the guard.
   void record_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
 
-  // Reads what was recorded (one host sync) and names the first node that
-  // turned finite gradients into inf/NaN and the gradients that hold one.
+  // Reads what was recorded and names the first forward op and backward
+  // node that produced an inf/NaN, and the gradients that hold one.
   OverflowReport report(int loss_id, double loss_scale) const;
 
   // Called by a node's hook as backward runs it.
@@ -47,16 +53,19 @@ class ProvenanceTrace {
  private:
   explicit ProvenanceTrace(std::shared_ptr<const ParameterNames> names) : names_(std::move(names)) {}
 
-  struct NodeRecord {
+  // One op or node: the largest magnitudes (0-dim, on the device) of what it
+  // read and of what it made.
+  struct OpRecord {
     std::string op, module;
     c10::ScalarType dtype;
-    at::Tensor received_amax, produced_amax;  // 0-dim float32 on the device
+    std::vector<at::Tensor> read_amax, made_amax;
   };
   std::shared_ptr<const ParameterNames> names_;
-  mutable std::mutex mutex_;  // backward runs nodes on device threads
-  std::vector<NodeRecord> nodes_;   // in the order backward ran them
+  std::vector<OpRecord> forward_;  // in the order forward ran them
+  mutable std::mutex mutex_;       // backward runs nodes on device threads
+  std::vector<OpRecord> nodes_;    // in the order backward ran them
   std::vector<const c10::TensorImpl*> grad_params_;
-  at::Tensor grad_amax_;  // [params] float32
+  std::vector<at::Tensor> grad_amax_;
 };
 
 }  // namespace amp::detail

@@ -19,15 +19,27 @@ namespace {
 
 std::atomic<int64_t> g_host_reads{0};
 
-// " First inf/NaN: MmBackward0 (fc2, Half). Non-finite gradients: fc2.weight."
+// ". First inf/NaN in forward: aten::linear (module fc2, Half), from finite
+// inputs. First in backward: MmBackward0 (module fc2, Half). Non-finite
+// gradients: fc2.weight."
 std::string describe(const OverflowReport& r) {
   std::ostringstream out;
-  if (r.first_non_finite) {
-    const NonFiniteOp& op = *r.first_non_finite;
-    out << ". First inf/NaN produced by " << op.op << " in backward ("
-        << (op.module.empty() ? "" : "module " + op.module + ", ") << c10::toString(op.dtype) << ")";
+  auto where = [&](const NonFiniteOp& op) {
+    out << op.op << " (" << (op.module.empty() ? "" : "module " + op.module + ", ") << c10::toString(op.dtype)
+        << ")";
+  };
+  if (r.forward) {
+    out << ". First inf/NaN in forward: ";
+    where(*r.forward);
+    out << (r.forward->input_non_finite ? ", which read an inf/NaN already there (a parameter, the data, or an "
+                                          "op under NoGradGuard)"
+                                        : ", from finite inputs");
+  }
+  if (r.backward) {
+    out << ". First inf/NaN produced in backward: ";
+    where(*r.backward);
   } else {
-    out << ". No backward node produced the first inf/NaN: it came with the loss, or a hook set it";
+    out << ". No backward node produced an inf/NaN from finite gradients";
   }
   if (!r.non_finite_gradients.empty()) {
     out << ". Non-finite gradients:";

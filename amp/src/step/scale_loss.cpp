@@ -110,7 +110,9 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
                                               .scale_tensor(loss.device())
                                               .reshape(loss.sizes());
   if (context->provenance() && !passthrough) {
-    trace = detail::ProvenanceTrace::watch(scaled_loss, context->parameter_names());
+    trace = detail::ProvenanceTrace::watch(scaled_loss, context->parameter_names(), context->forward_log());
+  } else if (context->forward_log() != nullptr) {
+    context->forward_log()->clear();  // a scale of 1 never skips: nothing to explain
   }
 }
 

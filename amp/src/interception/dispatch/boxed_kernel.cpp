@@ -5,11 +5,14 @@
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
 #include "interception/dispatch/cast_decision.h"
+#include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/op_binding.h"
 #include "interception/dispatch/typed_kernel.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+
+#include <optional>
 
 namespace amp::detail {
 namespace {
@@ -72,16 +75,24 @@ class BoxedKernel final : public c10::OperatorKernel {
     if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
       weights->on_op(view);
     }
-    if (C10_UNLIKELY(recording())) {
-      CallRecord record(*binding_, policy, describe_tensors(view));
-      apply(decide(record.policy(), *binding_->casting, view), op, stack, num_args);
-      record.finish(describe_tensors(BoxedArgs(torch::jit::last(stack, op.schema().returns().size()))));
-      return;
-    }
+    if (C10_UNLIKELY(observing())) return observed_call(policy, view, op, stack, num_args);
     apply(decide(policy, *binding_->casting, view), op, stack, num_args);
   }
 
  private:
+  // The call with op statistics and/or overflow provenance watching it.
+  void observed_call(CastPolicy policy, const BoxedArgs& view, const c10::OperatorHandle& op,
+                     torch::jit::Stack* stack, size_t num_args) const {
+    ForwardWatch watch(binding_->casting->forward_log, binding_->display_name);
+    if (watch.active()) watch.read(tensors_of(view));
+    std::optional<CallRecord> record;
+    if (recording()) record.emplace(*binding_, policy, describe_tensors(view));
+    apply(decide(record ? record->policy() : policy, *binding_->casting, view), op, stack, num_args);
+    const BoxedArgs returned(torch::jit::last(stack, op.schema().returns().size()));
+    if (record) record->finish(describe_tensors(returned));
+    if (watch.active()) watch.returned(tensors_of(returned));
+  }
+
   void apply(const CastDecision& decision, const c10::OperatorHandle& op, torch::jit::Stack* stack,
              size_t num_args) const {
     using Action = CastDecision::Action;

@@ -19,9 +19,16 @@ namespace amp::detail {
 
 struct OpBinding;
 
-// True while an OpStatsRecorder lives: kernels then report every call.
-extern std::atomic<bool> g_recording;
-inline bool recording() { return g_recording.load(std::memory_order_relaxed); }
+// Who observes intercepted calls, as bits. Kernels read the whole word once
+// and take their observed path while any bit is set, so observers cost
+// nothing when none is on.
+enum Observer : int {
+  kOpStats = 1,       // an OpStatsRecorder lives: kernels report every call
+  kForwardWatch = 2,  // a context with overflow provenance lives (forward_watch.h)
+};
+extern std::atomic<int> g_observers;
+inline bool observing() { return g_observers.load(std::memory_order_relaxed) != 0; }
+inline bool recording() { return (g_observers.load(std::memory_order_relaxed) & kOpStats) != 0; }
 // Adds one call's row to the recorder's table (dropped when none records).
 void add_op_stats(const OpStats& row);
 
@@ -72,15 +79,13 @@ std::string describe_tensors(const View& view) {
 template <class... Ts>
 std::string describe_result(const std::tuple<Ts...>& result) {
   std::string out;
-  auto add = [&](const at::Tensor& t, bool) { describe(out, t); };
-  std::apply([&](const auto&... items) { (visit_tensors(items, add), ...); }, result);
+  for (const at::Tensor& t : result_tensors(result)) describe(out, t);
   return "(" + out + ")";
 }
 template <class T>
 std::string describe_result(const T& result) {
   std::string out;
-  auto add = [&](const at::Tensor& t, bool) { describe(out, t); };
-  visit_tensors(result, add);
+  for (const at::Tensor& t : result_tensors(result)) describe(out, t);
   return out;
 }
 

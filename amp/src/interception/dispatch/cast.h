@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +58,22 @@ void visit_tensors(const at::ITensorListRef& list, Fn& fn) {
 }
 template <class T, class Fn>
 void visit_tensors(const T&, Fn&) {}
+
+// The tensors a kernel's result holds: one return or a tuple of them.
+template <class... Ts>
+std::vector<at::Tensor> result_tensors(const std::tuple<Ts...>& result) {
+  std::vector<at::Tensor> out;
+  auto add = [&](const at::Tensor& t, bool) { out.push_back(t); };
+  std::apply([&](const auto&... items) { (visit_tensors(items, add), ...); }, result);
+  return out;
+}
+template <class T>
+std::vector<at::Tensor> result_tensors(const T& result) {
+  std::vector<at::Tensor> out;
+  auto add = [&](const at::Tensor& t, bool) { out.push_back(t); };
+  visit_tensors(result, add);
+  return out;
+}
 
 bool in_backward();
 

@@ -1,5 +1,7 @@
 #include "interception/dispatch/interceptor.h"
 
+#include "interception/dispatch/forward_watch.h"
+
 #include "model/model_weights.h"
 
 #include "interception/policy_tables/table_entry.h"
@@ -146,6 +148,7 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices, const Regist
     }
     library_for("aten", casting.autocast_key)
         .impl("set_.source_Tensor", torch::CppFunction(WeightLoadKernel(&casting)));
+    if (casting.forward_log != nullptr) watch_other_ops(library_for("aten", casting.autocast_key), casting);
   }
 }
 

@@ -13,6 +13,7 @@
 
 namespace amp::detail {
 
+class ForwardLog;
 class ModelWeights;
 
 // How amp casts on one device while an Interceptor lives. Fixed for its life.
@@ -30,6 +31,9 @@ struct DeviceCasting {
   // The models' lowered weights (O2/O3/O5), which an op may have to prepare
   // first (model_weights.h); null at the other levels.
   ModelWeights* weights = nullptr;
+  // Where forward ops record for overflow provenance (forward_watch.h);
+  // null when it is off.
+  ForwardLog* forward_log = nullptr;
 };
 
 // One intercepted (operator, device) pair. Its address is stable for the

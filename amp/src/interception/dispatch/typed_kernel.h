@@ -12,12 +12,14 @@
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
 #include "interception/dispatch/cast_decision.h"
+#include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/op_binding.h"
 
 #include <ATen/ops/_cudnn_rnn_ops.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -85,16 +87,23 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
       weights->on_op(view);
     }
-    if (C10_UNLIKELY(recording())) {
-      CallRecord record(*binding_, policy, describe_tensors(view));
-      Ret result = apply(decide(record.policy(), *binding_->casting, view), args...);
-      record.finish(describe_result(result));
-      return result;
-    }
+    if (C10_UNLIKELY(observing())) return observed_call(policy, view, args...);
     return apply(decide(policy, *binding_->casting, view), args...);
   }
 
  private:
+  // The call with op statistics and/or overflow provenance watching it.
+  Ret observed_call(CastPolicy policy, const TypedArgs<Args...>& view, Args... args) const {
+    ForwardWatch watch(binding_->casting->forward_log, binding_->display_name);
+    if (watch.active()) watch.read(tensors_of(view));
+    std::optional<CallRecord> record;
+    if (recording()) record.emplace(*binding_, policy, describe_tensors(view));
+    Ret result = apply(decide(record ? record->policy() : policy, *binding_->casting, view), args...);
+    if (record) record->finish(describe_result(result));
+    if (watch.active()) watch.returned(result_tensors(result));
+    return result;
+  }
+
   Ret apply(const CastDecision& decision, Args... args) const {
     using Action = CastDecision::Action;
     switch (decision.action) {
