@@ -9,7 +9,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <map>
 
 namespace amp::testing {
 namespace {
@@ -293,6 +295,7 @@ TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
     torch::optim::SGD optimizer(model->parameters(), 0.01);
     Options options = provenance(O2);
     options.overflow_provenance = provenance_on;
+    options.precision_telemetry = provenance_on;
     Handle handle;
     handle.initialize(model, optimizer, options);
     const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
@@ -343,6 +346,138 @@ TEST_F(AmpTest, OverflowProvenanceReportsPerLossAndOptimizer) {
   EXPECT_EQ(report->loss_id, 1);
   EXPECT_EQ(sorted(report->non_finite_gradients),
             (std::vector<std::string>{"model1.fc1.bias", "model1.fc1.weight"}));
+}
+
+// ---- Precision telemetry (telemetry.h) -------------------------------------
+
+// A float32 elementwise weight whose gradient spans 40 decades (x does),
+// computed in float32, before a linear layer.
+struct SpreadNetImpl : torch::nn::Module {
+  SpreadNetImpl()
+      : w(register_parameter("w", torch::ones({256}))), fc(register_module("fc", torch::nn::Linear(256, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x * w); }
+  torch::Tensor w;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(SpreadNet);
+
+// Inputs whose column j has magnitude 10^(-40 j / 255), signs mixed.
+at::Tensor spread_inputs() {
+  const at::Tensor magnitude = at::pow(10.0, at::linspace(0, -40, 256, at::kDouble)).to(at::kFloat);
+  return magnitude * torch::randn({8, 256}).sign();
+}
+
+// The same figures, computed in float64 from the gradient a guard left:
+// nonzero elements whose scaled value is at most half the low dtype's
+// smallest subnormal (round to nearest even takes them to zero).
+struct Float64Figures {
+  int64_t underflow = 0, zeros = 0;
+  double amax = 0;
+};
+Float64Figures float64_figures(const at::Tensor& grad, double scale, at::ScalarType low) {
+  const double smallest_subnormal = low == at::kHalf ? std::ldexp(1.0, -24) : std::ldexp(1.0, -133);
+  const at::Tensor g = grad.to(at::kDouble), scaled = (g * scale).abs();
+  return {(scaled <= smallest_subnormal / 2).logical_and(g != 0).sum().item<int64_t>(), (g == 0).sum().item<int64_t>(),
+          g.abs().max().item<double>()};
+}
+
+class PrecisionTelemetryTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {};
+
+TEST_P(PrecisionTelemetryTest, UnderflowZerosAndAmaxEqualFloat64s) {
+  torch::manual_seed(0);
+  SpreadNet model;
+  torch::optim::SGD optimizer(model->parameters(), 1e-3);
+  Options options = GetParam();
+  options.verbosity = 0;
+  options.precision_telemetry = true;
+  const bool float16_levels = GetParam() == O1 || GetParam() == O2;
+  if (float16_levels) options.cpu_dtype = at::kHalf;  // O4/O5 are bfloat16 only
+  options.keep_fp32 = [](const torch::nn::Module& m) { return m.name() == "SpreadNetImpl"; };  // w: float32
+  initialize(model, optimizer, options);
+  EXPECT_FALSE(precision_telemetry(optimizer).has_value());  // no guard yet
+  const at::ScalarType low = float16_levels ? at::kHalf : at::kBFloat16;
+  const auto x = spread_inputs(), y = torch::randn({8, 4});
+  for (int step = 0; step < 3; ++step) {
+    const double scale = loss_scaler()->scale();
+    optimizer.zero_grad();
+    const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    const std::optional<PrecisionTelemetry> t = precision_telemetry(optimizer);
+    ASSERT_TRUE(t.has_value());
+    EXPECT_EQ(t->loss_scale, scale);
+    ASSERT_EQ(t->groups.size(), 1u);
+    const GroupTelemetry& group = t->groups[0];
+    int64_t numel = 0, underflow = 0;
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& item : model->named_parameters()) grads[item.key()] = item.value().grad();
+    ASSERT_EQ(group.parameters.size(), grads.size());
+    for (const ParameterTelemetry& p : group.parameters) {
+      ASSERT_TRUE(grads.count(p.name)) << p.name;
+      const Float64Figures expected = float64_figures(grads[p.name], scale, low);
+      EXPECT_EQ(p.numel, grads[p.name].numel()) << p.name;
+      EXPECT_EQ(p.underflow, expected.underflow) << p.name;
+      EXPECT_EQ(p.zeros, expected.zeros) << p.name;
+      EXPECT_EQ(p.amax, expected.amax) << p.name;
+      numel += p.numel;
+      underflow += p.underflow;
+    }
+    EXPECT_EQ(group.numel, numel);
+    EXPECT_EQ(group.underflow, underflow);
+    const auto w = std::find_if(group.parameters.begin(), group.parameters.end(),
+                                [](const ParameterTelemetry& p) { return p.name == "w"; });
+    ASSERT_NE(w, group.parameters.end());
+    EXPECT_GT(w->underflow, 0);            // the spread reaches below the floor at any scale
+    EXPECT_LT(w->underflow, w->numel);
+    optimizer.step();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, PrecisionTelemetryTest, ::testing::Values(O1, O2, O4, O5),
+                         [](const auto& info) { return to_string(info.param); });
+
+TEST_F(AmpTest, ScaleHistoryHoldsTheScaleOfEveryBackward) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.overflow_provenance = false;
+  options.precision_telemetry = true;
+  options.loss_scale = LossScale::Dynamic(1024);
+  options.dynamic_scaling = DynamicScaling{.growth_interval = 2};
+  initialize(model, optimizer, options);
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  std::vector<double> seen;
+  for (int step = 0; step < 7; ++step) {
+    seen.push_back(loss_scaler()->scale());
+    model->inject_in_forward = step == 3;  // one overflow: the scale halves
+    optimizer.zero_grad();
+    const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+  EXPECT_EQ(scale_history(), seen);
+  EXPECT_EQ(seen, (std::vector<double>{1024, 1024, 2048, 2048, 1024, 1024, 2048}));
+}
+
+TEST_F(AmpTest, PrecisionTelemetrySaysHowToTurnItOn) {
+  TinyNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1), stranger(model->parameters(), 0.1);
+  initialize(model, optimizer, quiet(O1));
+  EXPECT_AMP_ERROR(precision_telemetry(optimizer), "Options::precision_telemetry = true");
+  EXPECT_AMP_ERROR(scale_history(), "Options::precision_telemetry = true");
+  deinitialize();
+  Options options = quiet(O1);
+  options.precision_telemetry = true;
+  initialize(model, optimizer, options);
+  EXPECT_AMP_ERROR(precision_telemetry(stranger), "not passed to the live amp::initialize");
+  EXPECT_AMP_ERROR(scale_history(1), "num_losses=1");
+  EXPECT_TRUE(scale_history().empty());
 }
 
 TEST_F(AmpTest, LastOverflowNeedsAnOptimizerAmpKnows) {

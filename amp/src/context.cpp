@@ -49,6 +49,11 @@ Context::Context(const Properties& properties, const Options& options, const Reg
       owner_(std::this_thread::get_id()),
       weights_(std::move(weights)) {
   parameter_names_ = std::move(parameter_names);
+  if (options.precision_telemetry) {
+    telemetry_ = std::make_unique<TelemetryRecorder>(
+        options.num_losses, parameter_names_,
+        [p = properties_](c10::DeviceType device) { return p.low_precision_dtype(device); });
+  }
   for (torch::optim::Optimizer* optimizer : optimizers) {
     steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));
   }

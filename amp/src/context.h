@@ -9,6 +9,7 @@
 #include "model/model_weights.h"
 #include "step/optimizer_step.h"
 #include "step/overflow_provenance.h"
+#include "step/precision_telemetry.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -57,6 +58,8 @@ class Context {
   const std::shared_ptr<const ParameterNames>& parameter_names() const { return parameter_names_; }
   // Where forward ops record for provenance; null when it is off or at O0.
   ForwardLog* forward_log() const { return forward_log_.get(); }
+  // Options::precision_telemetry's records; null when it is off.
+  TelemetryRecorder* telemetry() const { return telemetry_.get(); }
 
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
@@ -104,6 +107,7 @@ class Context {
   std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
   std::shared_ptr<const ParameterNames> parameter_names_;
+  std::unique_ptr<TelemetryRecorder> telemetry_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;

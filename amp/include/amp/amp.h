@@ -54,3 +54,4 @@
 #include <amp/refs.h>
 #include <amp/scale_loss.h>
 #include <amp/state.h>
+#include <amp/telemetry.h>

@@ -56,10 +56,16 @@ struct Options : PropertyOverrides {
   // (distributed.h).
   std::function<void(at::Tensor& found_inf)> reduce_overflow;
   // Record, on the device, where an overflow comes from, to say after a
-  // skipped step which backward node produced the first inf/NaN and which
-  // gradients held one (amp::last_overflow, overflow.h; and the skip log).
-  // No host sync on healthy steps; a few small kernels per backward node.
+  // skipped step which forward op and backward node produced the first
+  // inf/NaN and which gradients held one (amp::last_overflow, overflow.h;
+  // and the skip log). No host sync on healthy steps; a few small kernels
+  // per forward op and backward node.
   bool overflow_provenance = false;
+  // Record, on the device, each guard's gradient underflow and largest
+  // magnitude per parameter, and the loss scale history
+  // (amp::precision_telemetry, telemetry.h). No host sync on healthy steps;
+  // a few kernels per parameter group per guard.
+  bool precision_telemetry = false;
 };
 
 }  // namespace amp

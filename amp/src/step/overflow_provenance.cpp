@@ -1,13 +1,13 @@
 #include "step/overflow_provenance.h"
 
 #include "context.h"
+#include "step/host_read.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <cmath>
-#include <map>
 #include <optional>
 #include <utility>
 
@@ -63,21 +63,13 @@ class NodeHook final : public torch::autograd::FunctionPostHook {
 // Whether each group of 0-dim tensors holds only finite values, read in
 // one copy per device (records may live on several).
 std::vector<bool> finite_groups(const std::vector<const std::vector<at::Tensor>*>& groups) {
+  std::vector<at::Tensor> all;
+  for (const auto* group : groups) all.insert(all.end(), group->begin(), group->end());
+  const std::vector<double> values = read_to_host(all);
   std::vector<bool> finite(groups.size(), true);
-  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<size_t>>> by_device;
+  size_t next = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
-    for (const at::Tensor& t : *groups[g]) {
-      auto& [values, owners] = by_device[t.device().str()];
-      values.push_back(t.reshape({1}).to(at::kFloat));
-      owners.push_back(g);
-    }
-  }
-  for (const auto& [device, entry] : by_device) {
-    const at::Tensor host = at::cat(entry.first).cpu();
-    const float* v = host.data_ptr<float>();
-    for (size_t i = 0; i < entry.second.size(); ++i) {
-      if (!std::isfinite(v[i])) finite[entry.second[i]] = false;
-    }
+    for (size_t i = 0; i < groups[g]->size(); ++i) finite[g] = finite[g] && std::isfinite(values[next++]);
   }
   return finite;
 }

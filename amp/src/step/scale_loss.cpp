@@ -139,6 +139,11 @@ void scale_loss::State::unscale_gradients() {
   at::Tensor found_inf;
   if (unscaling) found_inf = at::zeros({1}, scaler.scale_tensor(scaled_loss.device()).options());
   plan.run(unscaling ? &scaler : nullptr, found_inf);
+  if (detail::TelemetryRecorder* telemetry = context->telemetry(); telemetry && !options.delay_unscale) {
+    std::vector<torch::optim::Optimizer*> optimizers;
+    for (detail::OptimizerStep* step : steps) optimizers.push_back(&step->optimizer());
+    telemetry->record(options.loss_id, scaler.scale_tensor(scaled_loss.device()), optimizers);
+  }
   if (!unscaling || !scaler.dynamic()) return;  // a static scale never skips
   context->reduce_overflow(found_inf);
   verdict = std::make_shared<detail::OverflowVerdict>();

@@ -1,0 +1,39 @@
+#include "step/host_read.h"
+
+#include "step/overflow_verdict.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <utility>
+
+namespace amp::detail {
+
+std::vector<double> read_to_host(const std::vector<at::Tensor>& tensors) {
+  // Per device: its tensors' values in one buffer, and where each starts in the result.
+  std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<size_t>>> by_device;
+  std::vector<size_t> starts;
+  size_t total = 0;
+  for (const at::Tensor& t : tensors) {
+    auto& [values, owners] = by_device[t.device().str()];
+    values.push_back(t.reshape({-1}).to(at::kDouble));
+    owners.push_back(starts.size());
+    starts.push_back(total);
+    total += static_cast<size_t>(t.numel());
+  }
+  std::vector<double> out(total);
+  for (const auto& [device, entry] : by_device) {
+    const at::Tensor host = at::cat(entry.first).cpu();
+    count_host_read();
+    const double* v = host.data_ptr<double>();
+    for (size_t i = 0; i < entry.first.size(); ++i) {
+      const int64_t n = entry.first[i].numel();
+      std::copy(v, v + n, out.begin() + static_cast<std::ptrdiff_t>(starts[entry.second[i]]));
+      v += n;
+    }
+  }
+  return out;
+}
+
+}  // namespace amp::detail
