@@ -9,6 +9,7 @@
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
+#include "common/diagnostics.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -36,6 +37,9 @@ ABSL_FLAG(std::string, checkpoint, "", "write a checkpoint (model, optimizer, am
 ABSL_FLAG(std::string, resume, "", "resume from this checkpoint before training");
 ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
+ABSL_FLAG(std::string, inject_non_finite, "",
+          "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
+          "what amp's overflow provenance says of it");
 
 namespace {
 
@@ -57,7 +61,7 @@ double accuracy(Net& model, const examples::ImageDataset& test, c10::Device devi
 
 int run() {
   const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
-  const amp::Options options = examples::amp_options(
+  amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
   const int batch_size = absl::GetFlag(FLAGS_batch_size);
   const int epochs = absl::GetFlag(FLAGS_epochs);
@@ -72,6 +76,8 @@ int run() {
   Net model;
   model->to(device);
   torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  const examples::NonFiniteInjection injection(absl::GetFlag(FLAGS_inject_non_finite), *model);
+  options.overflow_provenance = injection.enabled();
 
   amp::initialize(model, optimizer, options);
 
@@ -98,6 +104,7 @@ int run() {
       const auto images = train.images.index_select(0, index).to(device);
       const auto labels = train.labels.index_select(0, index).to(device);
 
+      const auto injected = injection.inject(step + 1, *model);
       optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(images), labels);
       {
@@ -107,6 +114,7 @@ int run() {
       optimizer.step();
 
       ++step;
+      if (injection.at(step)) examples::print_injection_outcome(std::cout, optimizer);
       const double loss_value = loss.item<double>();
       const double scale = amp::loss_scale();
       progress.update(step, loss_value, scale, index.size(0));

@@ -6,6 +6,7 @@
 #include <amp/amp.h>
 
 #include "common/char_transformer.h"
+#include "common/diagnostics.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -25,6 +26,9 @@ ABSL_FLAG(int, seed, 0, "random seed");
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
+ABSL_FLAG(std::string, inject_non_finite, "",
+          "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
+          "what amp's overflow provenance says of it");
 
 namespace {
 
@@ -47,7 +51,7 @@ std::string sample(examples::CharTransformer& model, c10::Device device, const s
 
 int run() {
   const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
-  const amp::Options options = examples::amp_options(
+  amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
   const int steps = absl::GetFlag(FLAGS_steps), batch = absl::GetFlag(FLAGS_batch_size);
   examples::TransformerConfig config;
@@ -63,6 +67,8 @@ int run() {
   examples::CharTransformer model(config);
   model->to(device);
   torch::optim::AdamW optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  const examples::NonFiniteInjection injection(absl::GetFlag(FLAGS_inject_non_finite), *model);
+  options.overflow_provenance = injection.enabled();
   amp::initialize(model, optimizer, options);
 
   examples::Progress progress(50, steps);
@@ -74,6 +80,7 @@ int run() {
     const auto windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);
     const auto inputs = windows.narrow(1, 0, config.context), targets = windows.narrow(1, 1, config.context);
 
+    const auto injected = injection.inject(step + 1, *model);
     optimizer.zero_grad();
     const auto logits = model->forward(inputs);
     const auto loss = torch::cross_entropy_loss(logits.reshape({-1, config.vocab}), targets.reshape({-1}));
@@ -83,6 +90,7 @@ int run() {
     }
     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);  // float32 at every level
     optimizer.step();
+    if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
     progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
   }

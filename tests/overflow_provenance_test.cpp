@@ -140,6 +140,10 @@ TEST_P(OverflowProvenanceTest, AForwardInjectionNamesItsOpAndModule) {
   EXPECT_EQ(report->forward->module, "fc1");
   EXPECT_EQ(report->forward->dtype, activation_dtype);
   EXPECT_FALSE(report->forward->input_non_finite);
+  // Backward: the loss's gradient is finite until the loss node multiplies
+  // it by its NaN input; every node after reads NaN.
+  ASSERT_TRUE(report->backward.has_value());
+  EXPECT_EQ(report->backward->op, "MseLossBackward0");
 }
 
 TEST_P(OverflowProvenanceTest, ANonFiniteParameterIsNamedAsTheInputOfTheOpThatReadIt) {

@@ -5,11 +5,14 @@
 //
 // The model is first trained for --warmup_steps at O1 in float16 (so the
 // dynamic scale and the weights are those of a real run); the gradients of
-// the next batch are then computed exactly in fp32 and binned.
+// the next batch are then computed exactly in fp32 and binned. Beside them,
+// amp's own telemetry of its last float16 step (telemetry.h): per
+// parameter, underflow at the scale, zeros and the largest magnitude.
 //
 //   gradient_underflow --out_dir=out/underflow   # writes .csv and .png (gnuplot)
 #include <amp/amp.h>
 
+#include "common/diagnostics.h"
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
 #include "common/run_setup.h"
@@ -22,6 +25,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 ABSL_FLAG(int, warmup_steps, 30, "O1 fp16 training steps before the measured iteration");
 ABSL_FLAG(int, batch_size, 128, "batch size");
@@ -80,6 +85,7 @@ int run() {
   amp::Options options = amp::O1;
   options.verbosity = 0;
   options.cpu_dtype = at::kHalf;
+  options.precision_telemetry = true;
   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
   for (int step = 0; step < warmup; ++step) {
     optimizer->zero_grad();
@@ -92,6 +98,7 @@ int run() {
     optimizer->step();
   }
   const double scale = amp::loss_scale();
+  const std::optional<amp::PrecisionTelemetry> telemetry = amp::precision_telemetry(optimizer);
 
   // The measured iteration, exactly in fp32, keeping activation gradients.
   amp::disable_casts exact;
@@ -138,6 +145,13 @@ int run() {
                 100 * at_one, 100 * at_scale, 100 * overflow);
     summary_csv << name << "," << s->histogram.total << "," << s->histogram.zeros << "," << at_one << ","
                 << at_scale << "," << overflow << "," << scale << "\n";
+  }
+
+  if (telemetry) {
+    std::printf("\namp's telemetry of its last O1 float16 step (the weights' gradients as amp unscaled them):\n\n");
+    std::ostringstream table;
+    examples::print_telemetry(table, *telemetry);
+    std::printf("%s", table.str().c_str());
   }
 
   csv.close();

@@ -1,13 +1,16 @@
 // Precision report: runs one training iteration of an example model under
 // amp and prints every intercepted op - operator, input dtypes, output dtype,
-// policy applied, calls, casts, cache hits, bytes cast. Read it to answer
-// "why is this op in fp16?".
+// policy applied, calls, casts, cache hits, bytes cast - and amp's gradient
+// telemetry per layer (telemetry.h): underflow at the loss scale, zeros and
+// the largest magnitude. Read it to answer "why is this op in fp16?" and
+// "what does the low dtype lose of this layer's gradient?".
 //
 //   precision_report --model=transformer --opt_level=O1
 #include <amp/amp.h>
 
 #include "common/char_transformer.h"
 #include "common/dcgan.h"
+#include "common/diagnostics.h"
 #include "common/fashion_mnist_net.h"
 #include "common/run_setup.h"
 
@@ -15,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <optional>
 
 ABSL_FLAG(std::string, model, "cnn", "cnn (Fashion-MNIST CNN), gan (DCGAN) or transformer (character LM)");
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level");
@@ -38,13 +42,15 @@ void iterate(amp::OptimizerPtr& optimizer, Forward&& loss_of_forward) {
 
 int run() {
   const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
-  const amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
-                                                     device, /*verbosity=*/0);
+  amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
+                                               device, /*verbosity=*/0);
+  options.precision_telemetry = true;
   const std::string name = absl::GetFlag(FLAGS_model);
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);
   torch::manual_seed(0);
   amp::Handle handle;
   std::unique_ptr<amp::OpStatsRecorder> recorder;
+  std::optional<amp::PrecisionTelemetry> telemetry;
   if (name == "cnn") {
     examples::FashionNet model;
     model->to(device);
@@ -55,6 +61,7 @@ int run() {
       return torch::cross_entropy_loss(model->forward(torch::randn({batch, 1, 28, 28}, device)),
                                        torch::randint(0, 10, {batch}, torch::TensorOptions(device).dtype(torch::kLong)));
     });
+    telemetry = amp::precision_telemetry(optimizer);
   } else if (name == "gan") {
     examples::Generator generator;
     examples::Discriminator discriminator;
@@ -67,6 +74,7 @@ int run() {
       const auto fake = generator->forward(torch::randn({batch, examples::kLatent}, device));
       return torch::binary_cross_entropy_with_logits(discriminator->forward(fake), torch::ones({batch}, device));
     });
+    telemetry = amp::precision_telemetry(optimizer);
   } else if (name == "transformer") {
     examples::CharTransformer model;
     model->to(device);
@@ -78,6 +86,7 @@ int run() {
       const auto logits = model->forward(tokens.narrow(1, 0, 64));
       return torch::cross_entropy_loss(logits.reshape({-1, 256}), tokens.narrow(1, 1, 64).reshape({-1}));
     });
+    telemetry = amp::precision_telemetry(optimizer);
   } else {
     throw std::invalid_argument("--model must be cnn, gan or transformer, got '" + name + "'");
   }
@@ -85,7 +94,8 @@ int run() {
             << amp::to_string(options.opt_level) << " on " << device << " (batch " << batch << ")\n\n"
             << amp::format_op_stats(recorder->stats());
   const amp::CastCounts counts = amp::cast_counts();
-  std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n";
+  std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n\n";
+  if (telemetry) examples::print_telemetry(std::cout, *telemetry);
   return 0;
 }
 

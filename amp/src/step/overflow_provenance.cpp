@@ -69,7 +69,9 @@ std::vector<bool> finite_groups(const std::vector<const std::vector<at::Tensor>*
   std::vector<bool> finite(groups.size(), true);
   size_t next = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t i = 0; i < groups[g]->size(); ++i) finite[g] = finite[g] && std::isfinite(values[next++]);
+    for (size_t i = 0; i < groups[g]->size(); ++i, ++next) {
+      if (!std::isfinite(values[next])) finite[g] = false;
+    }
   }
   return finite;
 }
