@@ -1,6 +1,7 @@
 // Instructions per call of the dispatch cases of cpu_benchmarks' section 1,
 // counted by valgrind's callgrind: plain LibTorch, native autocast and amp O1
-// on the same calls. Counts do not move with the load of a shared machine, so
+// on the same calls, and amp O1 with overflow provenance on (gradients
+// enabled, as it watches forward ops only then). Counts do not move with the load of a shared machine, so
 // they settle differences of a few percent that timings there cannot. Each
 // (case, mode) is one callgrind dump; tools/bench/dispatch_instructions.sh
 // runs this under valgrind and prints the table.
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,13 +46,16 @@ int main() {
       {"cat bf16+fp32", [&] { at::cat({a_low, b}); }},
       {"relu (not intercepted)", [&] { at::relu(a); }},
   };
-  const char* modes[] = {"plain", "native", "amp"};
-  for (int mode = 0; mode < 3; ++mode) {
+  const char* modes[] = {"plain", "native", "amp", "provenance"};
+  for (int mode = 0; mode < 4; ++mode) {
     std::unique_ptr<amp::Handle> handle;
+    std::optional<torch::AutoGradMode> grad_mode;
     if (mode == 1) at::autocast::set_autocast_enabled(at::kCPU, true);
-    if (mode == 2) {
+    if (mode >= 2) {
       amp::Options options = amp::O1;
       options.verbosity = 0;
+      options.overflow_provenance = mode == 3;
+      if (mode == 3) grad_mode.emplace(true);
       handle = std::make_unique<amp::Handle>();
       handle->initialize(std::vector<amp::ModulePtr>{}, {}, options);
     }

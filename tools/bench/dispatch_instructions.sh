@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Instructions per call: plain LibTorch, native autocast, amp O1 (callgrind).
+# Instructions per call: plain LibTorch, native autocast, amp O1, amp O1 with
+# overflow provenance (callgrind).
 # Usage: tools/bench/dispatch_instructions.sh [build dir]   (after tools/setup.sh)
 set -euo pipefail
 build=${1:-build}
@@ -25,4 +26,12 @@ for case in ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "c
     plain, native, ours = (counts[(case, m)] for m in ("plain", "native", "amp"))
     added = "%.3f" % ((ours - plain) / (native - plain)) if native - plain > 50 else "-"
     print("| %s | %.0f | %.0f | %.0f | %.3f | %s |" % (case, plain, native, ours, ours / native, added))
+print()
+print("Overflow provenance on (forward ops record the largest magnitude of what they read and return):")
+print()
+print("| op | amp O1 | amp O1 + provenance | added instr/call |")
+print("|---|---:|---:|---:|")
+for case in ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]:
+    ours, watched = counts[(case, "amp")], counts[(case, "provenance")]
+    print("| %s | %.0f | %.0f | %.0f |" % (case, ours, watched, watched - ours))
 PY
