@@ -56,6 +56,39 @@ std::vector<std::string> sorted(std::vector<std::string> names) {
   return names;
 }
 
+// Two models, two losses, two optimizers (held by value), one iteration:
+// both forwards (the second model's first when `second_runs_first`), then a
+// guard per loss in loss order. Returns the second optimizer's report,
+// amp deinitialized.
+std::optional<OverflowReport> two_losses(ProbedNet& first, ProbedNet& second, bool second_runs_first) {
+  torch::optim::SGD opt_first(first->parameters(), 0.01), opt_second(second->parameters(), 0.01);
+  Options options = provenance(O1);
+  options.num_losses = 2;
+  initialize({first, second}, {opt_first, opt_second}, options);
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  opt_first.zero_grad();
+  opt_second.zero_grad();
+  at::Tensor loss_first, loss_second;
+  if (second_runs_first) loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
+  loss_first = torch::mse_loss(first->forward(x).to(at::kFloat), y);
+  if (!second_runs_first) loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
+  {
+    scale_loss scaled(loss_first, opt_first, {.loss_id = 0});
+    scaled.backward();
+  }
+  {
+    scale_loss scaled(loss_second, opt_second, {.loss_id = 1});
+    scaled.backward();
+  }
+  opt_first.step();
+  opt_second.step();
+  EXPECT_FALSE(last_step_skipped(opt_first));
+  EXPECT_FALSE(last_overflow(opt_first).has_value());
+  std::optional<OverflowReport> report = last_overflow(opt_second);
+  deinitialize();  // before the optimizers go
+  return report;
+}
+
 class OverflowProvenanceTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {
  protected:
   // One iteration as users write it, the optimizer held by value.
@@ -227,29 +260,9 @@ TEST_F(AmpTest, AFloat16CastThatOverflowsIsNamedAtTheOpThatCast) {
 TEST_F(AmpTest, ForwardRecordsStayWithTheLossWhoseGraphHoldsThem) {
   torch::manual_seed(0);
   ProbedNet first, second;
-  torch::optim::SGD opt_first(first->parameters(), 0.01), opt_second(second->parameters(), 0.01);
-  Options options = provenance(O1);
-  options.num_losses = 2;
-  initialize({first, second}, {opt_first, opt_second}, options);
-  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
   second->inject_in_forward = true;
-  opt_first.zero_grad();
-  opt_second.zero_grad();
   // The second model runs first: the first guard must leave its records.
-  const at::Tensor loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
-  const at::Tensor loss_first = torch::mse_loss(first->forward(x).to(at::kFloat), y);
-  {
-    scale_loss scaled(loss_first, opt_first, {.loss_id = 0});
-    scaled.backward();
-  }
-  {
-    scale_loss scaled(loss_second, opt_second, {.loss_id = 1});
-    scaled.backward();
-  }
-  opt_first.step();
-  opt_second.step();
-  EXPECT_FALSE(last_step_skipped(opt_first));
-  const std::optional<OverflowReport> report = last_overflow(opt_second);
+  const std::optional<OverflowReport> report = two_losses(first, second, /*second_runs_first=*/true);
   ASSERT_TRUE(report.has_value() && report->forward.has_value());
   EXPECT_EQ(report->loss_id, 1);
   EXPECT_EQ(report->forward->op, "aten::mul.Scalar");
@@ -324,28 +337,8 @@ TEST_F(AmpTest, OverflowProvenanceAddsNoHostSyncToHealthySteps) {
 TEST_F(AmpTest, OverflowProvenanceReportsPerLossAndOptimizer) {
   torch::manual_seed(0);
   ProbedNet first, second;
-  torch::optim::SGD opt_first(first->parameters(), 0.01), opt_second(second->parameters(), 0.01);
-  Options options = provenance(O1);
-  options.num_losses = 2;
-  initialize({first, second}, {opt_first, opt_second}, options);
-  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
   second->inject_in_backward = true;
-  opt_first.zero_grad();
-  opt_second.zero_grad();
-  const at::Tensor loss_first = torch::mse_loss(first->forward(x).to(at::kFloat), y);
-  const at::Tensor loss_second = torch::mse_loss(second->forward(x).to(at::kFloat), y);
-  {
-    scale_loss scaled(loss_first, opt_first, {.loss_id = 0});
-    scaled.backward();
-  }
-  {
-    scale_loss scaled(loss_second, opt_second, {.loss_id = 1});
-    scaled.backward();
-  }
-  opt_first.step();
-  opt_second.step();
-  EXPECT_FALSE(last_overflow(opt_first).has_value());
-  const std::optional<OverflowReport> report = last_overflow(opt_second);
+  const std::optional<OverflowReport> report = two_losses(first, second, /*second_runs_first=*/false);
   ASSERT_TRUE(report.has_value());
   EXPECT_EQ(report->loss_id, 1);
   EXPECT_EQ(sorted(report->non_finite_gradients),
