@@ -235,6 +235,33 @@ TEST_F(AmpTest, OverflowProvenanceNamesTheModuleOfTheNodeAndLogsIt) {
   EXPECT_NE(logged.find("fc2.weight"), std::string::npos) << logged;
 }
 
+TEST_F(AmpTest, AStepThatFusedKernelsSkipOnTheDeviceReportsTheSame) {
+  torch::manual_seed(0);
+  ProbedNet model;
+  amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  Options options = provenance(O2);
+  options.precision_telemetry = true;
+  initialize(model, optimizer, options);
+  const auto x = torch::randn({4, 8}), y = torch::randn({4, 4});
+  model->inject_in_forward = true;
+  optimizer.zero_grad();
+  const at::Tensor loss = torch::mse_loss(model->forward(x).to(at::kFloat), y);
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+  }
+  optimizer.step();  // the kernels take the verdict on the device
+  ASSERT_TRUE(last_step_skipped(optimizer));
+  const std::optional<OverflowReport> report = last_overflow(optimizer);
+  ASSERT_TRUE(report.has_value() && report->forward.has_value() && report->backward.has_value());
+  EXPECT_EQ(report->forward->op, "aten::mul.Scalar");
+  EXPECT_EQ(report->forward->module, "fc1");
+  EXPECT_EQ(report->backward->op, "MseLossBackward0");
+  const std::optional<PrecisionTelemetry> telemetry = precision_telemetry(optimizer);
+  ASSERT_TRUE(telemetry.has_value());
+  EXPECT_FALSE(std::isfinite(telemetry->groups.at(0).amax));  // the step's gradients held NaN
+}
+
 TEST_F(AmpTest, AFloat16CastThatOverflowsIsNamedAtTheOpThatCast) {
   torch::manual_seed(0);
   ProbedNet model;
