@@ -1,5 +1,6 @@
 #include "interception/dispatch/forward_watch.h"
 
+#include "interception/dispatch/interceptor.h"
 #include "interception/dispatch/op_binding.h"
 
 #include <ATen/ATen.h>
@@ -174,7 +175,7 @@ void watch_other_ops(torch::Library& library, const DeviceCasting& casting) {
     const auto handle = dispatcher.findOp(name);
     if (!handle || !handle->hasSchema() || handle->hasKernelForDispatchKey(casting.autocast_key)) continue;
     if (!makes_values(handle->schema())) continue;
-    std::string display = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+    const std::string display = to_string(name);
     library.impl(display.c_str(), torch::CppFunction::makeFromBoxedFunctor(
                                       std::make_unique<WatchKernel>(display, handle->schema(), casting)));
   }
