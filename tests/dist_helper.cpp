@@ -1,12 +1,26 @@
 // One rank of distributed_test: data-parallel training over ProcessGroupGloo
-// on loopback, with rank 1 alone seeing an overflow at step 2. Gradients are
-// averaged either inside the scale_loss guard (the model's scaled gradients,
-// as DDP's hooks do) or after it (the unscaled master gradients).
+// on loopback, a global batch of 24 rows split evenly across the ranks, with
+// one rank alone seeing an overflow at step 2.
 //
-//   dist_helper <rank> <world_size> <store_file> <O1|O2> <inside|after> <output_file>
+//   dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]
+//     level=O1|O2|O5          opt level (O2)
+//     reduce=builtin|inside|after|local|none
+//                             builtin: Options::data_parallel, the loop as in
+//                             one process; inside/after: the loop averages
+//                             gradients itself, inside the guard (scaled, as
+//                             DDP's hooks do) or after it, with
+//                             overflow_all_reduce; local: overflow_all_reduce
+//                             alone, each rank steps on its own rows; none:
+//                             one process, no group (world_size 1) (builtin)
+//     optimizer=sgd|adam      (sgd)
+//     micro_batches=N         gradient accumulation with delay_unscale (1)
+//     reduce_dtype=float|half|bfloat16   data_parallel.reduce_dtype (float)
+//     bucket_bytes=N          data_parallel.bucket_bytes (64: several buckets)
+//     seed_per_rank=0|1       1: rank r builds its weights from seed 3 + r (0:
+//                             every rank from seed 3)
 //
 // Writes one tensor per step (every parameter flattened, in fp32, after the
-// step) and, last, the number of skipped steps.
+// step), then the number of skipped steps and the final loss scale.
 #include <amp/amp.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -14,6 +28,7 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <map>
 
 namespace {
 
@@ -34,50 +49,90 @@ at::Tensor flat_params(torch::nn::Module& model) {
   return torch::cat(parts);
 }
 
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "half") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  return at::kFloat;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <level> <inside|after> <output_file>\n";
+  if (argc < 5) {
+    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]\n";
     return 2;
   }
-  const bool reduce_inside_guard = std::string(argv[5]) == "inside";
   const int rank = std::stoi(argv[1]), world = std::stoi(argv[2]);
-  auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create();
-  gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
+  std::map<std::string, std::string> flags{{"level", "O2"}, {"reduce", "builtin"}, {"optimizer", "sgd"},
+                                           {"micro_batches", "1"}, {"reduce_dtype", "float"},
+                                           {"bucket_bytes", "64"}, {"seed_per_rank", "0"}};
+  for (int i = 5; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos || !flags.count(arg.substr(0, eq))) {
+      std::cerr << "unknown argument " << arg << "\n";
+      return 2;
+    }
+    flags[arg.substr(0, eq)] = arg.substr(eq + 1);
+  }
+  const std::string reduce = flags["reduce"];
+  const int micro_batches = std::stoi(flags["micro_batches"]);
 
-  torch::manual_seed(3);  // identical replicas
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  if (reduce != "none") {
+    auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create();
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
+  }
+
+  torch::manual_seed(3 + (flags["seed_per_rank"] == "1" ? rank : 0));
   torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
-  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.05);
-  amp::Options options = std::string(argv[4]);
+  amp::OptimizerPtr optimizer;
+  if (flags["optimizer"] == "adam") {
+    optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  } else {
+    optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  }
+  amp::Options options = flags["level"];
   options.verbosity = 0;
-  options.reduce_overflow = amp::overflow_all_reduce(group);
+  options.loss_scale = amp::LossScale::Dynamic();  // O5 too, so that every level skips the overflow
+  if (reduce == "builtin") {
+    options.data_parallel.group = group;
+    options.data_parallel.reduce_dtype = parse_dtype(flags["reduce_dtype"]);
+    options.data_parallel.bucket_bytes = std::stoll(flags["bucket_bytes"]);
+  } else if (reduce != "none") {
+    options.reduce_overflow = amp::overflow_all_reduce(group);
+  }
   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
 
   std::vector<at::Tensor> trace;
+  const int64_t rows = 24 / world, micro_rows = rows / micro_batches;
   for (int step = 0; step < 5; ++step) {
     torch::manual_seed(100 + step);
-    const auto x = torch::randn({16, 6}), y = torch::randn({16, 2});
-    const int64_t rows = 16 / world;
+    const auto x = torch::randn({24, 6}), y = torch::randn({24, 2});
+    const bool overflow_here = step == 2 && rank == world - 1;
     optimizer->zero_grad();
-    {
-      amp::scale_loss scaled(torch::mse_loss(model->forward(x.narrow(0, rank * rows, rows)),
-                                             y.narrow(0, rank * rows, rows)),
-                             optimizer);
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      const int64_t first = rank * rows + micro * micro_rows;
+      auto loss = torch::mse_loss(model->forward(x.narrow(0, first, micro_rows)), y.narrow(0, first, micro_rows)) /
+                  micro_batches;
+      const bool last = micro == micro_batches - 1;
+      const bool in_grad = reduce == "inside" || reduce == "after";
+      if (overflow_here && last && !in_grad) loss = loss * std::numeric_limits<float>::infinity();
+      amp::scale_loss scaled(loss, optimizer, {0, /*delay_unscale=*/!last});
       scaled.backward();
-      if (rank == 1 && step == 2) {
+      if (overflow_here && last && in_grad) {
         model->parameters()[0].grad()[0][0] = std::numeric_limits<float>::infinity();
       }
-      if (reduce_inside_guard) average_gradients(model->parameters(), *group, world);
+      if (reduce == "inside") average_gradients(model->parameters(), *group, world);
     }
-    if (!reduce_inside_guard) average_gradients(amp::master_params(*optimizer), *group, world);
+    if (reduce == "after") average_gradients(amp::master_params(*optimizer), *group, world);
     optimizer->step();
     trace.push_back(flat_params(*model));
   }
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scale()));
-  torch::save(trace, argv[6]);
+  torch::save(trace, argv[4]);
   return 0;
 }

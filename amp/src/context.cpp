@@ -67,6 +67,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     owner_casting_ = std::make_unique<ThreadCasting>(casting_);
   }
   if (forward_log_) g_observers.fetch_or(kForwardWatch);
+  if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
 }
 
 Context::~Context() {

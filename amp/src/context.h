@@ -5,6 +5,7 @@
 #include <amp/internal/loss_scaling.h>
 #include <amp/options.h>
 
+#include "distributed/gradient_reducer.h"
 #include "interception/dispatch/op_binding.h"
 #include "model/model_weights.h"
 #include "step/optimizer_step.h"
@@ -91,8 +92,11 @@ class Context {
   bool add_worker();
   void remove_worker();
 
-  // Distributed training: combines the overflow flags of every rank (MAX),
-  // so all ranks skip together. No-op without a process group.
+  // Options::data_parallel: averages each guard's gradients across ranks;
+  // null in one process.
+  GradientReducer* reducer() const { return reducer_.get(); }
+  // Options::reduce_overflow: combines the overflow flags of every rank
+  // (MAX), so all ranks skip together. No-op without it.
   void reduce_overflow(at::Tensor& found_inf) const {
     if (options_.reduce_overflow) options_.reduce_overflow(found_inf);
   }
@@ -108,6 +112,7 @@ class Context {
   std::vector<SkipLog> skip_logs_;
   std::shared_ptr<const ParameterNames> parameter_names_;
   std::unique_ptr<TelemetryRecorder> telemetry_;
+  std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;

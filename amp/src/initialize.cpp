@@ -4,6 +4,7 @@
 #include <amp/model_conversion.h>
 
 #include "context.h"
+#include "distributed/replicas.h"
 #include "log.h"
 #include "model/module_walk.h"
 #include "step/optimizer_kinds.h"
@@ -99,21 +100,49 @@ void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbo
   if (!note.empty()) detail::emit({LogEvent::Kind::kNote, "cpu_emulates_dtype", note});
 }
 
-// Sparse gradients are unscaled and checked at the levels that keep the model
-// fp32; the master-weight and low-precision paths are written for dense ones.
-void check_no_sparse_gradients(const Modules& models, const Properties& p) {
-  if (!p.cast_model_type || *p.cast_model_type == c10::kFloat) return;
+// The first module producing sparse gradients (Embedding or EmbeddingBag
+// with sparse=true), with its name; null when there is none.
+std::pair<const torch::nn::Module*, std::string> sparse_gradient_module(const Modules& models) {
+  std::pair<const torch::nn::Module*, std::string> found{nullptr, ""};
   for (const auto& model : models) {
     detail::for_each_module(*model, [&](const std::string& name, torch::nn::Module& module) {
       const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module);
       const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&module);
       const bool sparse = (embedding && embedding->options.sparse()) || (bag && bag->options.sparse());
-      TORCH_CHECK(!sparse, "amp: module '", name.empty() ? model->name() : name, "' (",
-                  module.name(), " with sparse=true) produces sparse gradients, which amp "
-                  "supports at O0, O1 and O4 (the levels that keep the model float32), not at ",
-                  to_string(p.opt_level), ". Use O1, or sparse=false.");
+      if (sparse && !found.first) found = {&module, name.empty() ? model->name() : name};
     });
   }
+  return found;
+}
+
+// Sparse gradients are unscaled and checked at the levels that keep the model
+// fp32; the master-weight and low-precision paths are written for dense ones.
+void check_no_sparse_gradients(const Modules& models, const Properties& p) {
+  if (!p.cast_model_type || *p.cast_model_type == c10::kFloat) return;
+  const auto [module, name] = sparse_gradient_module(models);
+  TORCH_CHECK(module == nullptr, "amp: module '", name, "' (", module->name(), " with sparse=true) "
+              "produces sparse gradients, which amp supports at O0, O1 and O4 (the levels that "
+              "keep the model float32), not at ", to_string(p.opt_level), ". Use O1, or sparse=false.");
+}
+
+// Options::data_parallel, checked before any collective runs.
+void check_data_parallel(const Options& o, const Modules& models) {
+  const DataParallel& dp = o.data_parallel;
+  if (!dp.group) return;
+  TORCH_CHECK(!o.reduce_overflow, "amp: both Options::data_parallel.group and "
+              "Options::reduce_overflow are set. With data_parallel amp averages the gradients "
+              "and agrees every overflow itself: drop reduce_overflow and your own gradient "
+              "all-reduce.");
+  TORCH_CHECK(dp.reduce_dtype == c10::kFloat || dp.reduce_dtype == c10::kHalf ||
+                  dp.reduce_dtype == c10::kBFloat16,
+              "amp: Options::data_parallel.reduce_dtype must be float32, float16 or bfloat16, got ",
+              dp.reduce_dtype, ".");
+  TORCH_CHECK(dp.bucket_bytes >= 1, "amp: Options::data_parallel.bucket_bytes must be >= 1, got ",
+              dp.bucket_bytes, " (DDP's default is 25 MiB).");
+  const auto [module, name] = sparse_gradient_module(models);
+  TORCH_CHECK(module == nullptr, "amp: module '", name, "' (", module->name(), " with sparse=true) "
+              "produces sparse gradients, which Options::data_parallel cannot average in "
+              "buckets. Use sparse=false.");
 }
 
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
@@ -224,6 +253,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   const Properties requested = resolve_properties(options.opt_level, options, device.type());
   const Properties properties = options.enabled ? requested : disabled_properties(device);
   check_no_sparse_gradients(models, properties);
+  check_data_parallel(options, models);
   check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);
@@ -232,6 +262,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   }
 
   // Everything is validated; from here on amp changes state.
+  if (options.data_parallel.group) detail::broadcast_from_rank0(models, *options.data_parallel.group);
   auto weights = lower_weights(models, !optimizers.empty(), properties, options);
   context_ = detail::start_live_context(properties, options, std::move(weights), optimizers,
                                         parameter_names(models));

@@ -1,43 +1,89 @@
 // Data-parallel training with amp over LibTorch's c10d process groups.
 //
-// Every rank must skip the same steps and keep the same loss scale, or the
-// replicas drift apart. Give amp the process group and it all-reduces (MAX)
-// each step's overflow flag before updating the scale, as Megatron-LM does:
+// Built in: give amp the ranks' process group, and the single-process loop
+// trains data-parallel as written - no gradient all-reduce of your own:
 //
 //   amp::Options options = amp::O2;
-//   options.reduce_overflow = amp::overflow_all_reduce(process_group);  // Gloo, NCCL, ...
-//   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+//   options.data_parallel.group = process_group;   // ProcessGroupGloo, ProcessGroupNCCL, ...
+//   amp::initialize(model, optimizer, options);
 //   ...
+//   optimizer.zero_grad();
+//   auto loss = loss_fn(model->forward(my_part_of_the_batch), ...);
 //   {
 //     amp::scale_loss scaled(loss, optimizer);
-//     scaled.backward();
-//   }
-//   all_reduce_mean(grads_of(amp::master_params(*optimizer)));  // your DDP code, as usual
-//   optimizer->step();
+//     scaled.backward();    // buckets are all-reduced while backward runs
+//   }                       // the guard installs the average, then unscales
+//   optimizer.step();
 //
-// Where to reduce gradients: after the guard and before step() (unscaled;
-// at O2 the fp32 master gradients), or inside the guard after backward()
-// (the model's scaled gradients, as DDP's hooks do; the guard then unscales
-// and checks the reduced ones). Both keep ranks identical. amp only reduces
-// the one-element overflow flag; it never touches the gradients' traffic.
-// With NCCL the flag is a CUDA tensor, with Gloo a CPU (or CUDA) tensor.
+// What amp does:
+//   - initialize broadcasts rank 0's parameters and buffers, so every rank
+//     starts from the same replica (a collective: every rank calls it).
+//   - Each guard (delay_unscale=false) averages over the ranks the
+//     gradients its backward produced for its optimizers' parameters. They
+//     travel in buckets of about `bucket_bytes`, in reverse parameter order
+//     (the order backward produces them): a hook on each parameter's
+//     gradient accumulator copies its gradient into the bucket, and a full
+//     bucket's all-reduce starts at once, overlapping the rest of backward.
+//     Buckets start in the same order on every rank. The guard, when it
+//     ends (or at unscale()), waits, installs the average as .grad and
+//     unscales and checks it.
+//   - The overflow verdict is taken from the averaged gradients, which are
+//     the same bytes on every rank, so every rank skips the same steps and
+//     keeps the same scale without another collective.
+//   - Gradient accumulation: guards with delay_unscale=true reduce nothing
+//     (DDP's no_sync); the last micro-batch's guard averages the whole sum.
+//   - A parameter without a gradient on every rank keeps none; one with a
+//     gradient on some ranks gets the average, the others counting zero
+//     (finding that out reads the bucket on the host, only on a rank where
+//     a parameter had no gradient).
+// Inside a guard, after backward(), gradients are this rank's own; clip
+// after unscale() (which averages first) or after the guard. Every rank must
+// run the same guards in the same order, as with any collective; an
+// exception in one rank's backward leaves the others waiting in theirs
+// until the process group's timeout.
 //
-// Errors: a null process group.
+// Without `group`, one process, as before; overflow_all_reduce (below) serves
+// loops that all-reduce gradients themselves.
+//
+// Errors (c10::Error, at initialize, nothing changed): both
+// data_parallel.group and reduce_overflow set; reduce_dtype not float32,
+// float16 or bfloat16; bucket_bytes < 1; sparse gradients (Embedding with
+// sparse=true) with a group. At the guard's end: a parameter whose
+// gradient was accumulated twice in one guard (two backward passes through
+// it; run them in separate guards, or with delay_unscale); a sparse
+// gradient; the process group's own errors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <cstdint>
 #include <functional>
-
-namespace c10d {
-class Backend;
-}  // namespace c10d
 
 namespace amp {
 
-// `group` is a c10d backend: ProcessGroupGloo, ProcessGroupNCCL, ... (for a
-// c10d::ProcessGroup pass its backend, e.g. group->getDefaultBackend()).
+struct DataParallel {
+  // The ranks' c10d backend (ProcessGroupGloo, ProcessGroupNCCL; for a
+  // c10d::ProcessGroup pass group->getDefaultBackend()). Null: one process.
+  c10::intrusive_ptr<c10d::Backend> group;
+  // The dtype gradients travel in: float32, or float16/bfloat16 for half
+  // the bytes (each rank's gradient is divided by the world size before the
+  // sum then, so the sum stays in range).
+  at::ScalarType reduce_dtype = at::kFloat;
+  // Gradient bytes per bucket (in reduce_dtype); DDP's default.
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+};
+
+// For loops that all-reduce gradients themselves: combines every rank's
+// overflow flag (MAX) before the scale update, so all ranks skip together.
+//
+//   options.reduce_overflow = amp::overflow_all_reduce(process_group);
+//
+// Where to reduce gradients then: after the guard and before step()
+// (unscaled; at O2 the fp32 master gradients), or inside the guard after
+// backward() (the scaled gradients, as DDP's hooks do). Errors: a null
+// process group.
 std::function<void(at::Tensor&)> overflow_all_reduce(c10::intrusive_ptr<c10d::Backend> group);
 
 }  // namespace amp

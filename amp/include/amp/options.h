@@ -10,6 +10,7 @@
 // errors); bad values are errors that name the field and the fix.
 #pragma once
 
+#include <amp/distributed.h>
 #include <amp/opt_levels.h>
 
 #include <functional>
@@ -50,10 +51,14 @@ struct Options : PropertyOverrides {
   // and buffers in float32 (like affine BatchNorm), e.g. a custom norm layer:
   //   options.keep_fp32 = [](const torch::nn::Module& m) { return m.name() == "RMSNorm"; };
   std::function<bool(const torch::nn::Module&)> keep_fp32;
-  // Distributed training: combines every rank's overflow flag (a 1-element
-  // float tensor, > 0 on overflow) before the scale update, so all ranks skip
-  // together. Set it with amp::overflow_all_reduce(process_group)
-  // (distributed.h).
+  // Data-parallel training over a c10d process group (distributed.h):
+  // amp averages the gradients across ranks and agrees every overflow.
+  //   options.data_parallel.group = process_group;
+  DataParallel data_parallel;
+  // For loops that all-reduce gradients themselves: combines every rank's
+  // overflow flag (a 1-element float tensor, > 0 on overflow) before the
+  // scale update, so all ranks skip together. Set it with
+  // amp::overflow_all_reduce(process_group) (distributed.h).
   std::function<void(at::Tensor& found_inf)> reduce_overflow;
   // Record, on the device, where an overflow comes from, to say after a
   // skipped step which forward op and backward node produced the first

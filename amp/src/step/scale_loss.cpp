@@ -35,6 +35,9 @@ class scale_loss::State {
   std::shared_ptr<detail::Context> context;
   std::vector<detail::OptimizerStep*> steps;  // of the optimizers passed in
   std::vector<detail::GradSlot> slots;        // their parameters
+  // Options::data_parallel: the averaging backward started (destroyed
+  // before the slots it reads).
+  std::unique_ptr<detail::GradientReducer::Reduction> reduction;
   // Master weights of other optimizers, with the gradients they had: a
   // backward through them leaves scratch scaled by this loss, discarded.
   std::vector<std::pair<at::Tensor, at::Tensor>> held;
@@ -103,6 +106,9 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;
     held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
+  if (detail::GradientReducer* reducer = context->reducer(); reducer && !options.delay_unscale) {
+    reduction = reducer->start(slots);  // delay_unscale: DDP's no_sync, the last guard reduces
+  }
   if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
   const at::Tensor fp32_loss = loss.to(at::kFloat);
   scaled_loss = passthrough ? fp32_loss
@@ -124,6 +130,9 @@ void scale_loss::State::check_capturable(c10::Device device) const {
   TORCH_CHECK(scaler.device() == device, "amp: this scale_loss guard is being captured in a CUDA "
               "graph before loss scaler ", options.loss_id, " has been used on ", device, ". Run "
               "warm-up iterations (forward, scale_loss, step) before capturing.");
+  TORCH_CHECK(!context->reducer(), "amp: this scale_loss guard is being captured in a CUDA graph, "
+              "but with Options::data_parallel its gradients are averaged by hooks and "
+              "collectives the host drives; capture without data_parallel.");
   for (const detail::OptimizerStep* step : steps) {
     TORCH_CHECK(!scaler.dynamic() || step->fused(), "amp: this scale_loss guard is being captured "
                 "in a CUDA graph, but one of its optimizers is LibTorch's own: its step needs the "
@@ -133,6 +142,10 @@ void scale_loss::State::check_capturable(c10::Device device) const {
 }
 
 void scale_loss::State::unscale_gradients() {
+  if (reduction) {
+    reduction->finish();
+    reduction.reset();
+  }
   detail::UnscalePlan plan(slots);
   internal::LossScaling& scaler = context->scaler(options.loss_id);
   const bool unscaling = !options.delay_unscale && !passthrough;
@@ -201,6 +214,7 @@ void scale_loss::State::commit() {
 }
 
 void scale_loss::State::unwind() noexcept {
+  reduction.reset();
   for (detail::GradSlot& s : slots) s.param.mutable_grad() = s.aside;
   for (auto& [param, aside] : held) param.mutable_grad() = aside;
   if (scaler_before) context->scaler(options.loss_id).restore(*scaler_before);

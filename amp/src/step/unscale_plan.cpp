@@ -12,7 +12,7 @@ void add_asides(Items& items, Pick pick) {
   for (auto& item : items) {
     if (!pick(item)) continue;
     dst.push_back(item.result);
-    src.push_back(item.slot->aside);
+    src.push_back(item.aside);
   }
   if (!dst.empty()) at::_foreach_add_(dst, src);
 }
@@ -22,8 +22,9 @@ void add_asides(Items& items, Pick pick) {
 UnscalePlan::UnscalePlan(std::vector<GradSlot>& slots) {
   for (GradSlot& slot : slots) {
     at::Tensor fresh = slot.param.grad();
-    if (!fresh.defined() && !slot.aside.defined()) continue;  // no gradient at all
-    items_.push_back({&slot, std::move(fresh), {}});
+    at::Tensor aside = slot.aside_reduced ? at::Tensor() : slot.aside;
+    if (!fresh.defined() && !aside.defined()) continue;  // no gradient at all
+    items_.push_back({&slot, std::move(fresh), std::move(aside), {}});
   }
 }
 
@@ -36,7 +37,7 @@ void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   for (Item& item : items_) {
     const GradSlot& s = *item.slot;
     if (!item.fresh.defined()) {
-      item.result = scaler && s.aside_scaled ? s.aside.clone() : s.aside;
+      item.result = scaler && s.aside_scaled ? item.aside.clone() : item.aside;
     } else if (item.fresh.scalar_type() != s.grad_dtype) {
       item.result = at::empty_like(item.fresh, item.fresh.options().dtype(s.grad_dtype),
                                    at::MemoryFormat::Preserve);
@@ -49,7 +50,7 @@ void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   if (!copy_dst.empty()) at::_foreach_copy_(copy_dst, copy_src);
 
   auto joins = [](const Item& item, bool scaled) {
-    return item.fresh.defined() && item.slot->aside.defined() && item.slot->aside_scaled == scaled;
+    return item.fresh.defined() && item.aside.defined() && item.slot->aside_scaled == scaled;
   };
   // 2. Asides still scaled join before unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/true); });
@@ -59,7 +60,9 @@ void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   if (scaler) {
     std::vector<at::Tensor> scaled;
     for (const Item& item : items_) {
-      if (item.fresh.defined() || item.slot->aside_scaled) scaled.push_back(item.result);
+      if (item.fresh.defined() || (item.aside.defined() && item.slot->aside_scaled)) {
+        scaled.push_back(item.result);
+      }
     }
     scaler->unscale(scaled, found_inf);
   }

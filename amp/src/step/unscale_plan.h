@@ -28,6 +28,9 @@ struct GradSlot {
   at::Tensor aside;                       // its gradient when the guard opened
   at::ScalarType grad_dtype = at::kFloat;  // the dtype its gradient is kept in
   bool aside_scaled = false;  // the aside holds values scaled by this loss (delay_unscale)
+  // The data-parallel average already includes the scaled aside (it was
+  // reduced with the fresh gradient); the plan leaves it out.
+  bool aside_reduced = false;
 };
 
 class UnscalePlan {
@@ -45,6 +48,7 @@ class UnscalePlan {
   struct Item {
     GradSlot* slot;
     at::Tensor fresh;   // this backward's gradient, scaled (undefined if none)
+    at::Tensor aside;   // the slot's aside, unless already reduced into fresh
     at::Tensor result;  // the new gradient
   };
   std::vector<Item> items_;
