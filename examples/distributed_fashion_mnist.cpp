@@ -4,9 +4,10 @@
 //
 //   distributed_fashion_mnist --world_size=2 --opt_level=O2
 //
-// Each rank trains on its own shard of every batch; gradients are averaged
-// with all-reduce after the scale_loss guard, and amp all-reduces each step's
-// overflow flag so every rank skips the same steps.
+// Each rank trains on its own part of every batch. The loop is the one of a
+// single process: amp, given the process group (Options::data_parallel),
+// starts from rank 0's weights, averages the gradients in buckets while
+// backward runs, and every rank skips the same steps.
 #include <amp/amp.h>
 
 #include "common/fashion_mnist_data.h"
@@ -22,7 +23,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <iostream>
+#include <thread>
 
 extern char** environ;
 
@@ -31,6 +34,7 @@ ABSL_FLAG(int, rank, -1, "set by the launcher for the ranks it starts; leave uns
 ABSL_FLAG(std::string, store, "", "rendezvous file (default: a fresh file in /tmp)");
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level");
 ABSL_FLAG(std::string, dtype, "", "fp16 or bf16");
+ABSL_FLAG(std::string, reduce_dtype, "fp32", "dtype gradients travel in: fp32, fp16 or bf16");
 ABSL_FLAG(int, epochs, 1, "training epochs");
 ABSL_FLAG(int, batch_size, 128, "global batch size (split across ranks)");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
@@ -59,7 +63,16 @@ std::vector<pid_t> launch_other_ranks(int argc, char** argv, int world, const st
   return pids;
 }
 
+c10::ScalarType reduce_dtype(const std::string& name) {
+  if (name == "fp32") return c10::kFloat;
+  if (name == "fp16") return c10::kHalf;
+  if (name == "bf16") return c10::kBFloat16;
+  throw std::invalid_argument("--reduce_dtype must be fp32, fp16 or bf16, got '" + name + "'");
+}
+
 int train(int rank, int world, const std::string& store_path) {
+  // The ranks share this machine's cores: more threads than cores only wait.
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
   auto gloo = c10d::ProcessGroupGloo::Options::create();
   gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
@@ -67,7 +80,8 @@ int train(int rank, int world, const std::string& store_path) {
 
   amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
                                                c10::Device(c10::kCPU), rank == 0 ? 1 : 0);
-  options.reduce_overflow = amp::overflow_all_reduce(group);
+  options.data_parallel.group = group;
+  options.data_parallel.reduce_dtype = reduce_dtype(absl::GetFlag(FLAGS_reduce_dtype));
   const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
                                                       absl::GetFlag(FLAGS_train_limit));
   torch::manual_seed(0);  // identical replicas
@@ -88,12 +102,6 @@ int train(int rank, int world, const std::string& store_path) {
       {
         amp::scale_loss scaled(loss, optimizer);
         scaled.backward();
-      }
-      for (const auto& p : model->parameters()) {
-        if (!p.grad().defined()) continue;
-        std::vector<at::Tensor> grad{p.grad()};
-        group->allreduce(grad)->wait();
-        p.grad().div_(world);
       }
       optimizer.step();
       if (rank == 0) progress.update(++step, loss.item<double>(), amp::loss_scale(), batch);

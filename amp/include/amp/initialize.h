@@ -58,7 +58,10 @@
 //   - a parameter or buffer whose storage holds another dtype's bytes (an
 //     earlier torch::load of a checkpoint with other dtypes);
 //   - at O2/O3/O5, an Embedding or EmbeddingBag with sparse=true (sparse
-//     gradients are supported at O0, O1 and O4).
+//     gradients are supported at O0, O1 and O4);
+//   - Options::data_parallel's errors (distributed.h).
+// With Options::data_parallel.group, initialize is a collective: every rank
+// calls it, and every rank's models take rank 0's weights.
 // Compile errors: an argument that is no model or optimizer, or more than
 // three arguments (static_assert messages say what to pass).
 // Warnings (stderr, verbosity >= 1): a model that is already low precision
