@@ -51,7 +51,8 @@
 // sparse=true) with a group. At the guard's end: a parameter whose
 // gradient was accumulated twice in one guard (two backward passes through
 // it; run them in separate guards, or with delay_unscale); a sparse
-// gradient; the process group's own errors.
+// gradient; the process group's own errors. A data-parallel guard inside a
+// CUDA graph capture (scale_loss.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -66,7 +66,9 @@
 //   - inside a CUDA graph capture: a loss scaler not yet used on the loss's
 //     device (warm up before capturing), or, with a dynamic scale, one of
 //     LibTorch's own optimizers (it needs the verdict on the host; capture
-//     with amp::optim's fused ones). See docs/guide.md, CUDA graphs.
+//     with amp::optim's fused ones), or with Options::data_parallel (its
+//     hooks and collectives are driven by the host). See docs/guide.md,
+//     CUDA graphs.
 // unscale(): called twice, after finish(), or with delay_unscale.
 // finish(): called twice; errors of the overflow all-reduce; an overflow at
 // the floor with AtFloor::kRaise. The guard has ended when finish() throws.
