@@ -46,8 +46,6 @@ class GradientReducer {
   // unwound guard left running on the same buckets.
   std::unique_ptr<Reduction> start(std::vector<GradSlot>& slots);
 
-  int world() const { return world_; }
-
  private:
   struct Layout;
   DataParallel config_;
