@@ -12,15 +12,20 @@
 //                             overflow_all_reduce; local: overflow_all_reduce
 //                             alone, each rank steps on its own rows; none:
 //                             one process, no group (world_size 1) (builtin)
-//     optimizer=sgd|adam      (sgd)
+//     optimizer=sgd|adam|adamw   (sgd)
+//     shard=0|1               data_parallel.shard (0)
+//     clip=X                  amp::clip_grad_norm(optimizer, X) before each step (0: none)
+//     checkpoint=PATH save_after=K
+//                             amp::save_checkpoint after step K
+//     resume=0|1              1: amp::load_checkpoint(PATH) first, then steps K+1..4
 //     micro_batches=N         gradient accumulation with delay_unscale (1)
 //     reduce_dtype=float|half|bfloat16   data_parallel.reduce_dtype (float)
 //     bucket_bytes=N          data_parallel.bucket_bytes (64: several buckets)
 //     seed_per_rank=0|1       1: rank r builds its weights from seed 3 + r (0:
 //                             every rank from seed 3)
 //
-// Writes one tensor per step (every parameter flattened, in fp32, after the
-// step), then the number of skipped steps and the final loss scale.
+// Writes one tensor per step (every parameter's float32 master flattened,
+// after the step), then the number of skipped steps and the final loss scale.
 #include <amp/amp.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -49,6 +54,22 @@ at::Tensor flat_params(torch::nn::Module& model) {
   return torch::cat(parts);
 }
 
+torch::nn::Sequential make_model() {
+  return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+}
+
+// The float32 masters as the program sees them: amp's float32 weights file
+// (gathered from every rank's shard, written by rank 0), loaded into a
+// float32 model.
+at::Tensor masters_of(const torch::nn::Sequential& model, const std::string& scratch, c10d::Backend& group) {
+  amp::save_fp32_weights(model, scratch);
+  group.barrier()->wait();
+  torch::nn::Sequential fp32 = make_model();
+  torch::load(fp32, scratch);
+  group.barrier()->wait();
+  return flat_params(*fp32);
+}
+
 at::ScalarType parse_dtype(const std::string& name) {
   if (name == "half") return at::kHalf;
   if (name == "bfloat16") return at::kBFloat16;
@@ -65,7 +86,9 @@ int main(int argc, char** argv) {
   const int rank = std::stoi(argv[1]), world = std::stoi(argv[2]);
   std::map<std::string, std::string> flags{{"level", "O2"}, {"reduce", "builtin"}, {"optimizer", "sgd"},
                                            {"micro_batches", "1"}, {"reduce_dtype", "float"},
-                                           {"bucket_bytes", "64"}, {"seed_per_rank", "0"}};
+                                           {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
+                                           {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
+                                           {"save_after", "-1"}, {"resume", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -87,10 +110,13 @@ int main(int argc, char** argv) {
   }
 
   torch::manual_seed(3 + (flags["seed_per_rank"] == "1" ? rank : 0));
-  torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+  torch::nn::Sequential model = make_model();
   amp::OptimizerPtr optimizer;
   if (flags["optimizer"] == "adam") {
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  } else if (flags["optimizer"] == "adamw") {
+    optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(),
+                                                      torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   } else {
     optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
   }
@@ -101,14 +127,20 @@ int main(int argc, char** argv) {
     options.data_parallel.group = group;
     options.data_parallel.reduce_dtype = parse_dtype(flags["reduce_dtype"]);
     options.data_parallel.bucket_bytes = std::stoll(flags["bucket_bytes"]);
+    options.data_parallel.shard = flags["shard"] == "1";
   } else if (reduce != "none") {
     options.reduce_overflow = amp::overflow_all_reduce(group);
   }
   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
+  const bool shard = flags["shard"] == "1";
+  const std::string checkpoint = flags["checkpoint"], scratch = std::string(argv[3]) + ".weights";
+  const int save_after = std::stoi(flags["save_after"]);
+  const double clip = std::stod(flags["clip"]);
+  if (flags["resume"] == "1") amp::load_checkpoint(checkpoint, {model}, {optimizer});
 
   std::vector<at::Tensor> trace;
   const int64_t rows = 24 / world, micro_rows = rows / micro_batches;
-  for (int step = 0; step < 5; ++step) {
+  for (int step = flags["resume"] == "1" ? save_after + 1 : 0; step < 5; ++step) {
     torch::manual_seed(100 + step);
     const auto x = torch::randn({24, 6}), y = torch::randn({24, 2});
     const bool overflow_here = step == 2 && rank == world - 1;
@@ -128,8 +160,10 @@ int main(int argc, char** argv) {
       if (reduce == "inside") average_gradients(model->parameters(), *group, world);
     }
     if (reduce == "after") average_gradients(amp::master_params(*optimizer), *group, world);
+    if (clip > 0) amp::clip_grad_norm(*optimizer, clip);
     optimizer->step();
-    trace.push_back(flat_params(*model));
+    trace.push_back(shard ? masters_of(model, scratch, *group) : flat_params(*model));
+    if (step == save_after && flags["resume"] != "1") amp::save_checkpoint(checkpoint, {model}, {optimizer});
   }
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scale()));

@@ -40,14 +40,20 @@ std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, Mo
 Context::Context(const Properties& properties, const Options& options, const RegistrationLock& held,
                  std::unique_ptr<ModelWeights> weights,
                  const std::vector<torch::optim::Optimizer*>& optimizers,
-                 std::shared_ptr<const ParameterNames> parameter_names)
+                 std::shared_ptr<const ParameterNames> parameter_names,
+                 std::unique_ptr<ShardedMasters> sharded)
     : properties_(properties),
       options_(options),
       forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
                                                                               : nullptr),
       casting_(casting_for(properties, options, weights.get(), forward_log_.get())),
       owner_(std::this_thread::get_id()),
+      sharded_(std::move(sharded)),
       weights_(std::move(weights)) {
+  if (sharded_) {
+    weights_->set_sharded(sharded_.get());
+    sharded_->record_members();
+  }
   parameter_names_ = std::move(parameter_names);
   if (options.precision_telemetry) {
     telemetry_ = std::make_unique<TelemetryRecorder>(
@@ -68,6 +74,8 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   }
   if (forward_log_) g_observers.fetch_or(kForwardWatch);
   if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
+  reduce_overflow_ = options.reduce_overflow;
+  if (sharded_) reduce_overflow_ = overflow_all_reduce(sharded_->group());
 }
 
 Context::~Context() {
@@ -95,6 +103,13 @@ void Context::teardown() {
       step->catch_up();  // host step counts of pending and replayed fused steps
     } catch (const std::exception& e) {
       log_error(e.what());
+    }
+  }
+  if (sharded_) {  // the optimizers get their parameters back, in float32 with whole state
+    try {
+      for (const auto& s : sharded_->optimizers()) s->restore();
+    } catch (const std::exception& e) {
+      log_error(std::string("giving the optimizers back their whole parameters failed: ") + e.what());
     }
   }
   shut_down_ = true;
@@ -169,10 +184,11 @@ std::shared_ptr<Context> require_live_context(const char* what) {
 std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
                                             std::unique_ptr<ModelWeights> weights,
                                             const std::vector<torch::optim::Optimizer*>& optimizers,
-                                            std::shared_ptr<const ParameterNames> parameter_names) {
+                                            std::shared_ptr<const ParameterNames> parameter_names,
+                                            std::unique_ptr<ShardedMasters> sharded) {
   const RegistrationLock held;
   auto context = std::make_shared<Context>(properties, options, held, std::move(weights), optimizers,
-                                           std::move(parameter_names));
+                                           std::move(parameter_names), std::move(sharded));
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live = context;
   return context;

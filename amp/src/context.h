@@ -6,6 +6,7 @@
 #include <amp/options.h>
 
 #include "distributed/gradient_reducer.h"
+#include "distributed/sharded_optimizer.h"
 #include "interception/dispatch/op_binding.h"
 #include "model/model_weights.h"
 #include "step/optimizer_step.h"
@@ -39,11 +40,13 @@ class Context {
   // `held`: the user's registrations cannot change while the interceptor
   // reads them (see start_live_context). `weights`: the models' lowered
   // weights; `optimizers`: the program's optimizers, stepped through
-  // OptimizerStep state machines.
+  // OptimizerStep state machines; `sharded`: their sharding
+  // (data_parallel.shard), or null.
   Context(const Properties& properties, const Options& options, const RegistrationLock& held,
           std::unique_ptr<ModelWeights> weights,
           const std::vector<torch::optim::Optimizer*>& optimizers,
-          std::shared_ptr<const ParameterNames> parameter_names);
+          std::shared_ptr<const ParameterNames> parameter_names,
+          std::unique_ptr<ShardedMasters> sharded);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -95,10 +98,14 @@ class Context {
   // Options::data_parallel: averages each guard's gradients across ranks;
   // null in one process.
   GradientReducer* reducer() const { return reducer_.get(); }
-  // Options::reduce_overflow: combines the overflow flags of every rank
-  // (MAX), so all ranks skip together. No-op without it.
+  // Options::data_parallel.shard: the optimizers' sharded masters; null
+  // without it.
+  ShardedMasters* sharded() const { return sharded_.get(); }
+  // Options::reduce_overflow, or with sharding amp's own (each rank checks
+  // only its shard): combines the overflow flags of every rank (MAX), so
+  // all ranks skip together. No-op without either.
   void reduce_overflow(at::Tensor& found_inf) const {
-    if (options_.reduce_overflow) options_.reduce_overflow(found_inf);
+    if (reduce_overflow_) reduce_overflow_(found_inf);
   }
 
  private:
@@ -113,10 +120,12 @@ class Context {
   std::shared_ptr<const ParameterNames> parameter_names_;
   std::unique_ptr<TelemetryRecorder> telemetry_;
   std::unique_ptr<GradientReducer> reducer_;
+  std::function<void(at::Tensor&)> reduce_overflow_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;
   bool shut_down_ = false;
+  std::unique_ptr<ShardedMasters> sharded_;  // before weights_, which points to it
   std::unique_ptr<ModelWeights> weights_;
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
   std::exception_ptr deferred_error_;
@@ -138,7 +147,8 @@ std::shared_ptr<Context> require_live_context(const char* what);
 std::shared_ptr<Context> start_live_context(const Properties& properties, const Options& options,
                                             std::unique_ptr<ModelWeights> weights,
                                             const std::vector<torch::optim::Optimizer*>& optimizers,
-                                            std::shared_ptr<const ParameterNames> parameter_names);
+                                            std::shared_ptr<const ParameterNames> parameter_names,
+                                            std::unique_ptr<ShardedMasters> sharded);
 // The live initialization's state machine of `optimizer`, or null when amp
 // is not live or the optimizer was not passed to it.
 OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer);

@@ -8,6 +8,7 @@
 #include "log.h"
 #include "model/module_walk.h"
 #include "step/optimizer_kinds.h"
+#include "distributed/sharded_optimizer.h"
 
 #include <c10/util/Exception.h>
 
@@ -125,6 +126,39 @@ void check_no_sparse_gradients(const Modules& models, const Properties& p) {
               "keep the model float32), not at ", to_string(p.opt_level), ". Use O1, or sparse=false.");
 }
 
+// Options::data_parallel.shard: what sharding needs of the level and the
+// optimizers.
+void check_sharding(const Options& o, const Properties& p, const Optimizers& optimizers) {
+  const DataParallel& dp = o.data_parallel;
+  if (!dp.shard) return;
+  TORCH_CHECK(dp.group, "amp: Options::data_parallel.shard needs data_parallel.group, the ranks' "
+              "process group, to spread the float32 masters and optimizer state over.");
+  TORCH_CHECK(p.master_weights && p.cast_model_type && *p.cast_model_type != c10::kFloat,
+              "amp: Options::data_parallel.shard spreads the float32 master weights and optimizer "
+              "state of O2 and O5 over the ranks; opt_level ", to_string(p.opt_level), " keeps no "
+              "master weights. Use O2 or O5, or shard=false.");
+  TORCH_CHECK(!optimizers.empty(), "amp: Options::data_parallel.shard needs the optimizers whose "
+              "state it spreads; pass them to amp::initialize.");
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    for (const auto& group : optimizer->param_groups()) {
+      TORCH_CHECK(detail::make_state(group.options(), {}, 0) != nullptr, "amp: "
+                  "Options::data_parallel.shard shards the state of SGD, Adam, AdamW, Adagrad and "
+                  "RMSprop (and amp's fused ones), which update each element on its own; this "
+                  "optimizer is none of them. Use one of them, or shard=false.");
+      for (const at::Tensor& param : group.params()) {
+        TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, "amp: a parameter is in two "
+                    "parameter groups or optimizers; with Options::data_parallel.shard each "
+                    "parameter's master lives in one optimizer's shard. Give each parameter to one.");
+      }
+    }
+    TORCH_CHECK(optimizer->state().empty(), "amp: an optimizer already holds state (loaded or "
+                "stepped before amp::initialize). With Options::data_parallel.shard, initialize "
+                "first, then load with amp::load_checkpoint, which splits the whole state over "
+                "the ranks.");
+  }
+}
+
 // Options::data_parallel, checked before any collective runs.
 void check_data_parallel(const Options& o, const Modules& models) {
   const DataParallel& dp = o.data_parallel;
@@ -176,6 +210,44 @@ void check_storages(const Modules& models) {
 
 // The models' lowered weights for the level: converted now for good, or
 // float32 masters amp lowers for forward and backward.
+// The level's lowered tensors of every model.
+std::unordered_set<const c10::TensorImpl*> lowered_set(const Modules& models, const Properties& p,
+                                                       const Options& options) {
+  std::unordered_set<const c10::TensorImpl*> lowered;
+  for (torch::nn::Module* model : models) {
+    for (const LoweredTensor& t : lowered_tensors(*model, p.keep_batchnorm_fp32, options.keep_fp32)) {
+      lowered.insert(t.tensor.unsafeGetTensorImpl());
+    }
+  }
+  return lowered;
+}
+
+// The float32 masters and optimizer state spread over the ranks
+// (data_parallel.shard); taken before the weights are lowered. Pieces are
+// named after their parameter for overflow reports.
+std::unique_ptr<detail::ShardedMasters> shard_masters(const Modules& models, const Optimizers& optimizers,
+                                                      const Properties& p, const Options& options,
+                                                      detail::ParameterNames& names) {
+  if (!options.data_parallel.shard) return nullptr;
+  const auto lowered = lowered_set(models, p, options);
+  const c10::ScalarType low = *p.cast_model_type;
+  auto sharded = std::make_unique<detail::ShardedMasters>(
+      optimizers, options.data_parallel,
+      [&](const at::Tensor& t) { return lowered.count(t.unsafeGetTensorImpl()) ? low : t.scalar_type(); });
+  for (const auto& s : sharded->optimizers()) {
+    for (const detail::ReduceBucket& bucket : s->buckets()) {
+      for (const detail::ReduceBucket::Piece& piece : bucket.pieces) {
+        auto it = names.find(bucket.members[piece.member].unsafeGetTensorImpl());
+        if (it == names.end()) continue;
+        names.emplace(piece.master.unsafeGetTensorImpl(),
+                      it->second + "[" + std::to_string(piece.begin) + ":" +
+                          std::to_string(piece.begin + piece.length) + "]");
+      }
+    }
+  }
+  return sharded;
+}
+
 std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool any_optimizer,
                                                     const Properties& p, const Options& options) {
   using Mode = detail::ModelWeights::Mode;
@@ -183,7 +255,9 @@ std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool 
     return std::make_unique<detail::ModelWeights>();
   }
   const c10::ScalarType low = *p.cast_model_type;
-  const Mode mode = p.master_weights && any_optimizer ? Mode::kMasters : Mode::kConverted;
+  // Sharded masters live in the optimizers' pieces: the model is converted.
+  const bool masters = p.master_weights && any_optimizer && !options.data_parallel.shard;
+  const Mode mode = masters ? Mode::kMasters : Mode::kConverted;
   std::vector<detail::ModelWeights::Entry> entries;
   std::unordered_set<const c10::TensorImpl*> seen;  // tensors shared by two models: once
   at::NoGradGuard no_grad;
@@ -207,7 +281,7 @@ std::unique_ptr<detail::ModelWeights> lower_weights(const Modules& models, bool 
 
 // Names for overflow reports, as amp's checkpoints name parameters:
 // "model<i>." before each when there are several models.
-std::shared_ptr<const detail::ParameterNames> parameter_names(const Modules& models) {
+std::shared_ptr<detail::ParameterNames> parameter_names(const Modules& models) {
   auto names = std::make_shared<detail::ParameterNames>();
   for (size_t i = 0; i < models.size(); ++i) {
     const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "." : "";
@@ -254,6 +328,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   const Properties properties = options.enabled ? requested : disabled_properties(device);
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
+  if (options.enabled) check_sharding(options, properties, optimizers);
   check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);
@@ -263,9 +338,13 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
 
   // Everything is validated; from here on amp changes state.
   if (options.data_parallel.group) detail::broadcast_from_rank0(models, *options.data_parallel.group);
-  auto weights = lower_weights(models, !optimizers.empty(), properties, options);
-  context_ = detail::start_live_context(properties, options, std::move(weights), optimizers,
-                                        parameter_names(models));
+  auto names = parameter_names(models);
+  Options effective = options;
+  effective.data_parallel.shard = options.data_parallel.shard && options.enabled;
+  auto sharded = shard_masters(models, optimizers, properties, effective, *names);
+  auto weights = lower_weights(models, !optimizers.empty(), properties, effective);
+  context_ = detail::start_live_context(properties, effective, std::move(weights), optimizers,
+                                        std::move(names), std::move(sharded));
   if (options.verbosity >= 1) detail::emit({LogEvent::Kind::kProperties, "", describe(properties)});
 }
 

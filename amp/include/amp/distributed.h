@@ -74,6 +74,9 @@ struct DataParallel {
   at::ScalarType reduce_dtype = at::kFloat;
   // Gradient bytes per bucket (in reduce_dtype); DDP's default.
   int64_t bucket_bytes = 25 * 1024 * 1024;
+  // O2/O5: spread the float32 master weights, the optimizer state and the
+  // gradients over the ranks (ZeRO stage 2; see "Sharded" above).
+  bool shard = false;
 };
 
 // For loops that all-reduce gradients themselves: combines every rank's

@@ -36,6 +36,15 @@ std::vector<at::Tensor> master_params(OptimizerRef optimizer);
 // Steps of `optimizer` skipped after gradient overflows so far.
 int64_t skipped_steps(OptimizerRef optimizer);
 
+// Clips the gradients of `optimizer`'s parameters to a global 2-norm of at
+// most `max_norm` (as torch::nn::utils::clip_grad_norm_, coefficient
+// max_norm / (norm + 1e-6), at most 1), and returns the norm (a 0-dim
+// float32 tensor; no host read). With Options::data_parallel.shard the norm
+// spans every rank's shard (a collective: every rank calls it). Call it
+// after the guard, or inside it after unscale(). Errors: max_norm not finite
+// and > 0; the optimizer accumulating (delay_unscale).
+at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm);
+
 // Whether the gradients of the latest guard over `optimizer` overflowed, so
 // that its next (or, for a fused optimizer, latest) step() was skipped.
 // Advance an LR scheduler only when it was not.

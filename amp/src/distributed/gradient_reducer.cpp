@@ -8,21 +8,35 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace amp::detail {
 
+std::vector<ReduceBucket> plan_buckets(const std::vector<at::Tensor>& members,
+                                       const std::vector<int>& keys, int64_t bucket_bytes,
+                                       int64_t element_size) {
+  std::vector<ReduceBucket> buckets;
+  std::map<int, size_t> open;  // per key: its bucket being filled
+  for (size_t i = members.size(); i-- > 0;) {
+    if (keys[i] < 0) continue;
+    auto it = open.find(keys[i]);
+    if (it == open.end() || buckets[it->second].numel * element_size >= bucket_bytes) {
+      buckets.emplace_back();
+      it = open.insert_or_assign(keys[i], buckets.size() - 1).first;
+    }
+    ReduceBucket& bucket = buckets[it->second];
+    bucket.members.push_back(members[i]);
+    bucket.ids.push_back(i);
+    bucket.offsets.push_back(bucket.numel);
+    bucket.numel += members[i].numel();
+  }
+  return buckets;
+}
+
 struct GradientReducer::Layout {
-  struct Bucket {
-    std::vector<size_t> slots;     // indices into the guard's slots
-    std::vector<int64_t> offsets;  // of each slot's gradient in `flat`
-    int64_t numel = 0;             // gradient elements; one flag per slot follows
-    at::Tensor flat;
-    c10::intrusive_ptr<c10d::Work> work;  // started and not yet waited for
-  };
-  std::vector<int64_t> numels;   // per slot, to see a parameter resized
-  std::vector<Bucket> buckets;
-  std::vector<size_t> bucket_of;  // per slot; only for slots in a bucket
+  std::vector<int64_t> numels;  // per slot, to see a parameter resized
+  std::vector<ReduceBucket> buckets;
 };
 
 GradientReducer::GradientReducer(DataParallel config)
@@ -30,62 +44,82 @@ GradientReducer::GradientReducer(DataParallel config)
 
 GradientReducer::~GradientReducer() = default;
 
+namespace {
+
+// An unwound guard's collective may still be running on a bucket's buffers.
+void drain(ReduceBucket& bucket) {
+  if (!bucket.work) return;
+  bucket.work.reset();
+  if (bucket.flat.defined()) bucket.flat = at::zeros_like(bucket.flat);
+  bucket.chunk = at::Tensor();
+}
+
+}  // namespace
+
 std::unique_ptr<GradientReducer::Reduction> GradientReducer::start(std::vector<GradSlot>& slots) {
   // Parameters that cannot have a gradient (requires_grad false) stay out,
   // so a frozen layer costs nothing; freezing or unfreezing changes the key.
   std::vector<const void*> key;
   std::vector<int64_t> numels;
+  std::vector<at::Tensor> params;
+  std::vector<int> keys;
   for (const GradSlot& s : slots) {
     key.push_back(s.param.requires_grad() ? s.param.unsafeGetTensorImpl() : nullptr);
     numels.push_back(s.param.numel());
+    params.push_back(s.param);
+    keys.push_back(s.param.requires_grad() ? 0 : -1);
   }
   std::unique_ptr<Layout>& layout = layouts_[key];
   if (!layout || layout->numels != numels) {
     layout = std::make_unique<Layout>();
     layout->numels = numels;
-    layout->bucket_of.assign(slots.size(), 0);
-    const int64_t element = c10::elementSize(config_.reduce_dtype);
-    for (size_t i = slots.size(); i-- > 0;) {
-      if (key[i] == nullptr) continue;
-      if (layout->buckets.empty() || layout->buckets.back().numel * element >= config_.bucket_bytes) {
-        layout->buckets.emplace_back();
-      }
-      Layout::Bucket& bucket = layout->buckets.back();
-      layout->bucket_of[i] = layout->buckets.size() - 1;
-      bucket.slots.push_back(i);
-      bucket.offsets.push_back(bucket.numel);
-      bucket.numel += numels[i];
-    }
-    for (Layout::Bucket& bucket : layout->buckets) {
-      const at::Tensor& param = slots[bucket.slots.front()].param;
-      bucket.flat = at::zeros({bucket.numel + static_cast<int64_t>(bucket.slots.size())},
-                              param.options().dtype(config_.reduce_dtype).requires_grad(false));
+    layout->buckets = plan_buckets(params, keys, config_.bucket_bytes, c10::elementSize(config_.reduce_dtype));
+    for (ReduceBucket& bucket : layout->buckets) {
+      bucket.flat = at::zeros({bucket.numel + static_cast<int64_t>(bucket.members.size())},
+                              bucket.members.front().options().dtype(config_.reduce_dtype).requires_grad(false));
     }
   }
-  for (Layout::Bucket& bucket : layout->buckets) {
-    // An unwound guard's all-reduce may still be running on this buffer.
-    if (bucket.work) {
-      bucket.work.reset();
-      bucket.flat = at::zeros_like(bucket.flat);
-    }
+  std::vector<ReduceBucket*> buckets;
+  for (ReduceBucket& bucket : layout->buckets) {
+    drain(bucket);
+    bucket.members.clear();  // this guard's parameters (the same tensors, or their new handles)
+    for (size_t id : bucket.ids) bucket.members.push_back(slots[id].param);
+    buckets.push_back(&bucket);
   }
-  return std::make_unique<Reduction>(*this, *layout, slots);
+  return std::make_unique<Reduction>(*this, std::move(buckets), &slots);
 }
 
-GradientReducer::Reduction::Reduction(GradientReducer& reducer, Layout& layout,
-                                      std::vector<GradSlot>& slots)
-    : reducer_(reducer), layout_(layout), slots_(slots), produced_(slots.size(), false) {
-  for (const Layout::Bucket& bucket : layout_.buckets) missing_.push_back(bucket.slots.size());
-  for (const Layout::Bucket& bucket : layout_.buckets) {
-    for (size_t s : bucket.slots) {
+std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(
+    const std::vector<std::vector<ReduceBucket>*>& owners) {
+  std::vector<ReduceBucket*> buckets;
+  for (std::vector<ReduceBucket>* owned : owners) {
+    for (ReduceBucket& bucket : *owned) {
+      drain(bucket);
+      buckets.push_back(&bucket);
+    }
+  }
+  return std::make_unique<Reduction>(*this, std::move(buckets), nullptr);
+}
+
+GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets,
+                                      std::vector<GradSlot>* slots)
+    : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots) {
+  for (const ReduceBucket* bucket : buckets_) {
+    first_member_.push_back(produced_.size());
+    missing_.push_back(static_cast<int64_t>(bucket->members.size()));
+    produced_.resize(produced_.size() + bucket->members.size(), false);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (size_t j = 0; j < buckets_[b]->members.size(); ++j) {
       // A parameter without an accumulator is in no live graph: backward
       // cannot produce its gradient, and finish() counts it zero.
       std::shared_ptr<torch::autograd::Node> accumulator =
-          torch::autograd::impl::try_get_grad_accumulator(slots_[s].param);
+          torch::autograd::impl::try_get_grad_accumulator(buckets_[b]->members[j]);
       if (!accumulator) continue;
+      const size_t member = first_member_[b] + j;
       const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, s](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-            on_gradient(s);
+          [this, member](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            on_gradient(member);
             return outputs;
           }));
       hooks_.emplace_back(std::move(accumulator), key);
@@ -100,9 +134,9 @@ void GradientReducer::Reduction::unhook() noexcept {
   hooks_.clear();
 }
 
-void GradientReducer::Reduction::on_gradient(size_t slot) {
+void GradientReducer::Reduction::on_gradient(size_t member) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (produced_[slot]) {
+  if (produced_[member]) {
     if (error_.empty()) {
       error_ = "amp: a parameter's gradient was accumulated twice inside one data-parallel "
                "scale_loss guard (two backward passes through it); its bucket was already being "
@@ -110,22 +144,29 @@ void GradientReducer::Reduction::on_gradient(size_t slot) {
     }
     return;
   }
-  produced_[slot] = true;
-  --missing_[layout_.bucket_of[slot]];
+  produced_[member] = true;
+  const size_t b = std::upper_bound(first_member_.begin(), first_member_.end(), member) - first_member_.begin() - 1;
+  --missing_[b];
   start_ready_buckets();
 }
 
-// Copies the bucket's gradients in: this backward's, plus an accumulation's
-// earlier micro-batches (scaled asides); zero for a parameter without any.
+// Copies the bucket's gradients in: this backward's, plus (replicated) an
+// accumulation's earlier micro-batches (scaled asides); zero for a member
+// without any.
 void GradientReducer::Reduction::fill(size_t b) {
-  Layout::Bucket& bucket = layout_.buckets[b];
+  ReduceBucket& bucket = *buckets_[b];
   at::NoGradGuard no_grad;
+  const int64_t members = static_cast<int64_t>(bucket.members.size());
+  if (sharded()) {
+    bucket.flat = at::zeros({bucket.padded}, bucket.members.front().options().dtype(reducer_.config_.reduce_dtype));
+    bucket.chunk = at::empty({bucket.padded / reducer_.world_}, bucket.flat.options());
+  }
+  at::Tensor flags = sharded() ? at::Tensor() : bucket.flat.narrow(0, bucket.numel, members);
+  if (flags.defined()) flags.fill_(1);
   std::vector<at::Tensor> dst, src, aside_dst, asides;
-  at::Tensor flags = bucket.flat.narrow(0, bucket.numel, static_cast<int64_t>(bucket.slots.size()));
-  flags.fill_(1);
-  for (size_t j = 0; j < bucket.slots.size(); ++j) {
-    const GradSlot& slot = slots_[bucket.slots[j]];
-    at::Tensor grad = slot.param.grad();
+  for (int64_t j = 0; j < members; ++j) {
+    const at::Tensor& member = bucket.members[j];
+    at::Tensor grad = member.grad();
     if (grad.defined() && grad.is_sparse()) {
       if (error_.empty()) {
         error_ = "amp: data-parallel averaging needs dense gradients, but a parameter's gradient "
@@ -133,14 +174,15 @@ void GradientReducer::Reduction::fill(size_t b) {
       }
       grad = at::Tensor();
     }
-    at::Tensor region = bucket.flat.narrow(0, bucket.offsets[j], slot.param.numel()).view(slot.param.sizes());
-    const at::Tensor aside = slot.aside_scaled ? slot.aside : at::Tensor();
+    at::Tensor region = bucket.flat.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes());
+    const GradSlot* slot = sharded() ? nullptr : &(*slots_)[bucket.ids[j]];
+    const at::Tensor aside = slot && slot->aside_scaled ? slot->aside : at::Tensor();
     if (grad.defined()) {
       dst.push_back(region);
       src.push_back(grad);
     } else {
       region.zero_();
-      if (!aside.defined()) flags.narrow(0, static_cast<int64_t>(j), 1).zero_();
+      if (flags.defined() && !aside.defined()) flags.narrow(0, j, 1).zero_();
     }
     if (aside.defined()) {
       aside_dst.push_back(region);
@@ -149,6 +191,10 @@ void GradientReducer::Reduction::fill(size_t b) {
   }
   if (!dst.empty()) at::_foreach_copy_(dst, src);
   if (!aside_dst.empty()) at::_foreach_add_(aside_dst, asides);
+  // Sharded: the pieces receive the average; the full gradients go now.
+  if (sharded()) {
+    for (const at::Tensor& member : bucket.members) member.mutable_grad() = at::Tensor();
+  }
   // A low-precision sum of world gradients could overflow where their mean
   // does not: divide first (DDP's pre-division).
   if (c10::isReducedFloatingType(bucket.flat.scalar_type())) {
@@ -157,11 +203,15 @@ void GradientReducer::Reduction::fill(size_t b) {
 }
 
 void GradientReducer::Reduction::start_ready_buckets() {
-  while (next_bucket_ < layout_.buckets.size() && missing_[next_bucket_] == 0) {
-    Layout::Bucket& bucket = layout_.buckets[next_bucket_++];
-    fill(next_bucket_ - 1);
-    std::vector<at::Tensor> tensors{bucket.flat};
-    bucket.work = reducer_.config_.group->allreduce(tensors);
+  while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
+    ReduceBucket& bucket = *buckets_[next_bucket_];
+    fill(next_bucket_++);
+    if (sharded()) {
+      bucket.work = reducer_.config_.group->_reduce_scatter_base(bucket.chunk, bucket.flat);
+    } else {
+      std::vector<at::Tensor> tensors{bucket.flat};
+      bucket.work = reducer_.config_.group->allreduce(tensors);
+    }
   }
 }
 
@@ -170,27 +220,45 @@ void GradientReducer::Reduction::finish() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (int64_t& m : missing_) m = 0;  // what backward did not produce counts zero
   start_ready_buckets();
-  for (Layout::Bucket& bucket : layout_.buckets) {
-    bucket.work->wait();
-    bucket.work.reset();
+  // Sharded: which members had a gradient on some rank travels apart (the
+  // buckets are scattered), one flag per member.
+  at::Tensor used;
+  c10::intrusive_ptr<c10d::Work> used_work;
+  if (sharded() && !produced_.empty()) {
+    std::vector<float> flags(produced_.begin(), produced_.end());
+    used = at::tensor(flags).to(buckets_.front()->flat.device());
+    std::vector<at::Tensor> tensors{used};
+    used_work = reducer_.config_.group->allreduce(tensors);
   }
+  for (ReduceBucket* bucket : buckets_) {
+    bucket->work->wait();
+    bucket->work.reset();
+  }
+  if (used_work) used_work->wait();
   TORCH_CHECK(error_.empty(), error_);
+  if (sharded()) {
+    install_sharded(used);
+  } else {
+    install_replicated();
+  }
+}
 
+void GradientReducer::Reduction::install_replicated() {
   // A parameter this rank has no gradient for keeps none unless another
   // rank had one: only then are the summed flags read (on the host).
   std::vector<at::Tensor> views, unknown_flags;
   std::vector<size_t> order, unknown;
-  for (const Layout::Bucket& bucket : layout_.buckets) {
-    for (size_t j = 0; j < bucket.slots.size(); ++j) {
-      const size_t s = bucket.slots[j];
-      views.push_back(bucket.flat.narrow(0, bucket.offsets[j], slots_[s].param.numel())
-                          .view(slots_[s].param.sizes()));
+  for (const ReduceBucket* bucket : buckets_) {
+    for (size_t j = 0; j < bucket->members.size(); ++j) {
+      const size_t s = bucket->ids[j];
+      const GradSlot& slot = (*slots_)[s];
+      views.push_back(bucket->flat.narrow(0, bucket->offsets[j], slot.param.numel()).view(slot.param.sizes()));
       order.push_back(s);
-      const bool local = produced_[s] || slots_[s].param.grad().defined() ||
-                         (slots_[s].aside_scaled && slots_[s].aside.defined());
+      const bool local = produced_[views.size() - 1] || slot.param.grad().defined() ||
+                         (slot.aside_scaled && slot.aside.defined());
       if (!local) {
         unknown.push_back(order.size() - 1);
-        unknown_flags.push_back(bucket.flat.narrow(0, bucket.numel + static_cast<int64_t>(j), 1));
+        unknown_flags.push_back(bucket->flat.narrow(0, bucket->numel + static_cast<int64_t>(j), 1));
       }
     }
   }
@@ -204,9 +272,39 @@ void GradientReducer::Reduction::finish() {
     if (used[u] == 0) averages[unknown[u]] = at::Tensor();  // no rank had a gradient
   }
   for (size_t i = 0; i < order.size(); ++i) {
-    GradSlot& slot = slots_[order[i]];
+    GradSlot& slot = (*slots_)[order[i]];
     slot.param.mutable_grad() = std::move(averages[i]);
     slot.aside_reduced = slot.aside_scaled && slot.aside.defined();
+  }
+}
+
+void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
+  std::vector<at::Tensor> views, masters;
+  std::vector<size_t> members;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (const ReduceBucket::Piece& piece : buckets_[b]->pieces) {
+      views.push_back(buckets_[b]->chunk.narrow(0, piece.chunk_offset, piece.length));
+      masters.push_back(piece.master);
+      members.push_back(first_member_[b] + piece.member);
+    }
+  }
+  bool all_local = true;
+  for (size_t m : members) all_local = all_local && produced_[m];
+  std::vector<double> used_on_host;
+  if (!all_local) {  // a piece of a member this rank had no gradient for
+    used_on_host = read_to_host({used});
+  }
+  at::NoGradGuard no_grad;
+  const bool predivided = c10::isReducedFloatingType(reducer_.config_.reduce_dtype);
+  std::vector<at::Tensor> averages;
+  if (!views.empty()) averages = at::_foreach_div(views, predivided ? 1 : reducer_.world_);
+  for (size_t i = 0; i < masters.size(); ++i) {
+    const bool keep = produced_[members[i]] || used_on_host.at(members[i]) > 0;
+    masters[i].mutable_grad() = keep ? std::move(averages[i]) : at::Tensor();
+  }
+  for (ReduceBucket* bucket : buckets_) {  // only the pieces' gradients stay
+    bucket->flat = at::Tensor();
+    bucket->chunk = at::Tensor();
   }
 }
 

@@ -1,19 +1,24 @@
 // Private: data-parallel gradient averaging (Options::data_parallel), the
-// bucketed all-reduce a scale_loss guard runs over its parameters.
+// bucketed reduction a scale_loss guard runs over its parameters.
 //
-// A layout groups the guard's parameters into buckets in reverse order (the
-// order backward produces gradients). Each bucket is one flat tensor in the
-// reduce dtype: the gradients, then one "used" flag per parameter. Layouts
-// are kept per set of parameters, so a GAN's alternating guards reuse
-// theirs, and rebuilt when an optimizer's parameters change.
+// A bucket is one flat tensor in the reduce dtype that the gradients of its
+// members fill, in reverse parameter order (the order backward produces
+// them). Replicated (shard=false): the guard's parameters are the members,
+// one "used" flag per member follows the gradients, and the bucket is
+// all-reduced; layouts are kept per set of parameters, so a GAN's
+// alternating guards reuse theirs. Sharded (shard=true,
+// sharded_optimizer.h): the model's parameters are the members, the bucket
+// is padded to a multiple of the world size and reduce-scattered, and each
+// rank keeps the chunk its optimizer's pieces cover.
 //
-// One guard's reduction (Reduction) hooks the parameters' gradient
+// One guard's reduction (Reduction) hooks the members' gradient
 // accumulators. When backward has produced every gradient of a bucket, the
-// bucket is filled and, if every earlier bucket has started, its all-reduce
-// starts - in bucket order, so the ranks' collectives match. finish()
-// starts what backward left (parameters without a gradient count zero),
-// waits, and installs the averages as the parameters' .grad (new tensors:
-// the buckets are reused by the next guard).
+// bucket is filled (sharded: the members' gradients are released then) and,
+// if every earlier bucket has started, its collective starts - in bucket
+// order, so the ranks' collectives match. finish() starts what backward
+// left (members without a gradient count zero), waits, and installs the
+// averages as new tensors: the parameters' .grad (replicated) or the
+// pieces' .grad (sharded).
 #pragma once
 
 #include "step/unscale_plan.h"
@@ -33,6 +38,34 @@ struct Node;
 
 namespace amp::detail {
 
+struct ReduceBucket {
+  // Sharded: one piece of a member this rank's optimizer steps.
+  struct Piece {
+    size_t member;          // index into the bucket's members
+    int64_t begin = 0;      // first element, in the member flattened
+    int64_t length = 0;
+    int64_t chunk_offset = 0;  // where it starts in this rank's chunk
+    at::Tensor master;      // float32, 1-D: the tensor the optimizer steps
+  };
+  std::vector<at::Tensor> members;  // whose gradients fill it
+  std::vector<size_t> ids;          // the members' indices in their owner's list
+  std::vector<int64_t> offsets;     // of each member's gradient in `flat`
+  int64_t numel = 0;                // gradient elements
+  int64_t padded = 0;               // sharded: numel rounded up to a multiple of the world size
+  at::ScalarType dtype = at::kFloat;  // sharded: the members' dtype (one per bucket)
+  std::vector<Piece> pieces;        // sharded: this rank's
+  at::Tensor flat;                  // replicated: kept; sharded: only while reducing
+  at::Tensor chunk;                 // sharded: this rank's reduced part, while reducing
+  c10::intrusive_ptr<c10d::Work> work;  // started and not yet waited for
+};
+
+// Buckets of about `bucket_bytes` (at `element_size` bytes per element) over
+// the members in reverse order. Members with key -1 stay out; a bucket holds
+// members of one key.
+std::vector<ReduceBucket> plan_buckets(const std::vector<at::Tensor>& members,
+                                       const std::vector<int>& keys, int64_t bucket_bytes,
+                                       int64_t element_size);
+
 class GradientReducer {
  public:
   explicit GradientReducer(DataParallel config);
@@ -40,11 +73,16 @@ class GradientReducer {
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
+  const DataParallel& config() const { return config_; }
+
   class Reduction;
-  // Starts one guard's reduction over `slots` (which must outlive it): hooks
-  // the gradient accumulators backward will run. Waits for reductions an
-  // unwound guard left running on the same buckets.
+  // Replicated: starts one guard's reduction over `slots` (which must
+  // outlive it): hooks the gradient accumulators backward will run. Waits
+  // for reductions an unwound guard left running on the same buckets.
   std::unique_ptr<Reduction> start(std::vector<GradSlot>& slots);
+  // Sharded: the same over the buckets of the guard's sharded optimizers,
+  // in the guard's order.
+  std::unique_ptr<Reduction> start_sharded(const std::vector<std::vector<ReduceBucket>*>& buckets);
 
  private:
   struct Layout;
@@ -55,31 +93,36 @@ class GradientReducer {
 
 class GradientReducer::Reduction {
  public:
-  Reduction(GradientReducer& reducer, Layout& layout, std::vector<GradSlot>& slots);
+  // `slots`: the guard's (replicated); null when sharded.
+  Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets, std::vector<GradSlot>* slots);
   // Unhooks; reductions already started are waited for by the next start().
   ~Reduction();
   Reduction(const Reduction&) = delete;
   Reduction& operator=(const Reduction&) = delete;
 
   // Starts every remaining bucket, waits for all, and installs the averages.
-  // Slots with a scaled aside (an accumulation's earlier micro-batches) have
-  // it reduced with their fresh gradient and marked aside_reduced. Errors:
-  // see distributed.h.
+  // Replicated slots with a scaled aside (an accumulation's earlier
+  // micro-batches) have it reduced with their fresh gradient and marked
+  // aside_reduced. Errors: see distributed.h.
   void finish();
 
  private:
-  void on_gradient(size_t slot);
+  bool sharded() const { return slots_ == nullptr; }
+  void on_gradient(size_t member);
   void fill(size_t bucket);
   void start_ready_buckets();
+  void install_replicated();
+  void install_sharded(const at::Tensor& used);
   void unhook() noexcept;
 
   GradientReducer& reducer_;
-  Layout& layout_;
-  std::vector<GradSlot>& slots_;
-  std::mutex mutex_;  // hooks run on autograd's threads
-  std::vector<bool> produced_;          // per slot: its accumulator ran
-  std::vector<int64_t> missing_;        // per bucket: slots not produced yet
+  std::vector<ReduceBucket*> buckets_;
+  std::vector<GradSlot>* slots_;
+  std::vector<size_t> first_member_;    // per bucket: its first member's index below
+  std::vector<bool> produced_;          // per member (buckets in order): its accumulator ran
+  std::vector<int64_t> missing_;        // per bucket: members not produced yet
   size_t next_bucket_ = 0;              // buckets before it have started
+  std::mutex mutex_;  // hooks run on autograd's threads
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::string error_;                   // met inside a hook, raised by finish()
 };

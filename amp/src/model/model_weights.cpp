@@ -19,21 +19,6 @@ std::string describe(const ModelWeights::Entry& e) {
   return std::string(e.is_buffer ? "buffer '" : "parameter '") + e.name + "'";
 }
 
-// The values a replaced storage holds, read in the dtype that fills it
-// exactly: LibTorch's InputArchive gives a tensor the storage (and sizes,
-// strides, offset) of the tensor it read, keeping its own dtype, so a
-// float32 checkpoint read into a 16-bit tensor leaves float32 bytes behind a
-// 16-bit view. Undefined when the bytes fit the tensor's own dtype.
-at::Tensor foreign_float32_values(const at::Tensor& t) {
-  if (t.element_size() != 2) return {};
-  const size_t as_fp32 = at::detail::computeStorageNbytes(t.sizes(), t.strides(), 4,
-                                                          t.storage_offset());
-  if (t.storage().nbytes() < as_fp32) return {};
-  at::Tensor fp32 = at::empty({0}, t.options().dtype(at::kFloat));
-  fp32.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-  return fp32;
-}
-
 // One fused copy per device.
 void copy_all(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
   std::map<std::pair<int, int>, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> by_device;
@@ -47,6 +32,19 @@ void copy_all(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>&
 }
 
 }  // namespace
+
+// LibTorch's InputArchive gives a tensor the storage (and sizes, strides,
+// offset) of the tensor it read, keeping its own dtype: read in the dtype
+// that fills the storage exactly.
+at::Tensor foreign_float32_values(const at::Tensor& t) {
+  if (t.element_size() != 2) return {};
+  const size_t as_fp32 = at::detail::computeStorageNbytes(t.sizes(), t.strides(), 4,
+                                                          t.storage_offset());
+  if (t.storage().nbytes() < as_fp32) return {};
+  at::Tensor fp32 = at::empty({0}, t.options().dtype(at::kFloat));
+  fp32.set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+  return fp32;
+}
 
 ModelWeights::ModelWeights(Mode mode, std::vector<Entry> entries, size_t models)
     : mode_(mode), entries_(std::move(entries)), resting_(models, true) {
@@ -125,6 +123,10 @@ void ModelWeights::finish_backward() noexcept {
 }
 
 void ModelWeights::prepare_backward() {
+  if (mode_ == Mode::kConverted && sharded_ != nullptr) {
+    sharded_->check_no_member_gradients();
+    sharded_->sync();
+  }
   if (mode_ == Mode::kConverted) check_converted();
   if (mode_ != Mode::kMasters) return;
   enter_compute(std::vector<bool>(resting_.size(), true));
@@ -190,6 +192,7 @@ bool ModelWeights::load_into(at::Tensor& self, const at::Tensor& source) {
   if (mode_ == Mode::kConverted) {
     at::_ops::set__source_Tensor::call(self, source.to(e->low));
     e->storage = self.storage().unsafeGetStorageImpl();
+    if (sharded_ != nullptr) sharded_->take_values(self, source.to(at::kFloat));
     return true;
   }
   const at::Tensor fp32 = source.to(at::kFloat);

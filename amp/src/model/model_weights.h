@@ -35,6 +35,10 @@
 // low-precision gradient - then a backward ran outside amp::scale_loss and
 // the optimizer stepped on it: an error.
 //
+// Sharded (O2/O5 with Options::data_parallel.shard): converted weights, and
+// the float32 masters in pieces across the ranks (ShardedWeights); the
+// first intercepted op over a weight after a guard gathers them.
+//
 // Converted (O3, or O2/O5 without master weights): the weights are lowered
 // for good. A torch::load of a float32 checkpoint into them (the same
 // unconverted bytes) is found at the first intercepted op after
@@ -53,6 +57,31 @@
 #include <vector>
 
 namespace amp::detail {
+
+// A float32 tensor over the storage of a 16-bit tensor that holds float32
+// bytes (LibTorch's InputArchive gives a tensor the storage of the tensor it
+// read, keeping its own dtype: a float32 checkpoint read into a float16
+// model); undefined when the bytes fit the tensor's own dtype.
+at::Tensor foreign_float32_values(const at::Tensor& t);
+
+// Options::data_parallel.shard (distributed/sharded_optimizer.h): the
+// float32 masters live in pieces spread over the ranks; the models, in
+// converted mode, hold the gathered weights.
+class ShardedWeights {
+ public:
+  virtual ~ShardedWeights() = default;
+  // A guard ended: the optimizers may have stepped, the weights await a gather.
+  virtual bool stale() const = 0;
+  virtual bool owns(const at::Tensor& t) const = 0;
+  // Takes writes to the weights behind amp's back into the masters, then
+  // gathers stale weights (a collective).
+  virtual void sync() = 0;
+  // Errors: a weight carries a gradient (a backward outside scale_loss).
+  virtual void check_no_member_gradients() const = 0;
+  // `member` was set to the values `fp32` (torch::load): its master takes
+  // them. False for other tensors.
+  virtual bool take_values(const at::Tensor& member, const at::Tensor& fp32) = 0;
+};
 
 class ModelWeights {
  public:
@@ -75,6 +104,12 @@ class ModelWeights {
   ModelWeights& operator=(const ModelWeights&) = delete;
 
   Mode mode() const { return mode_; }
+  // Converted weights whose masters are sharded (set once, by the context).
+  void set_sharded(ShardedWeights* sharded) {
+    sharded_ = sharded;
+    pending_.store(true);
+  }
+  ShardedWeights* sharded() const { return sharded_; }
   const std::vector<Entry>& entries() const { return entries_; }
 
   // Hot path: whether an intercepted op must call on_op() first (a model
@@ -128,11 +163,18 @@ class ModelWeights {
   std::vector<bool> resting_;  // per model
   std::atomic<bool> pending_{false};
   bool warned_ = false;
+  ShardedWeights* sharded_ = nullptr;
 };
 
 template <class Args>
 void ModelWeights::on_op(const Args& args) {
   if (mode_ == Mode::kConverted) {
+    if (sharded_ != nullptr) {  // gather at the first op over a weight, the same op on every rank
+      bool touches = false;
+      args.for_each_tensor([&](const at::Tensor& t, bool) { touches = touches || (t.defined() && sharded_->owns(t)); });
+      if (!touches && sharded_->stale()) return;
+      sharded_->sync();
+    }
     check_converted();
     return;
   }

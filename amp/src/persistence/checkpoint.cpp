@@ -15,9 +15,30 @@
 namespace amp {
 namespace {
 
+// With data_parallel.shard: every member's whole float32 master, gathered
+// from the ranks (a collective); empty otherwise.
+using MasterValues = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+MasterValues gathered_masters() {
+  MasterValues out;
+  const auto context = detail::live_context();
+  if (!context || !context->sharded()) return out;
+  for (const auto& s : context->sharded()->optimizers()) {
+    const std::vector<at::Tensor> whole = s->full_masters();
+    for (size_t m = 0; m < whole.size(); ++m) out[s->members()[m].unsafeGetTensorImpl()] = whole[m];
+  }
+  return out;
+}
+
+// Data parallel: the ranks hold the same bytes, and rank 0 writes them.
+bool writes_files() {
+  const auto context = detail::live_context();
+  return !context || !context->reducer() || context->reducer()->config().group->getRank() == 0;
+}
+
 // Float32 values of a model's tensors: master weights as they are, other
 // low-precision tensors widened exactly (model_weights.h).
-at::Tensor fp32_value(const at::Tensor& t) {
+at::Tensor fp32_value(const at::Tensor& t, const MasterValues& masters) {
+  if (auto it = masters.find(t.unsafeGetTensorImpl()); it != masters.end()) return it->second;
   const auto context = detail::live_context();
   if (context) return context->weights().fp32_value(t);
   return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
@@ -30,16 +51,17 @@ torch::nn::Module& model_of(const ModelRef& ref) {
 
 // torch::nn::Module::save's layout, in float32, masters in place of their
 // parameters.
-void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+void write_module(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
+                  const MasterValues& masters) {
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
-    archive.write(p.key(), fp32_value(p.value()));
+    archive.write(p.key(), fp32_value(p.value(), masters));
   }
   for (const auto& b : module.named_buffers(/*recurse=*/false)) {
-    archive.write(b.key(), fp32_value(b.value()), /*is_buffer=*/true);
+    archive.write(b.key(), fp32_value(b.value(), masters), /*is_buffer=*/true);
   }
   for (const auto& child : module.named_children()) {
     torch::serialize::OutputArchive nested(archive.compilation_unit());
-    write_module(*child.value(), nested);
+    write_module(*child.value(), nested, masters);
     archive.write(child.key(), nested);
   }
 }
@@ -92,21 +114,24 @@ void save_checkpoint(const std::string& path, const ModelRefs& model_refs, const
   auto context = detail::require_live_context("amp::save_checkpoint");
   const std::vector<ModelRef>& models = model_refs.items();
   const auto optimizers = settled(*context, optimizer_refs.items());
+  const MasterValues masters = gathered_masters();
   torch::serialize::OutputArchive archive;
   for (size_t i = 0; i < models.size(); ++i) {
     torch::serialize::OutputArchive model(archive.compilation_unit());
-    write_module(model_of(models[i]), model);
+    write_module(model_of(models[i]), model, masters);
     archive.write("model" + std::to_string(i), model);
   }
   for (size_t i = 0; i < optimizers.size(); ++i) {
     torch::serialize::OutputArchive optimizer(archive.compilation_unit());
-    optimizers[i]->save(optimizer);
+    // Sharded: the whole state, as one process writes it, to load at any world size.
+    detail::ShardedOptimizer* sharded = context->sharded() ? context->sharded()->of(*optimizers[i]) : nullptr;
+    sharded ? sharded->save(optimizer) : optimizers[i]->save(optimizer);
     archive.write("optimizer" + std::to_string(i), optimizer);
   }
   torch::serialize::OutputArchive amp(archive.compilation_unit());
   save_state(amp);
   archive.write("amp", amp);
-  archive.save_to(path);
+  if (writes_files()) archive.save_to(path);
 }
 
 void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
@@ -148,8 +173,12 @@ void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const
   try {
     load_state(amp);
     for (; loaded < optimizers.size(); ++loaded) {
-      detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded],
-                                   optimizers_before[loaded]);
+      detail::ShardedOptimizer* sharded = context->sharded() ? context->sharded()->of(*optimizers[loaded]) : nullptr;
+      if (sharded) {
+        sharded->load(optimizer_archives[loaded]);  // this rank's part of the whole state
+      } else {
+        detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded], optimizers_before[loaded]);
+      }
     }
   } catch (...) {
     for (int i = 0; i < context->num_losses(); ++i) context->scaler(i).restore(scalers_before[i]);
@@ -157,13 +186,16 @@ void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const
     throw;
   }
   at::NoGradGuard no_grad;
-  for (const auto& c : copies) c.target.copy_(c.value);
+  for (const auto& c : copies) {
+    c.target.copy_(c.value);
+    if (context->sharded()) context->sharded()->take_values(c.target, c.value.to(at::kFloat));
+  }
 }
 
 void save_fp32_weights(ModelRef model, const std::string& path) {
   torch::serialize::OutputArchive archive;
-  write_module(model_of(model), archive);
-  archive.save_to(path);
+  write_module(model_of(model), archive, gathered_masters());
+  if (writes_files()) archive.save_to(path);
 }
 
 }  // namespace amp

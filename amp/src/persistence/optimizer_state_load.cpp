@@ -12,7 +12,6 @@
 #include <vector>
 
 namespace amp::detail {
-namespace {
 
 void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
   size_t index = 0, group_index = 0;
@@ -41,8 +40,6 @@ void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
     }
   }
 }
-
-}  // namespace
 
 std::string message_of(const std::exception& e) {
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();

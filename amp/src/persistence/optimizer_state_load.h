@@ -25,6 +25,10 @@ void restore_state_bytes(torch::optim::Optimizer& optimizer, const std::string& 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
                           const std::string& before);
 
+// Checks the loaded state against the parameters (as load_optimizer_state
+// does); throws the reason.
+void check_state_fits_params(const torch::optim::Optimizer& optimizer);
+
 // The message of any exception, without C++ frames for c10::Error.
 std::string message_of(const std::exception& e);
 

@@ -2,6 +2,11 @@
 
 #include "context.h"
 
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
 namespace amp {
 namespace {
 
@@ -26,6 +31,41 @@ int64_t skipped_steps(OptimizerRef optimizer) {
 
 bool last_step_skipped(OptimizerRef optimizer) {
   return step_of(optimizer, "amp::last_step_skipped").last_step_skipped();
+}
+
+}  // namespace amp
+
+namespace amp {
+
+at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm) {
+  const auto context = detail::require_live_context("amp::clip_grad_norm");
+  detail::OptimizerStep& step = context->require_step(optimizer.get(), "amp::clip_grad_norm");
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "amp: clip_grad_norm needs a finite "
+              "max_norm > 0, got ", max_norm, ".");
+  TORCH_CHECK(step.state() != detail::OptimizerStep::State::kAccumulating, "amp: clip_grad_norm "
+              "while the optimizer is ", detail::to_string(step.state()), ": its gradients are "
+              "still scaled and held by amp. Clip after the last micro-batch's guard "
+              "(delay_unscale=false).");
+  std::vector<at::Tensor> grads;
+  c10::Device device(c10::kCPU);
+  for (const auto& group : step.optimizer().param_groups()) {
+    for (const auto& p : group.params()) {
+      device = p.device();
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor sum_of_squares = at::zeros({1}, at::TensorOptions(device).dtype(at::kFloat));
+  if (!grads.empty()) {
+    sum_of_squares = at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2).sum().reshape({1});
+  }
+  if (detail::ShardedMasters* sharded = context->sharded()) {  // the shards' squares add up
+    std::vector<at::Tensor> tensors{sum_of_squares};
+    sharded->group()->allreduce(tensors)->wait();
+  }
+  const at::Tensor total = sum_of_squares.sqrt().reshape({});
+  if (!grads.empty()) at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
+  return total;
 }
 
 }  // namespace amp

@@ -6,6 +6,8 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <string>
+
 namespace amp::detail {
 
 using namespace torch::optim;
@@ -55,6 +57,53 @@ void count_step(OptimizerParamState& state) {
   int64_t steps = 0;
   (void)state_tensors(state, steps);
   set_step_count(state, steps + 1);
+}
+
+namespace {
+
+at::Tensor value_named(const std::vector<StateTensor>& values, const char* name) {
+  for (const StateTensor& v : values) {
+    if (std::string(v.name) == name) return v.value;
+  }
+  return {};
+}
+
+template <class State>
+std::unique_ptr<OptimizerParamState> adam_state(const std::vector<StateTensor>& values, int64_t step) {
+  auto s = std::make_unique<State>();
+  s->step(step);
+  s->exp_avg(value_named(values, "exp_avg"));
+  s->exp_avg_sq(value_named(values, "exp_avg_sq"));
+  s->max_exp_avg_sq(value_named(values, "max_exp_avg_sq"));
+  return s;
+}
+
+}  // namespace
+
+std::unique_ptr<OptimizerParamState> make_state(const OptimizerOptions& options,
+                                                const std::vector<StateTensor>& values, int64_t step) {
+  if (dynamic_cast<const SGDOptions*>(&options)) {
+    auto s = std::make_unique<SGDParamState>();
+    s->momentum_buffer(value_named(values, "momentum_buffer"));
+    return s;
+  }
+  if (dynamic_cast<const AdamOptions*>(&options)) return adam_state<AdamParamState>(values, step);
+  if (dynamic_cast<const AdamWOptions*>(&options)) return adam_state<AdamWParamState>(values, step);
+  if (dynamic_cast<const AdagradOptions*>(&options)) {
+    auto s = std::make_unique<AdagradParamState>();
+    s->step(step);
+    s->sum(value_named(values, "sum"));
+    return s;
+  }
+  if (dynamic_cast<const RMSpropOptions*>(&options)) {
+    auto s = std::make_unique<RMSpropParamState>();
+    s->step(step);
+    s->square_avg(value_named(values, "square_avg"));
+    s->momentum_buffer(value_named(values, "momentum_buffer"));
+    s->grad_avg(value_named(values, "grad_avg"));
+    return s;
+  }
+  return nullptr;
 }
 
 std::vector<std::pair<const char*, double>> numeric_options(const OptimizerOptions& options) {

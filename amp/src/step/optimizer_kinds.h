@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -37,5 +38,16 @@ void count_step(torch::optim::OptimizerParamState& state);
 
 // The numeric options of a known optimizer (empty for others).
 std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options);
+
+}  // namespace amp::detail
+
+namespace amp::detail {
+
+// A fresh parameter state of the kind `options` belongs to (a known
+// optimizer's), holding `values` by their state_tensors names (others stay
+// undefined) and, where it keeps one, the step count `step`. Null for other
+// kinds.
+std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::optim::OptimizerOptions& options,
+                                                              const std::vector<StateTensor>& values, int64_t step);
 
 }  // namespace amp::detail

@@ -106,7 +106,13 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;
     held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
-  if (detail::GradientReducer* reducer = context->reducer(); reducer && !options.delay_unscale) {
+  if (detail::ShardedMasters* sharded = context->sharded()) {
+    // Every guard, delay_unscale too: the pieces accumulate the averages,
+    // so no rank keeps whole gradients between micro-batches (ZeRO-2).
+    std::vector<std::vector<detail::ReduceBucket>*> buckets;
+    for (detail::OptimizerStep* step : steps) buckets.push_back(&sharded->of(step->optimizer())->buckets());
+    reduction = context->reducer()->start_sharded(buckets);
+  } else if (detail::GradientReducer* reducer = context->reducer(); reducer && !options.delay_unscale) {
     reduction = reducer->start(slots);  // delay_unscale: DDP's no_sync, the last guard reduces
   }
   if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
@@ -207,6 +213,12 @@ void scale_loss::State::commit() {
   for (detail::OptimizerStep* step : steps) {
     step->commit(host_reads ? nullptr : verdict, options.delay_unscale, options.loss_id);
   }
+  if (detail::ShardedMasters* sharded = context->sharded()) {
+    sharded->clear_member_gradients();
+    for (detail::OptimizerStep* step : steps) {
+      if (!options.delay_unscale) sharded->of(step->optimizer())->mark_stale();
+    }
+  }
   stage = Stage::kFinished;
   context->weights().finish_backward();
   clear_cast_cache();
@@ -220,6 +232,7 @@ void scale_loss::State::unwind() noexcept {
   if (scaler_before) context->scaler(options.loss_id).restore(*scaler_before);
   for (detail::OptimizerStep* step : steps) step->unwind();
   verdict.reset();
+  if (detail::ShardedMasters* sharded = context->sharded()) sharded->clear_member_gradients();
   stage = Stage::kFinished;
   context->weights().finish_backward();
   clear_cast_cache();

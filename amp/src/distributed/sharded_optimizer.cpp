@@ -1,0 +1,384 @@
+#include "distributed/sharded_optimizer.h"
+
+#include "log.h"
+#include "persistence/optimizer_state_load.h"
+#include "step/optimizer_kinds.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+#include <utility>
+
+namespace amp::detail {
+namespace {
+
+constexpr size_t kNoPiece = std::numeric_limits<size_t>::max();
+
+void wait(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
+
+// The names of the state tensors an optimizer with `options` keeps.
+std::vector<const char*> state_names(const torch::optim::OptimizerOptions& options) {
+  std::vector<const char*> names;
+  int64_t step = 0;
+  for (const StateTensor& t : state_tensors(*make_state(options, {}, 0), step)) names.push_back(t.name);
+  return names;
+}
+
+}  // namespace
+
+ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
+                                   const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype)
+    : optimizer_(&optimizer), group_(config.group), rank_(config.group->getRank()),
+      world_(config.group->getSize()) {
+  for (const auto& group : optimizer.param_groups()) {
+    group_members_.emplace_back();
+    for (const at::Tensor& p : group.params()) {
+      group_members_.back().push_back(members_.size());
+      index_[p.unsafeGetTensorImpl()] = members_.size();
+      members_.push_back(p);
+    }
+  }
+  std::vector<int> keys;
+  for (const at::Tensor& m : members_) keys.push_back(static_cast<int>(compute_dtype(m)));
+  buckets_ = plan_buckets(members_, keys, config.bucket_bytes, c10::elementSize(config.reduce_dtype));
+  piece_of_.assign(members_.size(), {kNoPiece, kNoPiece});
+  at::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    ReduceBucket& bucket = buckets_[b];
+    bucket.dtype = static_cast<at::ScalarType>(keys[bucket.ids.front()]);
+    bucket.padded = (bucket.numel + world_ - 1) / world_ * world_;
+    const int64_t chunk = bucket.padded / world_, first = rank_ * chunk, last = first + chunk;
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const at::Tensor& member = bucket.members[j];
+      const int64_t begin = std::max(first, bucket.offsets[j]);
+      const int64_t end = std::min(last, bucket.offsets[j] + member.numel());
+      if (begin >= end) continue;
+      ReduceBucket::Piece piece;
+      piece.member = j;
+      piece.begin = begin - bucket.offsets[j];
+      piece.length = end - begin;
+      piece.chunk_offset = begin - first;
+      piece.master = member.detach().to(at::kFloat).reshape(-1).narrow(0, piece.begin, piece.length).clone();
+      piece.master.requires_grad_(member.requires_grad());
+      piece_of_[bucket.ids[j]] = {b, bucket.pieces.size()};
+      bucket.pieces.push_back(std::move(piece));
+    }
+  }
+  set_group_params(nullptr);
+}
+
+const ReduceBucket::Piece* ShardedOptimizer::piece(size_t member) const {
+  const auto [b, p] = piece_of_[member];
+  return b == kNoPiece ? nullptr : &buckets_[b].pieces[p];
+}
+
+void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_member) {
+  auto& groups = optimizer_->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> params;
+    for (size_t m : group_members_[g]) {
+      if (per_member) {
+        params.push_back((*per_member)[m]);
+      } else if (const ReduceBucket::Piece* p = piece(m)) {
+        params.push_back(p->master);
+      }
+    }
+    groups[g].params() = std::move(params);
+  }
+}
+
+void ShardedOptimizer::record_members() {
+  versions_.clear();
+  storages_.clear();
+  for (const at::Tensor& m : members_) {
+    versions_.push_back(m._version());
+    storages_.push_back(m.storage().unsafeGetStorageImpl());
+  }
+}
+
+void ShardedOptimizer::take_member_writes() {
+  at::NoGradGuard no_grad;
+  for (size_t m = 0; m < members_.size(); ++m) {
+    at::Tensor member = members_[m];
+    if (member.storage().unsafeGetStorageImpl() != storages_[m]) {  // replaced: torch::load, set_
+      at::Tensor fp32 = foreign_float32_values(member);
+      if (fp32.defined()) {
+        fp32 = fp32.clone();
+        member.set_data(fp32.to(member.scalar_type()));  // the bytes of its own dtype again
+      } else {
+        fp32 = member.detach().to(at::kFloat);
+      }
+      take_values(member, fp32);
+    } else if (member._version() != versions_[m]) {  // written in place
+      if (!warned_) {
+        warned_ = true;
+        warn("sharded_master_rebuilt", "a parameter was changed in place while its float32 master "
+             "lives in another rank's shard (Options::data_parallel.shard); the master was rebuilt "
+             "from the model's " + std::string(c10::toString(member.scalar_type())) + " values. "
+             "Load weights with amp::load_checkpoint, or torch::load, which keep float32.");
+      }
+      take_values(member, member.detach().to(at::kFloat));
+    }
+  }
+}
+
+void ShardedOptimizer::take_values(const at::Tensor& member, const at::Tensor& fp32) {
+  const size_t m = index_.at(member.unsafeGetTensorImpl());
+  if (const ReduceBucket::Piece* p = piece(m)) {
+    at::NoGradGuard no_grad;
+    p->master.detach().copy_(fp32.reshape(-1).narrow(0, p->begin, p->length));
+  }
+  versions_[m] = member._version();
+  storages_[m] = member.storage().unsafeGetStorageImpl();
+}
+
+void ShardedOptimizer::gather() {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> wholes;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const ReduceBucket& bucket : buckets_) {
+    const auto options = bucket.members.front().options().dtype(bucket.dtype);
+    at::Tensor mine = at::zeros({bucket.padded / world_}, options);
+    std::vector<at::Tensor> dst, src;
+    for (const ReduceBucket::Piece& p : bucket.pieces) {
+      dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
+      src.push_back(p.master.detach());
+    }
+    if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
+    wholes.push_back(at::empty({bucket.padded}, options));
+    works.push_back(group_->_allgather_base(wholes.back(), mine));
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    wait(works[b]);
+    const ReduceBucket& bucket = buckets_[b];
+    std::vector<at::Tensor> dst, src;
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const at::Tensor& member = members_[bucket.ids[j]];
+      dst.push_back(member.detach());
+      src.push_back(wholes[b].narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
+    }
+    at::_foreach_copy_(dst, src);
+  }
+  stale_ = false;
+  record_members();
+}
+
+std::vector<at::Tensor> ShardedOptimizer::gather_whole(
+    const std::function<at::Tensor(const ReduceBucket::Piece&)>& value) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out(members_.size());
+  for (const ReduceBucket& bucket : buckets_) {
+    const auto options = bucket.members.front().options().dtype(at::kFloat);
+    at::Tensor mine = at::zeros({bucket.padded / world_}, options);
+    for (const ReduceBucket::Piece& p : bucket.pieces) {
+      if (at::Tensor v = value(p); v.defined()) mine.narrow(0, p.chunk_offset, p.length).copy_(v.reshape(-1));
+    }
+    at::Tensor whole = at::empty({bucket.padded}, options);
+    wait(group_->_allgather_base(whole, mine));
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const at::Tensor& member = bucket.members[j];
+      out[bucket.ids[j]] = whole.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()).clone();
+    }
+  }
+  for (size_t m = 0; m < members_.size(); ++m) {  // members in no bucket (no elements)
+    if (!out[m].defined()) out[m] = at::zeros(members_[m].sizes(), members_[m].options().dtype(at::kFloat));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> ShardedOptimizer::full_masters() {
+  return gather_whole([](const ReduceBucket::Piece& p) { return p.master.detach(); });
+}
+
+ShardedOptimizer::StateMap ShardedOptimizer::whole_state(const std::vector<at::Tensor>& whole) {
+  const auto& groups = optimizer_->param_groups();
+  if (groups.empty()) return {};
+  const std::vector<const char*> names = state_names(groups.front().options());
+  // Per member: its step count (-1: no state yet) and which state tensors
+  // it has, agreed by every rank (those without a piece of it know nothing).
+  const int64_t columns = 1 + static_cast<int64_t>(names.size());
+  at::Tensor meta = at::full({static_cast<int64_t>(members_.size()), columns}, -1.0, at::kDouble);
+  auto known = [&](const ReduceBucket::Piece& p) -> const torch::optim::OptimizerParamState* {
+    auto it = optimizer_->state().find(p.master.unsafeGetTensorImpl());
+    return it == optimizer_->state().end() ? nullptr : it->second.get();
+  };
+  for (size_t m = 0; m < members_.size(); ++m) {
+    const ReduceBucket::Piece* p = piece(m);
+    const torch::optim::OptimizerParamState* state = p ? known(*p) : nullptr;
+    if (!state) continue;
+    int64_t step = 0;
+    const std::vector<StateTensor> tensors = state_tensors(*state, step);
+    meta[m][0] = static_cast<double>(step);
+    for (size_t k = 0; k < tensors.size(); ++k) meta[m][k + 1] = tensors[k].value.defined() ? 1.0 : 0.0;
+  }
+  meta = meta.to(members_.empty() ? c10::Device(c10::kCPU) : members_.front().device());
+  {
+    std::vector<at::Tensor> tensors{meta};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    wait(group_->allreduce(tensors, max));
+  }
+  meta = meta.cpu();
+  std::vector<std::vector<at::Tensor>> values(names.size());
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (meta.narrow(1, static_cast<int64_t>(k) + 1, 1).max().item<double>() <= 0) continue;
+    values[k] = gather_whole([&](const ReduceBucket::Piece& p) -> at::Tensor {
+      const torch::optim::OptimizerParamState* state = known(p);
+      if (!state) return {};
+      int64_t step = 0;
+      return state_tensors(*state, step)[k].value;
+    });
+  }
+  StateMap state;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t m : group_members_[g]) {
+      const int64_t step = static_cast<int64_t>(meta[m][0].item<double>());
+      if (step < 0) continue;
+      std::vector<StateTensor> tensors;
+      for (size_t k = 0; k < names.size(); ++k) {
+        if (meta[m][k + 1].item<double>() > 0) tensors.push_back({names[k], values[k][m], false});
+      }
+      state[whole[m].unsafeGetTensorImpl()] = make_state(groups[g].options(), tensors, step);
+    }
+  }
+  return state;
+}
+
+void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) {
+  const std::vector<at::Tensor> whole = full_masters();
+  StateMap state = whole_state(whole);
+  std::swap(optimizer_->state(), state);
+  set_group_params(&whole);
+  try {
+    optimizer_->save(archive);
+  } catch (...) {
+    std::swap(optimizer_->state(), state);
+    set_group_params(nullptr);
+    throw;
+  }
+  std::swap(optimizer_->state(), state);
+  set_group_params(nullptr);
+}
+
+void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
+  std::vector<at::Tensor> whole;
+  for (const at::Tensor& m : members_) whole.push_back(at::zeros(m.sizes(), m.options().dtype(at::kFloat)));
+  StateMap sharded = std::move(optimizer_->state());
+  optimizer_->state().clear();
+  set_group_params(&whole);
+  try {
+    optimizer_->load(archive);
+    check_state_fits_params(*optimizer_);
+  } catch (const std::exception& e) {
+    optimizer_->state() = std::move(sharded);
+    set_group_params(nullptr);
+    TORCH_CHECK(false, "amp: cannot load the optimizer's state; nothing was changed. Was it saved "
+                "from the same model and optimizer? Cause: ", message_of(e));
+  }
+  // Each piece takes its slice of its member's whole state.
+  StateMap pieces;
+  const auto& groups = optimizer_->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t m : group_members_[g]) {
+      const ReduceBucket::Piece* p = piece(m);
+      auto it = optimizer_->state().find(whole[m].unsafeGetTensorImpl());
+      if (!p || it == optimizer_->state().end()) continue;
+      int64_t step = 0;
+      std::vector<StateTensor> tensors = state_tensors(*it->second, step);
+      for (StateTensor& t : tensors) {
+        if (t.value.defined()) t.value = t.value.reshape(-1).narrow(0, p->begin, p->length).clone();
+      }
+      pieces[p->master.unsafeGetTensorImpl()] = make_state(groups[g].options(), tensors, step);
+    }
+  }
+  optimizer_->state() = std::move(pieces);
+  set_group_params(nullptr);
+}
+
+void ShardedOptimizer::restore() {
+  const std::vector<at::Tensor> whole = full_masters();
+  StateMap state = whole_state(whole);
+  at::NoGradGuard no_grad;
+  StateMap by_member;
+  for (size_t m = 0; m < members_.size(); ++m) {
+    members_[m].set_data(whole[m]);
+    auto it = state.find(whole[m].unsafeGetTensorImpl());
+    if (it != state.end()) by_member[members_[m].unsafeGetTensorImpl()] = std::move(it->second);
+  }
+  optimizer_->state() = std::move(by_member);
+  set_group_params(&members_);
+}
+
+ShardedMasters::ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers,
+                               const DataParallel& config,
+                               const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype)
+    : group_(config.group) {
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    optimizers_.push_back(std::make_unique<ShardedOptimizer>(*optimizer, config, compute_dtype));
+  }
+}
+
+ShardedOptimizer* ShardedMasters::of(const torch::optim::Optimizer& optimizer) {
+  for (auto& s : optimizers_) {
+    if (&s->optimizer() == &optimizer) return s.get();
+  }
+  return nullptr;
+}
+
+void ShardedMasters::record_members() {
+  for (auto& s : optimizers_) s->record_members();
+}
+
+bool ShardedMasters::stale() const {
+  for (const auto& s : optimizers_) {
+    if (s->stale()) return true;
+  }
+  return false;
+}
+
+bool ShardedMasters::owns(const at::Tensor& t) const {
+  for (const auto& s : optimizers_) {
+    if (s->owns(t)) return true;
+  }
+  return false;
+}
+
+void ShardedMasters::sync() {
+  for (auto& s : optimizers_) s->take_member_writes();
+  for (auto& s : optimizers_) {
+    if (s->stale()) s->gather();
+  }
+}
+
+void ShardedMasters::check_no_member_gradients() const {
+  for (const auto& s : optimizers_) {
+    for (const at::Tensor& m : s->members()) {
+      TORCH_CHECK(!m.grad().defined(), "amp: a model parameter has a gradient before the "
+                  "scale_loss guard: a backward ran outside amp::scale_loss. With "
+                  "Options::data_parallel.shard the optimizer steps only this rank's shard, "
+                  "whose gradient the guard reduces; a gradient outside it would be lost. Wrap "
+                  "backward in amp::scale_loss(loss, optimizer).");
+    }
+  }
+}
+
+bool ShardedMasters::take_values(const at::Tensor& member, const at::Tensor& fp32) {
+  for (auto& s : optimizers_) {
+    if (s->owns(member)) {
+      s->take_values(member, fp32);
+      return true;
+    }
+  }
+  return false;
+}
+
+void ShardedMasters::clear_member_gradients() noexcept {
+  for (auto& s : optimizers_) {
+    for (const at::Tensor& m : s->members()) {
+      if (m.grad().defined()) m.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+}  // namespace amp::detail

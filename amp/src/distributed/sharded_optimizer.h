@@ -1,0 +1,132 @@
+// Private: sharded fp32 masters and optimizer state (DataParallel::shard,
+// ZeRO stage 2), one ShardedOptimizer per optimizer passed to initialize.
+//
+// Layout. The optimizer's parameters (the members) are grouped into buckets
+// (gradient_reducer.h) of one dtype each - the dtype the model computes in:
+// the low dtype, or float32 for BatchNorm - and each bucket is padded to a
+// multiple of the world size. Rank r owns the r-th chunk of every bucket
+// (Megatron's distributed optimizer): each member meets it in at most one
+// interval, its piece. A rank's pieces may be none (an empty shard).
+//
+// Residences.
+//   member (the module's parameter)   the compute dtype, for good: the
+//                                     gathered weights forward reads
+//   piece master (float32, 1-D)       the optimizer's parameter in its param
+//                                     groups, so LibTorch's own state is 1/N
+//   gradients                         backward's scratch on the members,
+//                                     released bucket by bucket as the
+//                                     bucket is reduce-scattered; the pieces'
+//                                     average after the guard
+//
+// After a guard ends, the optimizer steps the pieces; the members are stale
+// until the next gather (an all-gather per bucket of the pieces in the
+// compute dtype), which runs at the first intercepted op over a member (the
+// next forward: the same point on every rank), at the next guard, or before
+// a checkpoint. A write to a member behind amp's back (torch::load, an edit)
+// is taken into the pieces before that.
+//
+// Every function here that communicates is a collective: every rank calls
+// it, in the same order.
+#pragma once
+
+#include "distributed/gradient_reducer.h"
+#include "model/model_weights.h"
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <functional>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace amp::detail {
+
+class ShardedOptimizer {
+ public:
+  // Takes over `optimizer`'s parameters, whose float32 values are the masters
+  // (call before lowering them): its param groups then hold this rank's
+  // pieces. `compute_dtype` gives each parameter's dtype while training.
+  ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
+                   const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype);
+
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  std::vector<ReduceBucket>& buckets() { return buckets_; }
+  const std::vector<at::Tensor>& members() const { return members_; }
+  bool owns(const at::Tensor& t) const { return index_.count(t.unsafeGetTensorImpl()) != 0; }
+
+  // Records the members as the model holds them now (after lowering, after
+  // a gather): later changes are writes behind amp's back.
+  void record_members();
+  // The optimizer may have stepped the pieces (a guard over it ended).
+  void mark_stale() { stale_ = true; }
+  bool stale() const { return stale_; }
+  // Takes writes to members behind amp's back into the pieces.
+  void take_member_writes();
+  // All-gathers the pieces into the members (collective).
+  void gather();
+  // A member was set to `fp32` (torch::load, a checkpoint): its piece takes the values.
+  void take_values(const at::Tensor& member, const at::Tensor& fp32);
+  // Every member's float32 master, whole (collective).
+  std::vector<at::Tensor> full_masters();
+  // The optimizer's archive as one unsharded process would write it (its
+  // params the whole masters, their state whole), and back: checkpoints
+  // that load at any world size (collective).
+  void save(torch::serialize::OutputArchive& archive);
+  void load(torch::serialize::InputArchive& archive);
+  // Gives the optimizer back its members, in float32 with whole state
+  // (deinitialize; collective).
+  void restore();
+
+ private:
+  using StateMap = ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
+  // Every member's whole value of what `value` gives for its pieces
+  // (float32; zeros where undefined), shaped as the member (collective).
+  std::vector<at::Tensor> gather_whole(const std::function<at::Tensor(const ReduceBucket::Piece&)>& value);
+  // The optimizer's state as one unsharded process would hold it, keyed by
+  // `whole` (one float32 tensor per member) (collective).
+  StateMap whole_state(const std::vector<at::Tensor>& whole);
+  // Sets the param groups' parameters: the pieces, or one tensor per member.
+  void set_group_params(const std::vector<at::Tensor>* per_member);
+  const ReduceBucket::Piece* piece(size_t member) const;
+
+  torch::optim::Optimizer* optimizer_;
+  c10::intrusive_ptr<c10d::Backend> group_;
+  int rank_, world_;
+  std::vector<at::Tensor> members_;                  // in param group order
+  std::vector<std::vector<size_t>> group_members_;  // per param group
+  std::vector<ReduceBucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> piece_of_;  // per member: (bucket, piece) or (npos, npos)
+  std::unordered_map<const c10::TensorImpl*, size_t> index_;
+  std::vector<int64_t> versions_;
+  std::vector<const void*> storages_;
+  bool stale_ = false;
+  bool warned_ = false;
+};
+
+// Every optimizer's sharding, as ModelWeights sees it.
+class ShardedMasters final : public ShardedWeights {
+ public:
+  ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers, const DataParallel& config,
+                 const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype);
+  ShardedOptimizer* of(const torch::optim::Optimizer& optimizer);
+  const std::vector<std::unique_ptr<ShardedOptimizer>>& optimizers() const { return optimizers_; }
+  const c10::intrusive_ptr<c10d::Backend>& group() const { return group_; }
+
+  void record_members();
+  bool stale() const override;
+  bool owns(const at::Tensor& t) const override;
+  void sync() override;
+  void check_no_member_gradients() const override;
+  bool take_values(const at::Tensor& member, const at::Tensor& fp32) override;
+  // Drops gradients backward left on members (losses through another
+  // optimizer's parameters: scratch scaled by that loss).
+  void clear_member_gradients() noexcept;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> group_;
+  std::vector<std::unique_ptr<ShardedOptimizer>> optimizers_;
+};
+
+}  // namespace amp::detail
