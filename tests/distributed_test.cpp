@@ -46,10 +46,10 @@ std::vector<RankRun> run_ranks(int world, const std::string& args) {
     std::vector<at::Tensor> trace;
     torch::load(trace, out);
     std::remove(out.c_str());
-    EXPECT_EQ(trace.size(), 7u);
-    ranks[rank].steps.assign(trace.begin(), trace.begin() + 5);
-    ranks[rank].skipped = trace[5].item<int64_t>();
-    ranks[rank].scale = trace[6].item<double>();
+    EXPECT_GE(trace.size(), 3u);  // the steps run, then the skipped count and the scale
+    ranks[rank].steps.assign(trace.begin(), trace.end() - 2);
+    ranks[rank].skipped = trace[trace.size() - 2].item<int64_t>();
+    ranks[rank].scale = trace.back().item<double>();
   }
   std::remove(store.c_str());
   return ranks;
@@ -190,6 +190,98 @@ INSTANTIATE_TEST_SUITE_P(LevelsAndPlacements, HandWrittenAllReduce,
                                   std::get<1>(info.param) + "_guard";
                          });
 
+// ---- Sharded (data_parallel.shard): masters, state and gradients 1/N ----------
+
+// Every step of `a` and `b` holds the same bits.
+void expect_same_bits(const std::vector<RankRun>& a, const std::vector<RankRun>& b, const std::string& what) {
+  ASSERT_EQ(a[0].steps.size(), b[0].steps.size()) << what;
+  for (size_t step = 0; step < a[0].steps.size(); ++step) {
+    EXPECT_TRUE(BitEqual(a[0].steps[step], b[0].steps[step])) << what << " step " << step;
+  }
+  EXPECT_EQ(a[0].skipped, b[0].skipped) << what;
+  EXPECT_EQ(a[0].scale, b[0].scale) << what;
+}
+
+double max_distance(const std::vector<RankRun>& a, const std::vector<RankRun>& b) {
+  double distance = 0;
+  for (size_t step = 0; step < a[0].steps.size(); ++step) {
+    distance = std::max(distance, (a[0].steps[step].to(torch::kDouble) - b[0].steps[step].to(torch::kDouble))
+                                      .abs().max().item<double>());
+  }
+  return distance;
+}
+
+// (opt level, world size, optimizer)
+class ShardedDataParallel : public AmpTest,
+                            public ::testing::WithParamInterface<std::tuple<std::string, int, std::string>> {};
+
+TEST_P(ShardedDataParallel, TrainsBitForBitAsReplicated) {
+  // Elementwise optimizers and Gloo's reduce-scatter (the all-reduce's
+  // chunk) leave no arithmetic to reorder: each step's float32 masters,
+  // gathered from the shards, equal the replicated run's bit for bit. The
+  // 64-byte buckets make shards uneven, with parameters straddling them.
+  const auto& [level, world, optimizer] = GetParam();
+  const std::string args = "level=" + level + " optimizer=" + optimizer;
+  const auto sharded = run_ranks(world, args + " shard=1");
+  expect_same_bits(sharded, run_ranks(world, args), "sharded vs replicated");
+  for (size_t r = 1; r < sharded.size(); ++r) expect_same_bits({sharded[r]}, {sharded[0]}, "rank " + std::to_string(r));
+  if (optimizer == "sgd") expect_trained_together(sharded, 3 * one_process_error(level));
+}
+
+INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
+                         ::testing::Values(std::make_tuple("O2", 1, "adam"), std::make_tuple("O2", 2, "sgd"),
+                                           std::make_tuple("O2", 3, "adamw"), std::make_tuple("O2", 4, "adam"),
+                                           std::make_tuple("O5", 3, "sgd"), std::make_tuple("O5", 4, "adamw")),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_world_size_" + std::to_string(std::get<1>(info.param)) +
+                                  "_" + std::get<2>(info.param);
+                         });
+
+TEST_F(AmpTest, ShardedPiecesOfOneElementAndEmptyChunks) {
+  // One bucket per parameter at world size 4: fc2.bias (2 elements) pads to
+  // 4, so ranks 2 and 3 hold no piece of it; fc1.weight's 96 split 24 each.
+  expect_same_bits(run_ranks(4, "optimizer=adam shard=1 bucket_bytes=1"),
+                   run_ranks(4, "optimizer=adam bucket_bytes=1"), "per-parameter buckets");
+}
+
+TEST_F(AmpTest, ShardedAccumulationReducesEveryMicroBatch) {
+  // ZeRO-2 keeps no whole gradient between micro-batches: each guard
+  // reduce-scatters, and the pieces sum the averages. The order of the sums
+  // differs from the replicated run's (which sums locally, then averages):
+  // float32 rounding apart, 1e-6, far below the bound against float64.
+  const auto sharded = run_ranks(3, "micro_batches=2 shard=1");
+  expect_trained_together(sharded, 3 * one_process_error("O2"));
+  EXPECT_LE(max_distance(sharded, run_ranks(3, "micro_batches=2")), 1e-6);
+}
+
+TEST_F(AmpTest, ShardedClippingSpansEveryShard) {
+  // amp::clip_grad_norm adds the shards' squares across ranks: the same
+  // clipping as the replicated run's up to float32 rounding, and the clip
+  // bites (the run moves far from the unclipped one).
+  const auto sharded = run_ranks(3, "shard=1 clip=0.05");
+  EXPECT_LE(max_distance(sharded, run_ranks(3, "clip=0.05")), 1e-6);
+  EXPECT_GT(max_distance(sharded, run_ranks(3, "shard=1")), 1e-3);
+  for (size_t r = 1; r < sharded.size(); ++r) expect_same_bits({sharded[r]}, {sharded[0]}, "rank " + std::to_string(r));
+}
+
+TEST_F(AmpTest, ShardedCheckpointResumesAtAnyWorldSize) {
+  // A sharded run at world size 2 saves after step 1 (whole state, as one
+  // process writes it); resumed at world sizes 3 and 1 it trains on bit for
+  // bit as an unsharded run resumed from the same file, and at world size 2
+  // as the run that never stopped.
+  const std::string file = ::testing::TempDir() + "amp_sharded_" + std::to_string(::getpid()) + ".pt";
+  const std::string saving = "optimizer=adam checkpoint=" + file + " save_after=1";
+  const auto uninterrupted = run_ranks(2, saving + " shard=1");
+  const std::string resume = saving + " resume=1";
+  expect_same_bits(run_ranks(3, resume + " shard=1"), run_ranks(3, resume), "world size 3");
+  expect_same_bits(run_ranks(1, resume + " shard=1"), run_ranks(1, resume + " reduce=none"), "world size 1");
+  auto resumed = run_ranks(2, resume + " shard=1");
+  auto tail = uninterrupted;
+  tail[0].steps.erase(tail[0].steps.begin(), tail[0].steps.begin() + 2);
+  expect_same_bits(resumed, tail, "world size 2");
+  std::remove(file.c_str());
+}
+
 // ---- In one process: a process group of one rank ----------------------------
 
 struct DoneWork : c10d::Work {
@@ -206,6 +298,16 @@ struct WorldOfOne : c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
     ++allreduces;
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions&) override {
+    out.copy_(in);
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions&) override {
+    out.copy_(in);
     return c10::make_intrusive<DoneWork>();
   }
   std::atomic<int> allreduces{0};
@@ -300,6 +402,89 @@ TEST_F(AmpTest, DataParallelOptionsAreChecked) {
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("cannot average in buckets"));
   }
+}
+
+Options fake_sharded(Options options) {
+  options = fake_data_parallel(options);
+  options.data_parallel.shard = true;
+  return options;
+}
+
+TEST_F(AmpTest, ShardedOptimizerStepsPiecesAndGetsItsParametersBack) {
+  torch::manual_seed(0);
+  TinyNet model;
+  torch::optim::Adam optimizer(model->parameters(), 1e-2);
+  const auto fc1 = model->fc1->weight;
+  {
+    amp::Handle amp;
+    amp.initialize(model, optimizer, fake_sharded(O2));
+    // The model computes in the low dtype; the optimizer steps float32 pieces.
+    EXPECT_TRUE(is_low_precision(fc1.scalar_type()));
+    for (const auto& p : amp::master_params(optimizer)) {
+      EXPECT_EQ(p.scalar_type(), torch::kFloat);
+      EXPECT_EQ(p.dim(), 1);
+    }
+    optimizer.zero_grad();
+    {
+      amp::scale_loss scaled(model->forward(torch::randn({4, 8})).sum(), optimizer);
+      scaled.backward();
+    }
+    EXPECT_FALSE(fc1.grad().defined());  // released once its bucket was reduced
+    optimizer.step();
+    const TrainingBytes bytes = training_bytes(optimizer);
+    EXPECT_EQ(bytes.masters, 4 * bytes.parameters);          // world size 1: every piece here
+    EXPECT_EQ(bytes.optimizer_state, 8 * bytes.parameters);  // Adam's two moments
+    EXPECT_EQ(bytes.gradients, 4 * bytes.parameters);
+  }
+  // Deinitialized: float32 parameters again, stepped by the optimizer with whole state.
+  EXPECT_EQ(fc1.scalar_type(), torch::kFloat);
+  ASSERT_EQ(optimizer.param_groups()[0].params().size(), model->parameters().size());
+  EXPECT_TRUE(optimizer.param_groups()[0].params()[0].is_same(model->parameters()[0]));
+  auto& state = static_cast<torch::optim::AdamParamState&>(*optimizer.state().at(fc1.unsafeGetTensorImpl()));
+  EXPECT_EQ(state.exp_avg().sizes(), fc1.sizes());
+  EXPECT_EQ(state.step(), 1);
+}
+
+TEST_F(AmpTest, ShardedRefusesABackwardOutsideTheGuard) {
+  torch::manual_seed(0);
+  TinyNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  amp::initialize(model, optimizer, fake_sharded(O2));
+  model->forward(torch::randn({4, 8})).sum().backward();  // the pieces would never see it
+  const auto loss = model->forward(torch::randn({4, 8})).sum();
+  EXPECT_THAT([&] { amp::scale_loss scaled(loss, optimizer); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("backward ran outside amp::scale_loss")));
+}
+
+TEST_F(AmpTest, ShardedOptionsAreChecked) {
+  torch::manual_seed(0);
+  TinyNet model;
+  auto refused = [&](torch::optim::Optimizer& optimizer, Options options) {
+    try {
+      amp::initialize(model, optimizer, options);
+    } catch (const c10::Error& e) {
+      EXPECT_FALSE(amp::is_initialized());
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("initialized");
+  };
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  Options no_group = O2;
+  no_group.data_parallel.shard = true;
+  EXPECT_THAT(refused(sgd, no_group), ::testing::HasSubstr("needs data_parallel.group"));
+  EXPECT_THAT(refused(sgd, fake_sharded(O1)), ::testing::HasSubstr("Use O2 or O5"));
+  torch::optim::LBFGS lbfgs(model->parameters());
+  EXPECT_THAT(refused(lbfgs, fake_sharded(O2)), ::testing::HasSubstr("SGD, Adam, AdamW"));
+  torch::optim::SGD twice({torch::optim::OptimizerParamGroup(model->parameters()),
+                           torch::optim::OptimizerParamGroup({model->fc1->weight})},
+                          torch::optim::SGDOptions(0.1));
+  EXPECT_THAT(refused(twice, fake_sharded(O2)), ::testing::HasSubstr("two parameter groups"));
+  torch::optim::Adam stepped(model->parameters(), 1e-2);
+  model->forward(torch::randn({4, 8})).sum().backward();
+  stepped.step();
+  EXPECT_THAT(refused(stepped, fake_sharded(O2)), ::testing::HasSubstr("already holds state"));
+  EXPECT_EQ(model->fc1->weight.scalar_type(), torch::kFloat);  // nothing changed
+  EXPECT_EQ(stepped.param_groups()[0].params().size(), model->parameters().size());
 }
 
 }  // namespace

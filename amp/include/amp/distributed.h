@@ -58,6 +58,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
@@ -78,6 +79,21 @@ struct DataParallel {
   // gradients over the ranks (ZeRO stage 2; see "Sharded" above).
   bool shard = false;
 };
+
+// What this rank holds for `optimizer` (passed to amp::initialize), in
+// bytes, measured from the tensors themselves (each storage once): what the
+// optimizer steps (O2's float32 masters, or with shard this rank's pieces),
+// its state, and the gradients of those and of the model's parameters.
+// `parameters` counts the elements of the whole parameters it trains, for
+// bytes per parameter. Errors: amp is not initialized; an optimizer not
+// passed to it.
+struct TrainingBytes {
+  int64_t masters = 0;
+  int64_t optimizer_state = 0;
+  int64_t gradients = 0;
+  int64_t parameters = 0;
+};
+TrainingBytes training_bytes(const torch::optim::Optimizer& optimizer);
 
 // For loops that all-reduce gradients themselves: combines every rank's
 // overflow flag (MAX) before the scale update, so all ranks skip together.

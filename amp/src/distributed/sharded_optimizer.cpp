@@ -296,9 +296,31 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   set_group_params(nullptr);
 }
 
+bool ShardedOptimizer::optimizer_alive() const {
+  // The pieces are held by the buckets and by the optimizer's param groups.
+  for (const ReduceBucket& bucket : buckets_) {
+    for (const ReduceBucket::Piece& p : bucket.pieces) {
+      if (p.master.use_count() < 2) return false;
+    }
+  }
+  return true;
+}
+
 void ShardedOptimizer::restore() {
+  // A program may destroy its optimizer before amp ends: then only the
+  // model gets its float32 weights back. Every rank takes the same path.
+  at::Tensor alive = at::full({1}, optimizer_alive() ? 1.0f : 0.0f,
+                              members_.empty() ? at::TensorOptions() : members_.front().options().dtype(at::kFloat));
+  {
+    std::vector<at::Tensor> tensors{alive};
+    c10d::AllreduceOptions min;
+    min.reduceOp = c10d::ReduceOp::MIN;
+    wait(group_->allreduce(tensors, min));
+  }
   const std::vector<at::Tensor> whole = full_masters();
-  StateMap state = whole_state(whole);
+  StateMap state;
+  const bool with_optimizer = alive.item<float>() > 0;
+  if (with_optimizer) state = whole_state(whole);
   at::NoGradGuard no_grad;
   StateMap by_member;
   for (size_t m = 0; m < members_.size(); ++m) {
@@ -306,6 +328,7 @@ void ShardedOptimizer::restore() {
     auto it = state.find(whole[m].unsafeGetTensorImpl());
     if (it != state.end()) by_member[members_[m].unsafeGetTensorImpl()] = std::move(it->second);
   }
+  if (!with_optimizer) return;
   optimizer_->state() = std::move(by_member);
   set_group_params(&members_);
 }

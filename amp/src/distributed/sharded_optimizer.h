@@ -75,8 +75,9 @@ class ShardedOptimizer {
   // that load at any world size (collective).
   void save(torch::serialize::OutputArchive& archive);
   void load(torch::serialize::InputArchive& archive);
-  // Gives the optimizer back its members, in float32 with whole state
-  // (deinitialize; collective).
+  // Gives the members their float32 masters and, if every rank's optimizer
+  // still exists, the optimizer its members with whole state (deinitialize;
+  // collective).
   void restore();
 
  private:
@@ -90,6 +91,7 @@ class ShardedOptimizer {
   // Sets the param groups' parameters: the pieces, or one tensor per member.
   void set_group_params(const std::vector<at::Tensor>* per_member);
   const ReduceBucket::Piece* piece(size_t member) const;
+  bool optimizer_alive() const;
 
   torch::optim::Optimizer* optimizer_;
   c10::intrusive_ptr<c10d::Backend> group_;

@@ -5,7 +5,12 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "step/optimizer_kinds.h"
+
+#include <amp/distributed.h>
+
 #include <cmath>
+#include <unordered_set>
 
 namespace amp {
 namespace {
@@ -66,6 +71,37 @@ at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm) {
   const at::Tensor total = sum_of_squares.sqrt().reshape({});
   if (!grads.empty()) at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
   return total;
+}
+
+}  // namespace amp
+
+namespace amp {
+
+TrainingBytes training_bytes(const torch::optim::Optimizer& optimizer) {
+  const auto context = detail::require_live_context("amp::training_bytes");
+  detail::OptimizerStep& step = context->require_step(&optimizer, "amp::training_bytes");
+  std::unordered_set<const void*> seen;
+  auto bytes = [&](const at::Tensor& t) -> int64_t {
+    if (!t.defined() || !seen.insert(t.storage().unsafeGetStorageImpl()).second) return 0;
+    return static_cast<int64_t>(t.storage().nbytes());
+  };
+  TrainingBytes out;
+  std::vector<at::Tensor> stepped;
+  for (const auto& group : step.optimizer().param_groups()) {
+    stepped.insert(stepped.end(), group.params().begin(), group.params().end());
+  }
+  for (const at::Tensor& p : stepped) out.masters += bytes(p);
+  for (const auto& [key, state] : step.optimizer().state()) {
+    int64_t count = 0;
+    for (const detail::StateTensor& t : detail::state_tensors(*state, count)) out.optimizer_state += bytes(t.value);
+  }
+  for (const at::Tensor& p : stepped) out.gradients += bytes(p.grad());
+  const detail::ShardedOptimizer* sharded = context->sharded() ? context->sharded()->of(optimizer) : nullptr;
+  for (const at::Tensor& p : sharded ? sharded->members() : stepped) {
+    out.gradients += bytes(p.grad());
+    out.parameters += p.numel();
+  }
+  return out;
 }
 
 }  // namespace amp
