@@ -3,11 +3,16 @@
 // starts every rank:
 //
 //   distributed_fashion_mnist --world_size=2 --opt_level=O2
+//   distributed_fashion_mnist --world_size=4 --opt_level=O2 --shard
+//   distributed_fashion_mnist --world_size=4 --opt_level=O2 --compare_steps=100
 //
 // Each rank trains on its own part of every batch. The loop is the one of a
 // single process: amp, given the process group (Options::data_parallel),
 // starts from rank 0's weights, averages the gradients in buckets while
-// backward runs, and every rank skips the same steps.
+// backward runs, and every rank skips the same steps. With --shard each rank
+// keeps 1/world_size of the float32 masters, Adam's state and the gradients
+// (printed, measured). --compare_steps times the replicated, sharded and
+// hand-written all-reduce loops side by side instead of training.
 #include <amp/amp.h>
 
 #include "common/fashion_mnist_data.h"
@@ -24,6 +29,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <iostream>
 #include <thread>
 
@@ -35,6 +42,9 @@ ABSL_FLAG(std::string, store, "", "rendezvous file (default: a fresh file in /tm
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level");
 ABSL_FLAG(std::string, dtype, "", "fp16 or bf16");
 ABSL_FLAG(std::string, reduce_dtype, "fp32", "dtype gradients travel in: fp32, fp16 or bf16");
+ABSL_FLAG(bool, shard, false, "spread fp32 masters, optimizer state and gradients over the ranks (O2/O5)");
+ABSL_FLAG(int, compare_steps, 0, "instead of training: time this many steps of each loop (replicated, "
+          "sharded, hand-written all-reduce) and print a table");
 ABSL_FLAG(int, epochs, 1, "training epochs");
 ABSL_FLAG(int, batch_size, 128, "global batch size (split across ranks)");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
@@ -70,18 +80,40 @@ c10::ScalarType reduce_dtype(const std::string& name) {
   throw std::invalid_argument("--reduce_dtype must be fp32, fp16 or bf16, got '" + name + "'");
 }
 
-int train(int rank, int world, const std::string& store_path) {
-  // The ranks share this machine's cores: more threads than cores only wait.
-  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
+c10::intrusive_ptr<c10d::ProcessGroupGloo> connect(int rank, int world, const std::string& store_path) {
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
   auto gloo = c10d::ProcessGroupGloo::Options::create();
   gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
+}
+
+// This rank's rows of batch `first` of `order`.
+at::Tensor rows_of(const at::Tensor& order, int64_t first, int64_t batch, int rank, int world) {
+  return order.narrow(0, first, batch).narrow(0, rank * (batch / world), batch / world);
+}
+
+// The largest of every rank's bytes per parameter (masters, optimizer state,
+// gradients), measured by amp::training_bytes after a step.
+std::array<double, 3> bytes_per_parameter(torch::optim::Optimizer& optimizer, c10d::Backend& group) {
+  const amp::TrainingBytes bytes = amp::training_bytes(optimizer);
+  std::vector<at::Tensor> most{torch::tensor({double(bytes.masters), double(bytes.optimizer_state),
+                                              double(bytes.gradients)}) / double(bytes.parameters)};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  group.allreduce(most, max)->wait();
+  return {most[0][0].item<double>(), most[0][1].item<double>(), most[0][2].item<double>()};
+}
+
+int train(int rank, int world, const std::string& store_path) {
+  // The ranks share this machine's cores: more threads than cores only wait.
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
+  auto group = connect(rank, world, store_path);
 
   amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
                                                c10::Device(c10::kCPU), rank == 0 ? 1 : 0);
   options.data_parallel.group = group;
   options.data_parallel.reduce_dtype = reduce_dtype(absl::GetFlag(FLAGS_reduce_dtype));
+  options.data_parallel.shard = absl::GetFlag(FLAGS_shard);
   const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
                                                       absl::GetFlag(FLAGS_train_limit));
   torch::manual_seed(0);  // identical replicas
@@ -92,10 +124,11 @@ int train(int rank, int world, const std::string& store_path) {
   const int64_t n = train_set.images.size(0), batch = absl::GetFlag(FLAGS_batch_size);
   examples::Progress progress(50);
   int64_t step = 0;
+  std::array<double, 3> per_parameter{};
   for (int epoch = 0; epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
     const auto order = torch::randperm(n);  // same on every rank (same seed)
     for (int64_t first = 0; first + batch <= n; first += batch) {
-      const auto index = order.narrow(0, first, batch).narrow(0, rank * (batch / world), batch / world);
+      const auto index = rows_of(order, first, batch, rank, world);
       optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(train_set.images.index_select(0, index)),
                                                   train_set.labels.index_select(0, index));
@@ -104,18 +137,94 @@ int train(int rank, int world, const std::string& store_path) {
         scaled.backward();
       }
       optimizer.step();
+      if (step == 0) per_parameter = bytes_per_parameter(optimizer, *group);  // gradients still held
       if (rank == 0) progress.update(++step, loss.item<double>(), amp::loss_scale(), batch);
+      else ++step;
     }
   }
-  if (rank != 0) return 0;
-  progress.finish();
+  // Every rank evaluates: with --shard the first forward gathers the weights.
   const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false, absl::GetFlag(FLAGS_test_limit));
   torch::NoGradGuard no_grad;
   model->eval();
   const auto correct = model->forward(test.images).argmax(1).eq(test.labels).sum().item<int64_t>();
-  std::printf("world_size %d  opt_level %s  test accuracy %.2f%%  skipped steps %lld\n", world,
-              amp::to_string(options.opt_level), 100.0 * correct / test.images.size(0),
-              static_cast<long long>(amp::skipped_steps(optimizer)));
+  const int64_t skipped = amp::skipped_steps(optimizer);
+  if (rank != 0) return 0;
+  progress.finish();
+  std::printf("world_size %d  opt_level %s  shard %d  test accuracy %.2f%%  skipped steps %lld\n", world,
+              amp::to_string(options.opt_level), options.data_parallel.shard ? 1 : 0,
+              100.0 * correct / test.images.size(0), static_cast<long long>(skipped));
+  std::printf("bytes per parameter on the fullest rank (measured): masters %.2f  optimizer state %.2f  "
+              "gradients %.2f\n", per_parameter[0], per_parameter[1], per_parameter[2]);
+  return 0;
+}
+
+// --compare_steps: the same steps in three loops, timed side by side.
+int compare_loops(int rank, int world, const std::string& store_path) {
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
+  auto group = connect(rank, world, store_path);
+  const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
+                                                      absl::GetFlag(FLAGS_train_limit));
+  const int steps = absl::GetFlag(FLAGS_compare_steps);
+  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
+  const char* names[] = {"replicated (data_parallel)", "sharded (data_parallel.shard)", "hand-written all-reduce"};
+  // Rounds of the three loops in turn, the fastest round of each counted:
+  // what one loop leaves behind (allocations, caches) favours none.
+  std::array<double, 3> seconds{1e9, 1e9, 1e9};
+  std::array<std::array<double, 3>, 3> bytes{};
+  for (int round = 0; round < 3; ++round) {
+    for (int loop = 0; loop < 3; ++loop) {
+      amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
+                                                   c10::Device(c10::kCPU), 0);
+      if (loop < 2) {
+        options.data_parallel.group = group;
+        options.data_parallel.shard = loop == 1;
+      } else {
+        options.reduce_overflow = amp::overflow_all_reduce(group);
+      }
+      torch::manual_seed(0);
+      examples::FashionNet model;
+      torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+      amp::Handle handle;
+      handle.initialize(model, optimizer, options);
+      const auto order = torch::randperm(train_set.images.size(0));
+      auto one_step = [&](int64_t s) {
+        const auto index = rows_of(order, (s * batch) % (train_set.images.size(0) - batch), batch, rank, world);
+        optimizer.zero_grad();
+        const auto loss = torch::cross_entropy_loss(model->forward(train_set.images.index_select(0, index)),
+                                                    train_set.labels.index_select(0, index));
+        {
+          amp::scale_loss scaled(loss, optimizer);
+          scaled.backward();
+        }
+        if (loop == 2) {  // the loop a program writes without amp's data parallel
+          for (const auto& p : amp::master_params(optimizer)) {
+            if (!p.grad().defined()) continue;
+            std::vector<at::Tensor> grad{p.grad()};
+            group->allreduce(grad)->wait();
+            p.grad().div_(world);
+          }
+        }
+        optimizer.step();
+      };
+      for (int s = 0; s < 3; ++s) one_step(s);  // warm-up
+      bytes[loop] = bytes_per_parameter(optimizer, *group);
+      group->barrier()->wait();
+      const auto start = std::chrono::steady_clock::now();
+      for (int s = 3; s < 3 + steps; ++s) one_step(s);
+      group->barrier()->wait();
+      const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / steps;
+      seconds[loop] = std::min(seconds[loop], per_step);
+    }
+  }
+  if (rank != 0) return 0;
+  std::printf("world_size %d  opt_level %s  batch %lld  %d steps each, fastest of 3 rounds (Fashion-MNIST CNN, Adam, Gloo on loopback)\n",
+              world, absl::GetFlag(FLAGS_opt_level).c_str(), static_cast<long long>(batch), steps);
+  std::printf("%-32s %10s %12s %9s %9s %9s\n", "loop", "ms/step", "vs replicated", "masters", "state", "grads");
+  for (int loop = 0; loop < 3; ++loop) {
+    std::printf("%-32s %10.2f %12.3f %9.2f %9.2f %9.2f\n", names[loop], 1e3 * seconds[loop], seconds[loop] / seconds[0],
+                bytes[loop][0], bytes[loop][1], bytes[loop][2]);
+  }
+  std::printf("(masters, state, grads: bytes per parameter on the fullest rank, measured by amp::training_bytes)\n");
   return 0;
 }
 
@@ -136,7 +245,7 @@ int main(int argc, char** argv) {
       unlink(store.c_str());
       others = launch_other_ranks(argc, argv, world, store);
     }
-    int rc = train(rank, world, store);
+    int rc = absl::GetFlag(FLAGS_compare_steps) > 0 ? compare_loops(rank, world, store) : train(rank, world, store);
     for (pid_t pid : others) {
       int status = 0;
       waitpid(pid, &status, 0);

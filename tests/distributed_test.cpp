@@ -7,6 +7,10 @@
 // float64 run of the global batch; world size 1 equals one process without
 // a group bit for bit; bucket sizes do not change a bit. The loops that
 // average gradients themselves (overflow_all_reduce) are checked as before.
+// Sharded (data_parallel.shard): at world sizes 1-4, O2 and O5, SGD, Adam
+// and AdamW the float32 masters equal the replicated run's bit for bit;
+// accumulation and clipping stay within float32 rounding of it; a sharded
+// checkpoint resumes at other world sizes bit for bit as unsharded runs.
 // In-process checks over a process group of one rank (collectives that leave
 // tensors as they are) cover the guard's side: parameters without
 // gradients, two backward passes, errors.
@@ -15,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdio>
+#include <map>
 
 namespace amp::testing {
 namespace {
@@ -97,14 +102,17 @@ void expect_trained_together(const std::vector<RankRun>& ranks, double bound) {
 // The largest distance from float64 a loop of one process reaches: the
 // bound data-parallel runs are held to (their reduction adds float32
 // rounding, far below the low-precision forward's).
+// Measured once per level.
 double one_process_error(const std::string& level) {
+  static std::map<std::string, double> measured;
+  if (auto it = measured.find(level); it != measured.end()) return it->second;
   const RankRun single = run_ranks(1, "level=" + level + " reduce=none")[0];
   const std::vector<at::Tensor> reference = float64_reference();
   double error = 0;
   for (int step = 0; step < 5; ++step) {
     error = std::max(error, (single.steps[step].to(torch::kDouble) - reference[step]).abs().max().item<double>());
   }
-  return error;
+  return measured[level] = error;
 }
 
 class BuiltInDataParallel : public AmpTest, public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
@@ -211,17 +219,19 @@ double max_distance(const std::vector<RankRun>& a, const std::vector<RankRun>& b
   return distance;
 }
 
-// (opt level, world size, optimizer)
-class ShardedDataParallel : public AmpTest,
-                            public ::testing::WithParamInterface<std::tuple<std::string, int, std::string>> {};
+// (opt level, world size, optimizer, bucket bytes)
+class ShardedDataParallel
+    : public AmpTest, public ::testing::WithParamInterface<std::tuple<std::string, int, std::string, int>> {};
 
 TEST_P(ShardedDataParallel, TrainsBitForBitAsReplicated) {
   // Elementwise optimizers and Gloo's reduce-scatter (the all-reduce's
   // chunk) leave no arithmetic to reorder: each step's float32 masters,
-  // gathered from the shards, equal the replicated run's bit for bit. The
-  // 64-byte buckets make shards uneven, with parameters straddling them.
-  const auto& [level, world, optimizer] = GetParam();
-  const std::string args = "level=" + level + " optimizer=" + optimizer;
+  // gathered from the shards, equal the replicated run's bit for bit.
+  // 64-byte buckets make shards uneven, with parameters straddling them;
+  // 1-byte buckets (one per parameter) at world size 4 pad fc2.bias's 2
+  // elements to 4, so ranks 2 and 3 hold no piece of it.
+  const auto& [level, world, optimizer, bucket_bytes] = GetParam();
+  const std::string args = "level=" + level + " optimizer=" + optimizer + " bucket_bytes=" + std::to_string(bucket_bytes);
   const auto sharded = run_ranks(world, args + " shard=1");
   expect_same_bits(sharded, run_ranks(world, args), "sharded vs replicated");
   for (size_t r = 1; r < sharded.size(); ++r) expect_same_bits({sharded[r]}, {sharded[0]}, "rank " + std::to_string(r));
@@ -229,20 +239,14 @@ TEST_P(ShardedDataParallel, TrainsBitForBitAsReplicated) {
 }
 
 INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
-                         ::testing::Values(std::make_tuple("O2", 1, "adam"), std::make_tuple("O2", 2, "sgd"),
-                                           std::make_tuple("O2", 3, "adamw"), std::make_tuple("O2", 4, "adam"),
-                                           std::make_tuple("O5", 3, "sgd"), std::make_tuple("O5", 4, "adamw")),
+                         ::testing::Values(std::make_tuple("O2", 1, "adam", 64), std::make_tuple("O2", 2, "sgd", 64),
+                                           std::make_tuple("O2", 3, "adamw", 64), std::make_tuple("O2", 4, "adam", 1),
+                                           std::make_tuple("O5", 3, "sgd", 64), std::make_tuple("O5", 4, "adamw", 64)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_world_size_" + std::to_string(std::get<1>(info.param)) +
-                                  "_" + std::get<2>(info.param);
+                                  "_" + std::get<2>(info.param) + "_buckets_of_" +
+                                  std::to_string(std::get<3>(info.param)) + "_bytes";
                          });
-
-TEST_F(AmpTest, ShardedPiecesOfOneElementAndEmptyChunks) {
-  // One bucket per parameter at world size 4: fc2.bias (2 elements) pads to
-  // 4, so ranks 2 and 3 hold no piece of it; fc1.weight's 96 split 24 each.
-  expect_same_bits(run_ranks(4, "optimizer=adam shard=1 bucket_bytes=1"),
-                   run_ranks(4, "optimizer=adam bucket_bytes=1"), "per-parameter buckets");
-}
 
 TEST_F(AmpTest, ShardedAccumulationReducesEveryMicroBatch) {
   // ZeRO-2 keeps no whole gradient between micro-batches: each guard

@@ -19,6 +19,12 @@
 // loads them with model->load(archive)), "optimizer<i>" (the optimizer's own
 // archive) and "amp" (amp::save_state). Resuming continues bit-identically.
 //
+// With Options::data_parallel the ranks hold the same values and rank 0
+// writes the file; with data_parallel.shard every rank must call the save
+// functions (they gather the whole masters and optimizer state, written as
+// one process writes them) and load_checkpoint gives each rank its part, at
+// any world size (distributed.h).
+//
 // Errors (c10::Error): amp is not initialized (save_fp32_weights works
 // without amp); a null model or optimizer; the file is missing, truncated or
 // corrupt; an entry is missing or has another shape or kind of dtype; a

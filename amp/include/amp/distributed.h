@@ -42,16 +42,55 @@
 // exception in one rank's backward leaves the others waiting in theirs
 // until the process group's timeout.
 //
+// Sharded (data_parallel.shard = true, O2/O5; ZeRO stage 2): each rank keeps
+// 1/N of what O2 keeps beside the low-precision weights - the float32
+// masters, the optimizer's state, and the gradients - with the same loop:
+//   - The model holds its low-precision weights (BatchNorm float32) for
+//     good. Each bucket is padded to a multiple of N and rank r owns its
+//     r-th chunk: the optimizer's param groups hold this rank's float32
+//     pieces (1-D; possibly none), so its own state is 1/N.
+//     amp::master_params returns them.
+//   - Backward's gradients are reduce-scattered bucket by bucket while
+//     backward runs and released; the guard installs each piece's average
+//     as its .grad, unscales it and agrees the overflow across ranks.
+//     Every guard reduces, delay_unscale ones too: the pieces accumulate.
+//   - step() updates the pieces. The next intercepted op over the model
+//     (the next forward, evaluation under no_grad too) all-gathers them into
+//     the weights: every rank must run that forward. Until then the model's
+//     weights are the ones before the step.
+//   - Clip with amp::clip_grad_norm(optimizer, max_norm) (optimizer.h):
+//     the norm spans every shard. LibTorch's clip_grad_norm_ over
+//     model->parameters() sees no gradients (the pieces hold them).
+//   - Checkpoints: amp::save_checkpoint and amp::save_fp32_weights gather the
+//     whole masters and state (every rank calls them; rank 0 writes, as with
+//     any data_parallel group) in the layout one process writes, so
+//     amp::load_checkpoint loads them at any world size, sharded or not,
+//     and training goes on bit for bit. torch::save(optimizer) writes only
+//     this rank's pieces. A torch::load of the model's weights (float32 or
+//     not) is taken into the pieces.
+//   - amp::training_bytes(optimizer) measures what this rank holds.
+//   - deinitialize (a collective) gives the model its float32 masters and,
+//     while every rank's optimizer exists, the optimizer its parameters and
+//     whole state.
+// With elementwise optimizers the masters follow the replicated run bit for
+// bit (reduce-scatter sums as all-reduce does); accumulation sums the
+// micro-batches' averages instead of averaging their sum (float32 rounding).
+//
 // Without `group`, one process, as before; overflow_all_reduce (below) serves
 // loops that all-reduce gradients themselves.
 //
 // Errors (c10::Error, at initialize, nothing changed): both
 // data_parallel.group and reduce_overflow set; reduce_dtype not float32,
 // float16 or bfloat16; bucket_bytes < 1; sparse gradients (Embedding with
-// sparse=true) with a group. At the guard's end: a parameter whose
-// gradient was accumulated twice in one guard (two backward passes through
-// it; run them in separate guards, or with delay_unscale); a sparse
-// gradient; the process group's own errors. A data-parallel guard inside a
+// sparse=true) with a group. With shard: no group; a level without master
+// weights (not O2/O5); no optimizer; an optimizer other than SGD, Adam,
+// AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups
+// or optimizers; an optimizer that already holds state (load it after
+// initialize with amp::load_checkpoint). At a guard's opening (shard): a
+// model parameter with a gradient (a backward outside scale_loss). At the
+// guard's end: a parameter whose gradient was accumulated twice in one
+// guard (two backward passes through it; run them in separate guards, or
+// with delay_unscale); a sparse gradient; the process group's own errors. A data-parallel guard inside a
 // CUDA graph capture (scale_loss.h).
 #pragma once
 

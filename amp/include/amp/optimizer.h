@@ -8,7 +8,9 @@
 // groups hold the model's parameters, which at O2/O5 are the float32 master
 // weights between iterations, so clipping model->parameters() or the
 // optimizer's own parameters clips what is stepped. master_params() is
-// Apex's name for them.
+// Apex's name for them. With Options::data_parallel.shard the groups hold
+// this rank's float32 pieces instead (distributed.h): clip with
+// clip_grad_norm below.
 //
 // "Skipped" means a gradient overflow left the optimizer nothing to step:
 // for LibTorch's optimizers the guard decided it (an overflow discards the
