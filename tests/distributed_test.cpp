@@ -324,6 +324,18 @@ Options fake_data_parallel(Options options, c10::intrusive_ptr<WorldOfOne> group
   return options;
 }
 
+// The message amp::initialize refuses with (amp stays uninitialized), or
+// "initialized".
+std::string initialize_refusal(TinyNet& model, torch::optim::Optimizer& optimizer, const Options& options) {
+  try {
+    amp::initialize(model, optimizer, options);
+  } catch (const c10::Error& e) {
+    EXPECT_FALSE(amp::is_initialized());
+    return e.what_without_backtrace();
+  }
+  return "initialized";
+}
+
 TEST_F(AmpTest, DataParallelLeavesParametersWithoutGradientsWithout) {
   torch::manual_seed(0);
   TinyNet model;
@@ -380,15 +392,7 @@ TEST_F(AmpTest, DataParallelOptionsAreChecked) {
   torch::manual_seed(0);
   TinyNet model;
   torch::optim::SGD optimizer(model->parameters(), 0.1);
-  auto refused = [&](Options options) {
-    try {
-      amp::initialize(model, optimizer, options);
-    } catch (const c10::Error& e) {
-      EXPECT_FALSE(amp::is_initialized());
-      return std::string(e.what_without_backtrace());
-    }
-    return std::string("initialized");
-  };
+  auto refused = [&](const Options& options) { return initialize_refusal(model, optimizer, options); };
   Options both = fake_data_parallel(O2);
   both.reduce_overflow = [](at::Tensor&) {};
   EXPECT_THAT(refused(both), ::testing::HasSubstr("drop reduce_overflow"));
@@ -463,14 +467,8 @@ TEST_F(AmpTest, ShardedRefusesABackwardOutsideTheGuard) {
 TEST_F(AmpTest, ShardedOptionsAreChecked) {
   torch::manual_seed(0);
   TinyNet model;
-  auto refused = [&](torch::optim::Optimizer& optimizer, Options options) {
-    try {
-      amp::initialize(model, optimizer, options);
-    } catch (const c10::Error& e) {
-      EXPECT_FALSE(amp::is_initialized());
-      return std::string(e.what_without_backtrace());
-    }
-    return std::string("initialized");
+  auto refused = [&](torch::optim::Optimizer& optimizer, const Options& options) {
+    return initialize_refusal(model, optimizer, options);
   };
   torch::optim::SGD sgd(model->parameters(), 0.1);
   Options no_group = O2;
