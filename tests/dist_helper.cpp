@@ -12,8 +12,10 @@
 //                             overflow_all_reduce; local: overflow_all_reduce
 //                             alone, each rank steps on its own rows; none:
 //                             one process, no group (world_size 1) (builtin)
-//     optimizer=sgd|adam|adamw   (sgd)
+//     optimizer=sgd|adam|adamw|fused_adamw   (sgd)
+//     device=cpu|cuda         where the model and the batches live (cpu)
 //     shard=0|1               data_parallel.shard (0)
+//     shard_gradients=0|1     data_parallel.shard_gradients (1)
 //     clip=X                  amp::clip_grad_norm(optimizer, X) before each step (0: none)
 //     checkpoint=PATH save_after=K
 //                             amp::save_checkpoint after step K
@@ -50,7 +52,7 @@ void average_gradients(const std::vector<at::Tensor>& params, c10d::Backend& gro
 
 at::Tensor flat_params(torch::nn::Module& model) {
   std::vector<at::Tensor> parts;
-  for (const auto& p : model.parameters()) parts.push_back(p.detach().to(at::kFloat).flatten());
+  for (const auto& p : model.parameters()) parts.push_back(p.detach().to(at::kFloat).cpu().flatten());
   return torch::cat(parts);
 }
 
@@ -88,7 +90,8 @@ int main(int argc, char** argv) {
                                            {"micro_batches", "1"}, {"reduce_dtype", "float"},
                                            {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
                                            {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
-                                           {"save_after", "-1"}, {"resume", "0"}};
+                                           {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
+                                           {"shard_gradients", "1"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -111,12 +114,17 @@ int main(int argc, char** argv) {
 
   torch::manual_seed(3 + (flags["seed_per_rank"] == "1" ? rank : 0));
   torch::nn::Sequential model = make_model();
+  const torch::Device device(flags["device"]);
+  model->to(device);
   amp::OptimizerPtr optimizer;
   if (flags["optimizer"] == "adam") {
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
   } else if (flags["optimizer"] == "adamw") {
     optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(),
                                                       torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  } else if (flags["optimizer"] == "fused_adamw") {
+    optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(),
+                                                         torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   } else {
     optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
   }
@@ -128,6 +136,7 @@ int main(int argc, char** argv) {
     options.data_parallel.reduce_dtype = parse_dtype(flags["reduce_dtype"]);
     options.data_parallel.bucket_bytes = std::stoll(flags["bucket_bytes"]);
     options.data_parallel.shard = flags["shard"] == "1";
+    options.data_parallel.shard_gradients = flags["shard_gradients"] == "1";
   } else if (reduce != "none") {
     options.reduce_overflow = amp::overflow_all_reduce(group);
   }
@@ -142,7 +151,7 @@ int main(int argc, char** argv) {
   const int64_t rows = 24 / world, micro_rows = rows / micro_batches;
   for (int step = flags["resume"] == "1" ? save_after + 1 : 0; step < 5; ++step) {
     torch::manual_seed(100 + step);
-    const auto x = torch::randn({24, 6}), y = torch::randn({24, 2});
+    const auto x = torch::randn({24, 6}).to(device), y = torch::randn({24, 2}).to(device);
     const bool overflow_here = step == 2 && rank == world - 1;
     optimizer->zero_grad();
     for (int micro = 0; micro < micro_batches; ++micro) {

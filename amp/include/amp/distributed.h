@@ -53,7 +53,9 @@
 //   - Backward's gradients are reduce-scattered bucket by bucket while
 //     backward runs and released; the guard installs each piece's average
 //     as its .grad, unscales it and agrees the overflow across ranks.
-//     Every guard reduces, delay_unscale ones too: the pieces accumulate.
+//     Every guard reduces, delay_unscale ones too: the pieces accumulate
+//     (shard_gradients=false: the last micro-batch's guard reduces the whole
+//     sum, as without shard).
 //   - step() updates the pieces. The next intercepted op over the model
 //     (the next forward, evaluation under no_grad too) all-gathers them into
 //     the weights: every rank must run that forward. Until then the model's
@@ -72,9 +74,12 @@
 //   - deinitialize (a collective) gives the model its float32 masters and,
 //     while every rank's optimizer exists, the optimizer its parameters and
 //     whole state.
-// With elementwise optimizers the masters follow the replicated run bit for
-// bit (reduce-scatter sums as all-reduce does); accumulation sums the
-// micro-batches' averages instead of averaging their sum (float32 rounding).
+// With LibTorch's elementwise optimizers the masters follow the replicated
+// run bit for bit (reduce-scatter sums as all-reduce does; amp's fused ones
+// within an ulp: ATen's CPU kernels round a tensor's vectorized body and
+// its tail apart, and pieces end where tensors do not); accumulation with
+// shard_gradients sums the micro-batches' averages instead of averaging
+// their sum (float32 rounding), without it is bit for bit too.
 //
 // Without `group`, one process, as before; overflow_all_reduce (below) serves
 // loops that all-reduce gradients themselves.
@@ -117,6 +122,12 @@ struct DataParallel {
   // O2/O5: spread the float32 master weights, the optimizer state and the
   // gradients over the ranks (ZeRO stage 2; see "Sharded" above).
   bool shard = false;
+  // With shard, gradient accumulation (delay_unscale): true reduce-scatters
+  // every micro-batch (ZeRO-2: no rank holds whole gradients); false keeps
+  // each rank's whole float32 sum until the last micro-batch and reduces
+  // once (ZeRO-1: 1/k of the traffic for k micro-batches, whole gradients
+  // held in between).
+  bool shard_gradients = true;
 };
 
 // What this rank holds for `optimizer` (passed to amp::initialize), in

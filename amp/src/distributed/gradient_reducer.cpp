@@ -176,7 +176,8 @@ void GradientReducer::Reduction::fill(size_t b) {
     }
     at::Tensor region = bucket.flat.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes());
     const GradSlot* slot = sharded() ? nullptr : &(*slots_)[bucket.ids[j]];
-    const at::Tensor aside = slot && slot->aside_scaled ? slot->aside : at::Tensor();
+    const at::Tensor aside = slot ? (slot->aside_scaled ? slot->aside : at::Tensor())
+                                  : (bucket.asides.empty() ? at::Tensor() : bucket.asides[j]);
     if (grad.defined()) {
       dst.push_back(region);
       src.push_back(grad);
@@ -226,6 +227,11 @@ void GradientReducer::Reduction::finish() {
   c10::intrusive_ptr<c10d::Work> used_work;
   if (sharded() && !produced_.empty()) {
     std::vector<float> flags(produced_.begin(), produced_.end());
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      for (size_t j = 0; j < buckets_[b]->asides.size(); ++j) {
+        if (buckets_[b]->asides[j].defined()) flags[first_member_[b] + j] = 1;
+      }
+    }
     used = at::tensor(flags).to(buckets_.front()->flat.device());
     std::vector<at::Tensor> tensors{used};
     used_work = reducer_.config_.group->allreduce(tensors);
@@ -288,8 +294,15 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
       members.push_back(first_member_[b] + piece.member);
     }
   }
+  // A member this rank had a gradient for: produced now, or summed earlier.
+  std::vector<bool> local = produced_;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (size_t j = 0; j < buckets_[b]->asides.size(); ++j) {
+      if (buckets_[b]->asides[j].defined()) local[first_member_[b] + j] = true;
+    }
+  }
   bool all_local = true;
-  for (size_t m : members) all_local = all_local && produced_[m];
+  for (size_t m : members) all_local = all_local && local[m];
   std::vector<double> used_on_host;
   if (!all_local) {  // a piece of a member this rank had no gradient for
     used_on_host = read_to_host({used});
@@ -299,7 +312,7 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
   std::vector<at::Tensor> averages;
   if (!views.empty()) averages = at::_foreach_div(views, predivided ? 1 : reducer_.world_);
   for (size_t i = 0; i < masters.size(); ++i) {
-    const bool keep = produced_[members[i]] || used_on_host.at(members[i]) > 0;
+    const bool keep = local[members[i]] || used_on_host.at(members[i]) > 0;
     masters[i].mutable_grad() = keep ? std::move(averages[i]) : at::Tensor();
   }
   for (ReduceBucket* bucket : buckets_) {  // only the pieces' gradients stay

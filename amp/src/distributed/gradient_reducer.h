@@ -54,6 +54,9 @@ struct ReduceBucket {
   int64_t padded = 0;               // sharded: numel rounded up to a multiple of the world size
   at::ScalarType dtype = at::kFloat;  // sharded: the members' dtype (one per bucket)
   std::vector<Piece> pieces;        // sharded: this rank's
+  // Sharded, shard_gradients=false: per member, the whole float32 sum of an
+  // accumulation's earlier micro-batches (scaled), reduced with the last.
+  std::vector<at::Tensor> asides;
   at::Tensor flat;                  // replicated: kept; sharded: only while reducing
   at::Tensor chunk;                 // sharded: this rank's reduced part, while reducing
   c10::intrusive_ptr<c10d::Work> work;  // started and not yet waited for

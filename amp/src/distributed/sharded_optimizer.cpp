@@ -133,6 +133,23 @@ void ShardedOptimizer::take_values(const at::Tensor& member, const at::Tensor& f
   storages_[m] = member.storage().unsafeGetStorageImpl();
 }
 
+void ShardedOptimizer::hold_micro_batch() {
+  at::NoGradGuard no_grad;
+  for (ReduceBucket& bucket : buckets_) {
+    bucket.asides.resize(bucket.members.size());
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const at::Tensor& grad = bucket.members[j].grad();
+      if (!grad.defined()) continue;
+      at::Tensor& sum = bucket.asides[j];
+      sum = sum.defined() ? grad.to(at::kFloat) + sum : grad.to(at::kFloat);  // as the plan sums asides
+    }
+  }
+}
+
+void ShardedOptimizer::end_accumulation() {
+  for (ReduceBucket& bucket : buckets_) bucket.asides.clear();
+}
+
 void ShardedOptimizer::gather() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> wholes;

@@ -64,6 +64,11 @@ class ShardedOptimizer {
   bool stale() const { return stale_; }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
+  // shard_gradients=false, a delay_unscale guard ended: the members'
+  // gradients join their whole float32 sums (bucket asides).
+  void hold_micro_batch();
+  // The accumulation's last guard ended: the sums are reduced.
+  void end_accumulation();
   // All-gathers the pieces into the members (collective).
   void gather();
   // A member was set to `fp32` (torch::load, a checkpoint): its piece takes the values.

@@ -107,11 +107,15 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
     held.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
   }
   if (detail::ShardedMasters* sharded = context->sharded()) {
-    // Every guard, delay_unscale too: the pieces accumulate the averages,
-    // so no rank keeps whole gradients between micro-batches (ZeRO-2).
-    std::vector<std::vector<detail::ReduceBucket>*> buckets;
-    for (detail::OptimizerStep* step : steps) buckets.push_back(&sharded->of(step->optimizer())->buckets());
-    reduction = context->reducer()->start_sharded(buckets);
+    // ZeRO-2 reduces in every guard, delay_unscale too: the pieces
+    // accumulate the averages, so no rank keeps whole gradients between
+    // micro-batches. ZeRO-1 (shard_gradients=false) keeps each rank's whole
+    // sum until the accumulation's last guard (hold_micro_batch).
+    if (!options.delay_unscale || context->reducer()->config().shard_gradients) {
+      std::vector<std::vector<detail::ReduceBucket>*> buckets;
+      for (detail::OptimizerStep* step : steps) buckets.push_back(&sharded->of(step->optimizer())->buckets());
+      reduction = context->reducer()->start_sharded(buckets);
+    }
   } else if (detail::GradientReducer* reducer = context->reducer(); reducer && !options.delay_unscale) {
     reduction = reducer->start(slots);  // delay_unscale: DDP's no_sync, the last guard reduces
   }
@@ -214,10 +218,17 @@ void scale_loss::State::commit() {
     step->commit(host_reads ? nullptr : verdict, options.delay_unscale, options.loss_id);
   }
   if (detail::ShardedMasters* sharded = context->sharded()) {
-    sharded->clear_member_gradients();
+    const bool holds = options.delay_unscale && !context->reducer()->config().shard_gradients;
     for (detail::OptimizerStep* step : steps) {
-      if (!options.delay_unscale) sharded->of(step->optimizer())->mark_stale();
+      detail::ShardedOptimizer& s = *sharded->of(step->optimizer());
+      if (holds) {
+        s.hold_micro_batch();
+      } else if (!options.delay_unscale) {
+        s.end_accumulation();
+        s.mark_stale();
+      }
     }
+    sharded->clear_member_gradients();
   }
   stage = Stage::kFinished;
   context->weights().finish_backward();
