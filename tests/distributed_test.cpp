@@ -60,6 +60,10 @@ std::vector<RankRun> run_ranks(int world, const std::string& args) {
   return ranks;
 }
 
+// Tests whose amp code runs in the dist_helper processes they start (built
+// without sanitizers, so the sanitized suites leave them out).
+class RanksAsProcesses : public AmpTest {};
+
 // The same 5 steps in float64 on the whole batch: SGD(lr=0.1), step 2
 // skipped, from the helper's initial weights.
 std::vector<at::Tensor> float64_reference() {
@@ -135,7 +139,7 @@ INSTANTIATE_TEST_SUITE_P(LevelsAndWorldSizes, BuiltInDataParallel,
                            return std::get<0>(info.param) + "_world_size_" + std::to_string(std::get<1>(info.param));
                          });
 
-TEST_F(AmpTest, DataParallelWorldSizeOneIsOneProcessBitForBit) {
+TEST_F(RanksAsProcesses, DataParallelWorldSizeOneIsOneProcessBitForBit) {
   for (const std::string level : {"O1", "O2"}) {
     const auto single = run_ranks(1, "level=" + level + " optimizer=adam reduce=none")[0];
     const auto parallel = run_ranks(1, "level=" + level + " optimizer=adam")[0];
@@ -146,25 +150,25 @@ TEST_F(AmpTest, DataParallelWorldSizeOneIsOneProcessBitForBit) {
   }
 }
 
-TEST_F(AmpTest, DataParallelBucketSizeChangesNoBit) {
+TEST_F(RanksAsProcesses, DataParallelBucketSizeChangesNoBit) {
   const auto one_bucket = run_ranks(3, "bucket_bytes=1000000"), per_parameter = run_ranks(3, "bucket_bytes=1");
   for (int step = 0; step < 5; ++step) {
     EXPECT_TRUE(BitEqual(one_bucket[0].steps[step], per_parameter[0].steps[step])) << "step " << step;
   }
 }
 
-TEST_F(AmpTest, DataParallelAccumulationAveragesTheWholeSum) {
+TEST_F(RanksAsProcesses, DataParallelAccumulationAveragesTheWholeSum) {
   // Two micro-batches per rank, the first with delay_unscale (no reduction).
   expect_trained_together(run_ranks(3, "micro_batches=2"), 3 * one_process_error("O2"));
 }
 
-TEST_F(AmpTest, DataParallelReducesInLowPrecision) {
+TEST_F(RanksAsProcesses, DataParallelReducesInLowPrecision) {
   // O2 computes in bfloat16 on the CPU; bfloat16 traffic adds one rounding
   // of each rank's mean gradient and of their sum (2^-8 relative each).
   expect_trained_together(run_ranks(4, "reduce_dtype=bfloat16"), 3 * one_process_error("O2") + 2e-3);
 }
 
-TEST_F(AmpTest, DataParallelStartsFromRankZerosWeights) {
+TEST_F(RanksAsProcesses, DataParallelStartsFromRankZerosWeights) {
   // Rank 1 builds its model from another seed; initialize replaces it.
   const auto differently_seeded = run_ranks(2, "seed_per_rank=1");
   const auto ranks = run_ranks(2, "seed_per_rank=0");
@@ -173,7 +177,7 @@ TEST_F(AmpTest, DataParallelStartsFromRankZerosWeights) {
   }
 }
 
-TEST_F(AmpTest, WithoutAveragingRanksWouldDrift) {
+TEST_F(RanksAsProcesses, WithoutAveragingRanksWouldDrift) {
   // The bounds above mean something: each rank stepping on its own rows
   // alone ends farther from float64 than any of them allows.
   const auto ranks = run_ranks(2, "reduce=local");
@@ -256,7 +260,7 @@ INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
                                   std::to_string(std::get<3>(info.param)) + "_bytes";
                          });
 
-TEST_F(AmpTest, ShardedOverGlooWithCudaTensors) {
+TEST_F(RanksAsProcesses, ShardedOverGlooWithCudaTensors) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   // One GPU: two ranks share it over Gloo, amp's fused AdamW skipping on the device.
   const std::string args = "device=cuda optimizer=fused_adamw";
@@ -266,7 +270,7 @@ TEST_F(AmpTest, ShardedOverGlooWithCudaTensors) {
   EXPECT_EQ(sharded[0].skipped, 1);
 }
 
-TEST_F(AmpTest, ShardedAccumulationAtStagesOneAndTwo) {
+TEST_F(RanksAsProcesses, ShardedAccumulationAtStagesOneAndTwo) {
   // ZeRO-2 keeps no whole gradient between micro-batches: each guard
   // reduce-scatters, and the pieces sum the averages. The order of the sums
   // differs from the replicated run's (which sums locally, then averages):
@@ -280,7 +284,7 @@ TEST_F(AmpTest, ShardedAccumulationAtStagesOneAndTwo) {
   expect_same_bits(run_ranks(3, "micro_batches=2 shard=1 shard_gradients=0"), replicated, "ZeRO-1");
 }
 
-TEST_F(AmpTest, ShardedClippingSpansEveryShard) {
+TEST_F(RanksAsProcesses, ShardedClippingSpansEveryShard) {
   // amp::clip_grad_norm adds the shards' squares across ranks: the same
   // clipping as the replicated run's up to float32 rounding, and the clip
   // bites (the run moves far from the unclipped one).
@@ -290,7 +294,7 @@ TEST_F(AmpTest, ShardedClippingSpansEveryShard) {
   for (size_t r = 1; r < sharded.size(); ++r) expect_same_bits({sharded[r]}, {sharded[0]}, "rank " + std::to_string(r));
 }
 
-TEST_F(AmpTest, ShardedCheckpointResumesAtAnyWorldSize) {
+TEST_F(RanksAsProcesses, ShardedCheckpointResumesAtAnyWorldSize) {
   // A sharded run at world size 2 saves after step 1 (whole state, as one
   // process writes it); resumed at world sizes 3 and 1 it trains on bit for
   // bit as an unsharded run resumed from the same file, and at world size 2

@@ -1,5 +1,6 @@
 // Private: sharded fp32 masters and optimizer state (DataParallel::shard,
-// ZeRO stage 2), one ShardedOptimizer per optimizer passed to initialize.
+// ZeRO stage 2, or 1 with shard_gradients=false), one ShardedOptimizer per
+// optimizer passed to initialize.
 //
 // Layout. The optimizer's parameters (the members) are grouped into buckets
 // (gradient_reducer.h) of one dtype each - the dtype the model computes in:
@@ -76,8 +77,9 @@ class ShardedOptimizer {
   // Every member's float32 master, whole (collective).
   std::vector<at::Tensor> full_masters();
   // The optimizer's archive as one unsharded process would write it (its
-  // params the whole masters, their state whole), and back: checkpoints
-  // that load at any world size (collective).
+  // params the whole masters, their state whole; collective), and back
+  // (each piece takes its slice; local): checkpoints that load at any
+  // world size.
   void save(torch::serialize::OutputArchive& archive);
   void load(torch::serialize::InputArchive& archive);
   // Gives the members their float32 masters and, if every rank's optimizer
