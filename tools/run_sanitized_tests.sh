@@ -17,10 +17,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${AMP_BUILD_DIR:-$root/build}
 mode=${1:-address}
 case "$mode" in
-  # Tests that train in dist_helper processes run amp unsanitized there:
-  # the sanitized suite leaves them out.
+  # Tests that train in dist_helper processes run amp unsanitized there,
+  # and the Python peer tests spend their time in Python: the sanitized
+  # suite leaves them out.
   address) target=amp_tests_asan
-    filter='*-RanksAsProcesses.*:*BuiltInDataParallel.*:*HandWrittenAllReduce.*:*ShardedDataParallel.*'
+    filter='*-RanksAsProcesses.*:*BuiltInDataParallel.*:*HandWrittenAllReduce.*:*ShardedDataParallel.*:*PeerTest.*'
     export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
     export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ;;
   thread) target=amp_tests_tsan; filter='*ThreadsTest.*'
