@@ -479,6 +479,30 @@ TEST_F(AmpTest, ShardedOptimizerStepsPiecesAndGetsItsParametersBack) {
   EXPECT_EQ(state.step(), 1);
 }
 
+TEST_F(AmpTest, ShardedTakesTheProgramsOwnTorchLoad) {
+  // The program's own restore, as written: torch::load of a float32 file
+  // into the (sharded, low-precision) model. The masters take its values
+  // exactly, whether read at once or after a forward.
+  torch::manual_seed(1);
+  TinyNet saved;
+  const std::string file = ::testing::TempDir() + "amp_sharded_own_" + std::to_string(::getpid()) + ".pt";
+  torch::save(saved, file);
+  torch::manual_seed(0);
+  TinyNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  amp::initialize(model, optimizer, fake_sharded(O2));
+  torch::load(model, file);
+  const std::string weights = file + ".fp32";
+  amp::save_fp32_weights(model, weights);
+  TinyNet read;
+  torch::load(read, weights);
+  for (size_t i = 0; i < read->parameters().size(); ++i) {
+    EXPECT_TRUE(BitEqual(read->parameters()[i], saved->parameters()[i])) << "parameter " << i;
+  }
+  std::remove(file.c_str());
+  std::remove(weights.c_str());
+}
+
 TEST_F(AmpTest, ShardedRefusesABackwardOutsideTheGuard) {
   torch::manual_seed(0);
   TinyNet model;

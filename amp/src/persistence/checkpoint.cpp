@@ -22,6 +22,7 @@ MasterValues gathered_masters() {
   MasterValues out;
   const auto context = detail::live_context();
   if (!context || !context->sharded()) return out;
+  context->sharded()->sync();  // a torch::load into the model since the last op counts
   for (const auto& s : context->sharded()->optimizers()) {
     const std::vector<at::Tensor> whole = s->full_masters();
     for (size_t m = 0; m < whole.size(); ++m) out[s->members()[m].unsafeGetTensorImpl()] = whole[m];
