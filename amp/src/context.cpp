@@ -41,7 +41,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
                  std::unique_ptr<ModelWeights> weights,
                  const std::vector<torch::optim::Optimizer*>& optimizers,
                  std::shared_ptr<const ParameterNames> parameter_names,
-                 std::unique_ptr<ShardedMasters> sharded)
+                 std::unique_ptr<ShardedMasters> sharded, NamedBuffers model_buffers)
     : properties_(properties),
       options_(options),
       forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
@@ -55,6 +55,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     sharded_->record_members();
   }
   parameter_names_ = std::move(parameter_names);
+  model_buffers_ = std::move(model_buffers);
   if (options.precision_telemetry) {
     telemetry_ = std::make_unique<TelemetryRecorder>(
         options.num_losses, parameter_names_,
@@ -185,10 +186,11 @@ std::shared_ptr<Context> start_live_context(const Properties& properties, const 
                                             std::unique_ptr<ModelWeights> weights,
                                             const std::vector<torch::optim::Optimizer*>& optimizers,
                                             std::shared_ptr<const ParameterNames> parameter_names,
-                                            std::unique_ptr<ShardedMasters> sharded) {
+                                            std::unique_ptr<ShardedMasters> sharded, NamedBuffers model_buffers) {
   const RegistrationLock held;
   auto context = std::make_shared<Context>(properties, options, held, std::move(weights), optimizers,
-                                           std::move(parameter_names), std::move(sharded));
+                                           std::move(parameter_names), std::move(sharded),
+                                           std::move(model_buffers));
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live = context;
   return context;

@@ -46,7 +46,7 @@ class Context {
           std::unique_ptr<ModelWeights> weights,
           const std::vector<torch::optim::Optimizer*>& optimizers,
           std::shared_ptr<const ParameterNames> parameter_names,
-          std::unique_ptr<ShardedMasters> sharded);
+          std::unique_ptr<ShardedMasters> sharded, NamedBuffers model_buffers);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -60,6 +60,8 @@ class Context {
   // Options::overflow_provenance, and the names its reports use.
   bool provenance() const { return options_.overflow_provenance; }
   const std::shared_ptr<const ParameterNames>& parameter_names() const { return parameter_names_; }
+  // The models' buffers, named as parameter_names() names parameters.
+  const NamedBuffers& model_buffers() const { return model_buffers_; }
   // Where forward ops record for provenance; null when it is off or at O0.
   ForwardLog* forward_log() const { return forward_log_.get(); }
   // Options::precision_telemetry's records; null when it is off.
@@ -118,6 +120,7 @@ class Context {
   std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
   std::shared_ptr<const ParameterNames> parameter_names_;
+  NamedBuffers model_buffers_;
   std::unique_ptr<TelemetryRecorder> telemetry_;
   std::unique_ptr<GradientReducer> reducer_;
   std::function<void(at::Tensor&)> reduce_overflow_;
@@ -148,7 +151,7 @@ std::shared_ptr<Context> start_live_context(const Properties& properties, const 
                                             std::unique_ptr<ModelWeights> weights,
                                             const std::vector<torch::optim::Optimizer*>& optimizers,
                                             std::shared_ptr<const ParameterNames> parameter_names,
-                                            std::unique_ptr<ShardedMasters> sharded);
+                                            std::unique_ptr<ShardedMasters> sharded, NamedBuffers model_buffers);
 // The live initialization's state machine of `optimizer`, or null when amp
 // is not live or the optimizer was not passed to it.
 OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer);

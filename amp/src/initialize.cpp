@@ -292,6 +292,16 @@ std::shared_ptr<detail::ParameterNames> parameter_names(const Modules& models) {
   return names;
 }
 
+// The models' buffers, named as parameter_names names parameters.
+detail::NamedBuffers model_buffers(const Modules& models) {
+  detail::NamedBuffers buffers;
+  for (size_t i = 0; i < models.size(); ++i) {
+    const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "." : "";
+    for (const auto& item : models[i]->named_buffers()) buffers.emplace_back(prefix + item.key(), item.value());
+  }
+  return buffers;
+}
+
 }  // namespace
 
 void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
@@ -344,7 +354,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   auto sharded = shard_masters(models, optimizers, properties, effective, *names);
   auto weights = lower_weights(models, !optimizers.empty(), properties, effective);
   context_ = detail::start_live_context(properties, effective, std::move(weights), optimizers,
-                                        std::move(names), std::move(sharded));
+                                        std::move(names), std::move(sharded), model_buffers(models));
   if (options.verbosity >= 1) detail::emit({LogEvent::Kind::kProperties, "", describe(properties)});
 }
 

@@ -27,9 +27,10 @@
 // with_current_casts), custom_function.h (custom_fwd / custom_bwd for
 // autograd functions), cast_cache.h, hardware.h (what the CPU computes
 // natively), log.h (amp's events: skipped steps, warnings), loss_scaler.h,
-// model_conversion.h, op_stats.h, state.h and
+// memory.h (allocator bytes, now and at the peak), model_conversion.h, op_stats.h, state.h and
 // checkpoint.h (saving and resuming), distributed.h (data-parallel ranks),
-// overflow.h (where a skipped step's inf/NaN came from).
+// overflow.h (where a skipped step's inf/NaN came from), recompute.h
+// (activation recomputation under amp's casts).
 // Not included here: testing.h (host_syncs and test hooks, for benchmarks
 // and tests); internal/ holds what the headers need but programs do not.
 #pragma once
@@ -45,12 +46,14 @@
 #include <amp/initialize.h>
 #include <amp/log.h>
 #include <amp/loss_scaler.h>
+#include <amp/memory.h>
 #include <amp/model_conversion.h>
 #include <amp/op_stats.h>
 #include <amp/opt_levels.h>
 #include <amp/optimizer.h>
 #include <amp/options.h>
 #include <amp/overflow.h>
+#include <amp/recompute.h>
 #include <amp/refs.h>
 #include <amp/scale_loss.h>
 #include <amp/state.h>

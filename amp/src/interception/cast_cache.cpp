@@ -127,10 +127,20 @@ struct Entry {
   int64_t weight_version;  // the weight's version counter when copied
 };
 
+// ServeCopies: the copies a rerun meets instead of the cache's, by key.
+struct ServedCopy {
+  at::Tensor weight, served;
+};
+using Served = ska::flat_hash_map<Key, ServedCopy, KeyHash>;
+thread_local const Served* t_served = nullptr;
+
 class CastCache {
  public:
   at::Tensor get_or_cast(const at::Tensor& t, at::ScalarType to) {
     const Key key{t.unsafeGetTensorImpl(), to};
+    if (C10_UNLIKELY(t_served != nullptr)) {
+      if (auto it = t_served->find(key); it != t_served->end()) return it->second.served;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = entries_.find(key);
@@ -162,6 +172,21 @@ class CastCache {
   size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
     return entries_.size();
+  }
+
+  // What casts on this thread meet: the entries, or what ServeCopies serves.
+  std::vector<CachedCopy> copies() {
+    std::vector<CachedCopy> out;
+    if (t_served != nullptr) {
+      for (const auto& [key, copy] : *t_served) out.push_back({copy.weight, key.to, copy.served});
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [key, entry] : entries_) {
+      if (t_served != nullptr && t_served->count(key)) continue;
+      at::Tensor weight(entry.weight.lock());
+      if (weight.defined()) out.push_back({std::move(weight), key.to, entry.copy});
+    }
+    return out;
   }
 
  private:
@@ -219,6 +244,22 @@ at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
   count(&ThreadCounts::casts);
   CallRecord::note_cast(copy);
   return copy;
+}
+
+std::vector<CachedCopy> cached_copies() { return cache().copies(); }
+
+ServeCopies::ServeCopies(const std::vector<CachedCopy>& copies, const std::vector<at::Tensor>& served) {
+  TORCH_INTERNAL_ASSERT(t_served == nullptr, "amp: ServeCopies scopes do not nest");
+  auto map = std::make_unique<Served>();
+  for (size_t i = 0; i < copies.size(); ++i) {
+    map->emplace(Key{copies[i].weight.unsafeGetTensorImpl(), copies[i].to}, ServedCopy{copies[i].weight, served[i]});
+  }
+  t_served = map.release();
+}
+
+ServeCopies::~ServeCopies() {
+  delete t_served;
+  t_served = nullptr;
 }
 
 }  // namespace detail

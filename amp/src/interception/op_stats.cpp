@@ -35,6 +35,7 @@ Rows& rows() {
 }  // namespace
 
 void add_op_stats(const OpStats& row) {
+  if (recomputing()) return;  // forward counted these calls
   Rows& r = rows();
   std::lock_guard<std::mutex> lock(r.mutex);
   if (!recording()) return;

@@ -58,6 +58,9 @@
 
 namespace amp::detail {
 
+// Buffers by name ("layer1.bn.running_mean"; "model1.…" with several models).
+using NamedBuffers = std::vector<std::pair<std::string, at::Tensor>>;
+
 // A float32 tensor over the storage of a 16-bit tensor that holds float32
 // bytes (LibTorch's InputArchive gives a tensor the storage of the tensor it
 // read, keeping its own dtype: a float32 checkpoint read into a float16

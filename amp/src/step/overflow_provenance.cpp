@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <optional>
+#include <unordered_set>
 #include <utility>
 
 namespace amp::detail {
@@ -54,6 +55,7 @@ class NodeHook final : public torch::autograd::FunctionPostHook {
     if (auto trace = trace_.lock()) trace->record_node(op_, module_, received, produced);
     return produced;
   }
+  const std::weak_ptr<ProvenanceTrace>& trace() const { return trace_; }
 
  private:
   std::weak_ptr<ProvenanceTrace> trace_;
@@ -82,6 +84,7 @@ std::shared_ptr<ProvenanceTrace> ProvenanceTrace::watch(const at::Tensor& scaled
                                                         std::shared_ptr<const ParameterNames> names,
                                                         ForwardLog* forward) {
   std::shared_ptr<ProvenanceTrace> trace(new ProvenanceTrace(std::move(names)));
+  trace->self_ = trace;
   const ParameterNames& by_tensor = *trace->names_;
   std::unordered_map<const Node*, std::string> module_by_node;
   std::vector<Node*> unvisited;
@@ -101,10 +104,18 @@ std::shared_ptr<ProvenanceTrace> ProvenanceTrace::watch(const at::Tensor& scaled
   if (forward == nullptr) return trace;
   for (ForwardRecord& r : forward->claim([&](const Node* n) { return module_by_node.count(n) > 0; })) {
     const auto node = r.node.lock();
-    trace->forward_.push_back({*r.op, node ? module_by_node[node.get()] : std::string(), r.dtype,
-                               std::move(r.read_amax), std::move(r.returned_amax)});
+    std::string module = r.module ? *r.module : node ? module_by_node[node.get()] : std::string();
+    trace->forward_.push_back({*r.op, std::move(module), r.dtype, std::move(r.read_amax),
+                               std::move(r.returned_amax)});
   }
   return trace;
+}
+
+void ProvenanceTrace::watch_nodes(const std::vector<Node*>& nodes) {
+  for (Node* node : nodes) {
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr) continue;
+    node->add_post_hook(std::make_unique<NodeHook>(self_, node->name(), module_of(*node, *names_)));
+  }
 }
 
 void ProvenanceTrace::record_node(const std::string& op, const std::string& module,
@@ -172,6 +183,25 @@ OverflowReport ProvenanceTrace::report(int loss_id, double loss_scale) const {
     report.non_finite_gradients.push_back(it != names_->end() ? it->second : "(unnamed parameter)");
   }
   return report;
+}
+
+void adopt_recomputed_records(ForwardLog& log, const std::vector<Node*>& inside,
+                              const std::shared_ptr<Node>& node, const ParameterNames& names) {
+  const std::unordered_set<const Node*> in_block(inside.begin(), inside.end());
+  log.edit([&](ForwardRecord& r) {
+    const std::shared_ptr<Node> own = r.node.lock();
+    if (!own || !in_block.count(own.get())) return;
+    if (!r.module) r.module = module_of(*own, names);
+    r.node = node;
+  });
+}
+
+void watch_recomputed_nodes(const Node& node, const std::vector<Node*>& inside) {
+  for (const auto& hook : node.post_hooks()) {
+    const auto* watching = dynamic_cast<const NodeHook*>(hook.get());
+    if (watching == nullptr) continue;
+    if (auto trace = watching->trace().lock()) trace->watch_nodes(inside);
+  }
 }
 
 }  // namespace amp::detail

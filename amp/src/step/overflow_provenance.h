@@ -46,12 +46,17 @@ class ProvenanceTrace {
   // node that produced an inf/NaN, and the gradients that hold one.
   OverflowReport report(int loss_id, double loss_scale) const;
 
+  // Gives each of `nodes` (a recomputed block's rerun, made after this
+  // trace hooked the graph) a hook recording into this trace.
+  void watch_nodes(const std::vector<torch::autograd::Node*>& nodes);
+
   // Called by a node's hook as backward runs it.
   void record_node(const std::string& op, const std::string& module, const at::TensorList received,
                    const at::TensorList produced);
 
  private:
   explicit ProvenanceTrace(std::shared_ptr<const ParameterNames> names) : names_(std::move(names)) {}
+  std::weak_ptr<ProvenanceTrace> self_;
 
   // One op or node: the largest magnitudes (0-dim, on the device) of what it
   // read and of what it made.
@@ -67,5 +72,15 @@ class ProvenanceTrace {
   std::vector<const c10::TensorImpl*> grad_params_;
   std::vector<at::Tensor> grad_amax_;
 };
+
+// Recomputed blocks (recompute.h). After a block's forward: its records in
+// `log` whose node is one of `inside` (about to be freed) now stand for
+// `node`, the block's node in the graph guards walk, and keep the module
+// their own node was nearest to.
+void adopt_recomputed_records(ForwardLog& log, const std::vector<torch::autograd::Node*>& inside,
+                              const std::shared_ptr<torch::autograd::Node>& node, const ParameterNames& names);
+// At the block's rerun in backward: `inside`, the rerun's nodes, join every
+// trace that hooked `node`.
+void watch_recomputed_nodes(const torch::autograd::Node& node, const std::vector<torch::autograd::Node*>& inside);
 
 }  // namespace amp::detail

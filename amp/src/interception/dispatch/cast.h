@@ -179,4 +179,10 @@ inline T set_opt_dtype(T arg) {
 // allows casts for its extent (nested counts).
 void allow_casts_in_backward(bool allow);
 
+// True while a recomputed block reruns its forward on this thread
+// (recompute.h): amp's kernels cast as in forward, and op statistics leave
+// the calls out (forward counted them). set_recomputing nests.
+bool recomputing();
+void set_recomputing(bool on);
+
 }  // namespace amp::detail

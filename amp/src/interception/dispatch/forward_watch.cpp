@@ -137,6 +137,11 @@ std::vector<ForwardRecord> ForwardLog::claim(const std::function<bool(const torc
   return claimed;
 }
 
+void ForwardLog::edit(const std::function<void(ForwardRecord&)>& edit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (ForwardRecord& r : records_) edit(r);
+}
+
 void ForwardLog::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   records_.clear();

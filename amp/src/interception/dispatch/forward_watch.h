@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,9 @@ struct ForwardRecord {
   std::weak_ptr<torch::autograd::Node> node;  // grad_fn of its first floating output
   bool has_node = false;  // false: that output needs no gradient
   c10::ScalarType dtype = c10::kFloat;        // of that output
+  // The module its node was nearest to, when the record outlived that node
+  // (a recomputed block's forward; recompute.h); else found from `node`.
+  std::optional<std::string> module;
   std::vector<at::Tensor> read_amax, returned_amax;  // 0-dim, on the tensors' devices
 };
 
@@ -52,6 +56,8 @@ class ForwardLog {
   // gradient); records whose graph is gone are dropped, others stay.
   std::vector<ForwardRecord> claim(const std::function<bool(const torch::autograd::Node*)>& in_graph);
   void clear();
+  // Lets `edit` change every waiting record.
+  void edit(const std::function<void(ForwardRecord&)>& edit);
 
  private:
   std::mutex mutex_;  // forwards may run on several threads (enable_casts)

@@ -14,13 +14,18 @@ namespace amp::detail {
 // CUDA) and clears it afterwards.
 namespace {
 thread_local int t_backward_casts_allowed = 0;
+thread_local int t_recomputing = 0;
 }  // namespace
 
 bool in_backward() {
-  return t_backward_casts_allowed == 0 && torch::autograd::get_current_graph_task_id() != -1;
+  return t_backward_casts_allowed == 0 && t_recomputing == 0 && torch::autograd::get_current_graph_task_id() != -1;
 }
 
 void allow_casts_in_backward(bool allow) { t_backward_casts_allowed += allow ? 1 : -1; }
+
+bool recomputing() { return t_recomputing != 0; }
+
+void set_recomputing(bool on) { t_recomputing += on ? 1 : -1; }
 
 void throw_banned(const OpBinding& binding) {
   const char* reason = binding.banned_because.load();

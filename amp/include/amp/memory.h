@@ -1,0 +1,41 @@
+// How many bytes LibTorch's allocator holds for tensors, now and at its
+// peak: what mixed precision and recomputation save, measured.
+//
+//   amp::track_allocations();                 // once, before building the model
+//   ...
+//   amp::reset_peak_allocated();              // CPU; or reset_peak_allocated(torch::kCUDA)
+//   train_step();
+//   amp::AllocatedBytes bytes = amp::allocated_bytes();
+//   std::printf("peak %.1f MiB\n", bytes.peak / 1048576.0);
+//
+// CPU: LibTorch keeps no count, so track_allocations() puts a counting
+// allocator in front of LibTorch's CPU allocator for the rest of the
+// process; tensors allocated before are not counted (their bytes never
+// enter `current`). Counting costs two atomic adds per allocation.
+// CUDA: the caching allocator's own statistics (bytes allocated to tensors,
+// not the cache it reserves); track_allocations() is not needed.
+//
+// Errors (c10::Error): allocated_bytes / reset_peak_allocated for the CPU
+// before track_allocations(), or for a device type other than CPU and CUDA.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+namespace amp {
+
+struct AllocatedBytes {
+  int64_t current = 0;  // held by live tensors now
+  int64_t peak = 0;     // the most held at once since the last reset
+};
+
+// Starts counting the CPU allocator's bytes. Idempotent; thread-safe.
+void track_allocations();
+bool tracking_allocations();
+
+AllocatedBytes allocated_bytes(c10::Device device = c10::kCPU);
+// The peak becomes the current count.
+void reset_peak_allocated(c10::Device device = c10::kCPU);
+
+}  // namespace amp

@@ -1,0 +1,157 @@
+// Activation recomputation (activation checkpointing, Python's
+// torch.utils.checkpoint) that keeps amp's precision exact.
+//
+// amp::recompute(fn, args...) runs fn(args...) and keeps none of the
+// activations inside it - only its tensor arguments. When backward reaches
+// the block it runs fn again and backpropagates through that run. The rerun
+// happens in exactly the precision state of the forward: the same casts
+// (O1's lists, disable_casts, cast_dtype and custom_fwd regions), the cast
+// cache's copies of this iteration, the weights in the dtype forward used
+// (O2, O3, O5, sharded), the same random numbers (dropout draws the same
+// masks: the CPU generator and those of the CUDA devices of the arguments),
+// and BatchNorm running statistics updated once, by forward. Outputs and
+// gradients are bit-identical to the same model without recomputation.
+//
+//   struct GptImpl : torch::nn::Module {
+//     at::Tensor forward(const at::Tensor& x) {
+//       at::Tensor h = embed(x);
+//       for (const auto& block : blocks)  // holders copied into the lambda: it runs again in backward
+//         h = amp::recompute([block](const at::Tensor& in) { return block->forward(in); }, h);
+//       return head(h);
+//     }
+//   };
+//
+//   at::Tensor y = amp::recompute_sequential(layers, /*segments=*/4, x);  // instead of layers->forward(x)
+//
+// fn returns an at::Tensor, a std::vector<at::Tensor> or a std::tuple of
+// tensors. at::Tensor arguments are the block's inputs (they need not
+// require grad; integer ones, such as token ids, are fine); other arguments
+// are copied and passed again at the rerun. Under torch::NoGradGuard (or
+// InferenceMode) recompute is a plain call. It does not need amp to be
+// initialized, but only with it does it know the models' buffers (see
+// below). Nested recompute calls, gradient accumulation, several losses
+// (retain_graph), create_graph (gradient penalties) and
+// Options::data_parallel all work; backward nodes and forward ops inside a
+// block appear in overflow reports (overflow.h) as without recomputation.
+//
+// Caller's duties: fn must compute the same thing when called again - a
+// function of its arguments, the models' parameters and buffers, and the
+// random generators; everything fn captures must live until backward
+// (capture module holders by value). Tensors read by fn that carry autograd
+// history must be passed as arguments (an error says so otherwise).
+// In-place changes fn makes to tensors other than the buffers of the models
+// passed to amp::initialize (or of the Sequential given to
+// recompute_sequential) happen again at the rerun. When the block's
+// several outputs feed separate branches, gradients are equal but may
+// differ in the last bit (backward orders the branches' additions
+// differently; as with Python's checkpoint).
+//
+// Errors (c10::Error), each leaving nothing changed:
+//   - fn changes one of its tensor arguments in place (recompute would not
+//     see the values forward saw; clone it inside fn first);
+//   - fn reads a tensor with autograd history that is not among its
+//     arguments (pass it as an argument);
+//   - in backward: an argument was changed in place after forward (its
+//     version counter moved); backward through the block a second time
+//     without retain_graph; a rerun whose outputs differ from forward's;
+//   - recompute_sequential with segments < 1, or an empty Sequential.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace amp {
+
+namespace internal {
+
+// A block with its non-tensor arguments bound: tensor arguments in, outputs out.
+using RecomputedBlock = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// Runs `block` on `inputs` without keeping its activations (see above).
+// `buffers`: named buffers, besides the models', whose in-place updates by
+// the block the rerun must not repeat.
+std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<at::Tensor>& inputs,
+                                       std::vector<std::pair<std::string, at::Tensor>> buffers = {});
+
+// How fn's result travels as a list of tensors.
+template <class T>
+struct BlockOutputs {
+  static_assert(sizeof(T) == 0, "amp::recompute: fn must return at::Tensor, std::vector<at::Tensor> "
+                                "or std::tuple of at::Tensor");
+};
+template <>
+struct BlockOutputs<at::Tensor> {
+  static std::vector<at::Tensor> flatten(at::Tensor t) { return {std::move(t)}; }
+  static at::Tensor unflatten(std::vector<at::Tensor> v) { return std::move(v.at(0)); }
+};
+template <>
+struct BlockOutputs<std::vector<at::Tensor>> {
+  static std::vector<at::Tensor> flatten(std::vector<at::Tensor> v) { return v; }
+  static std::vector<at::Tensor> unflatten(std::vector<at::Tensor> v) { return v; }
+};
+template <class... Ts>
+struct BlockOutputs<std::tuple<Ts...>> {
+  static_assert((std::is_same_v<Ts, at::Tensor> && ...), "amp::recompute: a tuple result holds tensors only");
+  static std::vector<at::Tensor> flatten(std::tuple<Ts...> t) {
+    return std::apply([](auto&... items) { return std::vector<at::Tensor>{std::move(items)...}; }, t);
+  }
+  static std::tuple<Ts...> unflatten(std::vector<at::Tensor> v) {
+    return unflatten(std::move(v), std::index_sequence_for<Ts...>{});
+  }
+  template <size_t... I>
+  static std::tuple<Ts...> unflatten(std::vector<at::Tensor> v, std::index_sequence<I...>) {
+    return std::tuple<Ts...>(std::move(v.at(I))...);
+  }
+};
+
+template <class T>
+constexpr bool kIsTensor = std::is_same_v<std::decay_t<T>, at::Tensor>;
+
+}  // namespace internal
+
+template <class Fn, class... Args>
+auto recompute(Fn fn, Args&&... args) {
+  using Result = std::decay_t<std::invoke_result_t<Fn&, std::decay_t<Args>&...>>;
+  std::vector<at::Tensor> inputs;
+  auto collect = [&](const auto& arg) {
+    if constexpr (internal::kIsTensor<decltype(arg)>) inputs.push_back(arg);
+  };
+  (collect(args), ...);
+  // Non-tensor arguments are kept for the rerun; tensor slots are refilled.
+  std::tuple<std::decay_t<Args>...> bound(std::forward<Args>(args)...);
+  std::apply([](auto&... item) {
+    auto drop = [](auto& a) {
+      if constexpr (internal::kIsTensor<decltype(a)>) a = at::Tensor();
+    };
+    (drop(item), ...);
+  }, bound);
+  internal::RecomputedBlock block = [fn = std::move(fn), bound = std::move(bound)](
+                                        const std::vector<at::Tensor>& in) mutable {
+    auto call = bound;
+    size_t next = 0;
+    std::apply([&](auto&... item) {
+      auto fill = [&](auto& a) {
+        if constexpr (internal::kIsTensor<decltype(a)>) a = in[next++];
+      };
+      (fill(item), ...);
+    }, call);
+    return internal::BlockOutputs<Result>::flatten(std::apply(fn, call));
+  };
+  return internal::BlockOutputs<Result>::unflatten(internal::run_recomputed(std::move(block), inputs));
+}
+
+// sequential->forward(input) with its children split into `segments`
+// consecutive runs of (nearly) equal length, each recomputed but the last
+// (its activations are needed first in backward anyway), as Python's
+// checkpoint_sequential. The children take and return one tensor.
+at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input);
+
+}  // namespace amp

@@ -1,0 +1,78 @@
+#include "recompute/block_boundary.h"
+
+#include <ATen/record_function.h>
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace amp::detail {
+
+using torch::autograd::AccumulateGrad;
+using torch::autograd::Edge;
+using torch::autograd::Node;
+
+RunMark RunMark::now() { return {at::RecordFunction::currentThreadId(), at::sequence_number::peek()}; }
+
+bool RunMark::created(const Node& node) const {
+  return node.thread_id() == thread && node.sequence_nr() >= first_sequence_nr && node.sequence_nr() != UINT64_MAX;
+}
+
+BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const RunMark& mark,
+                                  const Node* inputs_node, const std::vector<at::Tensor>& copies) {
+  // A copy is met through its grad_fn, or, when it is a leaf (a stand-in),
+  // through its accumulator, found by the tensor it accumulates into.
+  std::unordered_map<const Node*, size_t> copy_nodes;
+  std::unordered_map<const c10::TensorImpl*, size_t> copy_leaves;
+  for (size_t j = 0; j < copies.size(); ++j) {
+    if (const auto& fn = copies[j].grad_fn()) {
+      copy_nodes.emplace(fn.get(), j);
+    } else {
+      copy_leaves.emplace(copies[j].unsafeGetTensorImpl(), j);
+    }
+  }
+  BlockBoundary boundary;
+  std::unordered_set<const Node*> visited;
+  std::vector<Node*> unvisited;
+  auto seen_edges = [&](const Edge& e) {
+    for (const BoundaryEdge& b : boundary.edges) {
+      if (b.edge == e) return true;
+    }
+    return false;
+  };
+  auto meet = [&](const Edge& e) {
+    if (!e.is_valid()) return;
+    Node* n = e.function.get();
+    BoundaryEdge b{e, BoundaryEdge::Kind::kCaptured};
+    if (n == inputs_node) {
+      b.kind = BoundaryEdge::Kind::kInput;
+      b.index = e.input_nr;
+    } else if (auto it = copy_nodes.find(n); it != copy_nodes.end()) {
+      b.kind = BoundaryEdge::Kind::kCopy;
+      b.index = it->second;
+    } else if (const auto* leaf = dynamic_cast<const AccumulateGrad*>(n)) {
+      auto c = copy_leaves.find(leaf->variable.unsafeGetTensorImpl());
+      b.kind = c != copy_leaves.end() ? BoundaryEdge::Kind::kCopy : BoundaryEdge::Kind::kLeaf;
+      if (c != copy_leaves.end()) b.index = c->second;
+    } else if (mark.created(*n)) {
+      if (visited.insert(n).second) unvisited.push_back(n);
+      return;
+    }
+    if (!seen_edges(e)) boundary.edges.push_back(std::move(b));
+  };
+  for (const at::Tensor& out : outputs) {
+    if (out.defined() && out.requires_grad()) meet(torch::autograd::impl::gradient_edge(out));
+  }
+  while (!unvisited.empty()) {
+    Node* n = unvisited.back();
+    unvisited.pop_back();
+    boundary.inside.push_back(n);
+    for (const Edge& e : n->next_edges()) meet(e);
+  }
+  return boundary;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,60 @@
+// Private: where the graph one run of a recomputed block recorded meets the
+// rest of the graph (recompute.h).
+//
+// Walking back from the run's outputs, a node the run created (on this
+// thread, numbered from the mark on) is inside the block; every edge leaving
+// the inside goes to
+//   - an input: the node that gives the run's copy of argument i a history
+//     of its own (`inputs`), at input number i;
+//   - a cast-cache copy j (`copies`): the copy's grad_fn, or - in a rerun,
+//     which meets stand-in leaves of the copies - that leaf's accumulator;
+//   - a leaf that requires grad (a parameter): its gradient accumulator;
+//   - anything else: a tensor with history that the block captured instead
+//     of taking it as an argument (refused by the caller).
+// Forward records the boundary as the recompute node's next edges; the
+// rerun's boundary tells which of them each gradient it computes goes to.
+// At the rerun every boundary edge is a leaf or a capture point with
+// nothing behind it, so no boundary edge lies behind another and the
+// rerun's backward counts each path once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace amp::detail {
+
+// The nodes one run creates: those of this thread numbered from here on.
+struct RunMark {
+  uint64_t thread = 0;
+  uint64_t first_sequence_nr = 0;
+  static RunMark now();
+  bool created(const torch::autograd::Node& node) const;
+};
+
+struct BoundaryEdge {
+  enum class Kind { kInput, kCopy, kLeaf, kCaptured };
+  torch::autograd::Edge edge;
+  Kind kind;
+  size_t index = 0;  // kInput: the argument; kCopy: the copy
+};
+
+struct BlockBoundary {
+  // Unique edges, in the order the walk met them.
+  std::vector<BoundaryEdge> edges;
+  // The nodes inside, for overflow provenance.
+  std::vector<torch::autograd::Node*> inside;
+
+  // `inputs_node`: the node whose input i stands for argument i. `copies`:
+  // the cache's copies (or stand-ins) the run could meet.
+  static BlockBoundary walk(const std::vector<at::Tensor>& outputs, const RunMark& mark,
+                            const torch::autograd::Node* inputs_node, const std::vector<at::Tensor>& copies);
+};
+
+}  // namespace amp::detail
