@@ -108,6 +108,7 @@ struct LevelCase {
   amp::OptLevel level;
   std::optional<c10::ScalarType> cpu_dtype;
 };
+void PrintTo(const LevelCase& c, std::ostream* os) { *os << c.name; }
 
 class RecomputeLevelTest : public AmpTest, public ::testing::WithParamInterface<LevelCase> {};
 
@@ -135,6 +136,277 @@ INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest,
                                            LevelCase{"O2_fp16", amp::O2, c10::kHalf},
                                            LevelCase{"O3_fp16", amp::O3, c10::kHalf}),
                          [](const auto& info) { return info.param.name; });
+
+// --- The block's contract -------------------------------------------------------
+
+using Recomputed = std::function<at::Tensor(const at::Tensor&)>;
+
+TEST_F(AmpTest, OutputsHangOnOneRecomputeNodeAndNoGradIsAPlainCall) {
+  torch::nn::Linear fc(4, 4);
+  int calls = 0;
+  auto block = [&](const at::Tensor& x) {
+    ++calls;
+    return torch::tanh(fc(x));
+  };
+  const at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
+  const at::Tensor y = amp::recompute(block, x);
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_EQ(y.grad_fn()->name(), "amp::RecomputeBackward");
+  EXPECT_EQ(calls, 1);
+  y.sum().backward();
+  EXPECT_EQ(calls, 2);  // the rerun
+  {
+    torch::NoGradGuard no_grad;
+    const at::Tensor z = amp::recompute(block, x);
+    EXPECT_FALSE(z.requires_grad());
+  }
+  EXPECT_EQ(calls, 3);
+  const at::Tensor ids = torch::randint(0, 4, {2});
+  EXPECT_FALSE(amp::recompute([](const at::Tensor& i) { return i * 2; }, ids).requires_grad());
+}
+
+// Tensor and non-tensor arguments, an integer input, an input without
+// grad, several outputs: the same gradients as the plain call at O1 (fp16),
+// where the weights reach the block through the cast cache.
+TEST_F(AmpTest, SeveralOutputsAndNonTensorArgumentsBackpropagateAsThePlainCall) {
+  auto run = [](bool recompute) {
+    torch::manual_seed(0);
+    torch::nn::Embedding embed(10, 6);
+    torch::nn::Linear fc(6, 6);
+    torch::optim::SGD optimizer(std::vector<at::Tensor>{embed->weight, fc->weight, fc->bias}, 0.1);
+    Options options = O1;
+    options.cpu_dtype = c10::kHalf;
+    options.loss_scale = LossScale::Static(128);
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize({embed, fc}, {optimizer}, options);
+    const at::Tensor ids = torch::randint(0, 10, {3});
+    const at::Tensor x = torch::randn({3, 6}, torch::requires_grad());
+    const at::Tensor bias = torch::randn({6});  // needs no gradient
+    auto block = [embed, fc](const at::Tensor& ids, const at::Tensor& x, double scale, const at::Tensor& bias,
+                             const std::string& how) mutable {
+      const at::Tensor h = fc(embed(ids) + x) * scale + bias;
+      return std::make_tuple(how == "tanh" ? torch::tanh(h) : h, fc(h).relu());
+    };
+    auto [a, b] = recompute ? amp::recompute(block, ids, x, 0.5, bias, std::string("tanh"))
+                            : block(ids, x, 0.5, bias, "tanh");
+    const at::Tensor loss = a.to(at::kFloat).sum() + (b.to(at::kFloat) * b.to(at::kFloat)).sum();
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    return std::vector<at::Tensor>{x.grad(), embed->weight.grad(), fc->weight.grad(), fc->bias.grad(), loss};
+  };
+  expect_bit_equal(run(false), run(true), "gradient");
+}
+
+// Two micro-batches with delay_unscale, then a step: O2 (fp32 masters) and
+// O1 in fp16 (dynamic scale).
+TEST_F(AmpTest, GradientAccumulationOverMicroBatchesIsBitIdentical) {
+  for (amp::OptLevel level : {amp::O1, amp::O2}) {
+    auto run = [&](Recompute mode) {
+      torch::manual_seed(0);
+      Net model;
+      model->mode = mode;
+      torch::optim::Adam optimizer(model->parameters(), 1e-2);
+      Options options = level;
+      options.cpu_dtype = level == amp::O1 ? std::optional<c10::ScalarType>(c10::kHalf) : std::nullopt;
+      options.verbosity = 0;
+      Handle handle;
+      handle.initialize(model, optimizer, options);
+      for (int step = 0; step < 2; ++step) {
+        optimizer.zero_grad();
+        for (int micro = 0; micro < 2; ++micro) {
+          const at::Tensor loss =
+              torch::cross_entropy_loss(model->forward(torch::randn({6, 12})), torch::randint(0, 5, {6}));
+          scale_loss scaled(loss, optimizer, {.delay_unscale = micro == 0});
+          scaled.backward();
+        }
+        optimizer.step();
+      }
+      std::vector<at::Tensor> out;
+      for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+      return out;
+    };
+    expect_bit_equal(run(Recompute::kNone), run(Recompute::kNested), to_string(level));
+  }
+}
+
+// A trunk shared by two losses with their own scalers (num_losses = 2): the
+// first guard's backward retains the graph, and its end clears the cast
+// cache before the second backward reruns the trunk.
+TEST_F(AmpTest, TwoLossesThroughARetainedRecomputedTrunkAreBitIdentical) {
+  auto run = [](bool recompute) {
+    torch::manual_seed(0);
+    Block trunk(8);
+    torch::nn::Linear head1(8, 1), head2(8, 1);
+    torch::optim::SGD optimizer(trunk->parameters(), 0.1), heads(std::vector<at::Tensor>{}, 0.1);
+    for (auto* head : {&head1, &head2}) heads.add_param_group(torch::optim::OptimizerParamGroup((*head)->parameters()));
+    Options options = O1;
+    options.cpu_dtype = c10::kHalf;
+    options.loss_scale = LossScale::Static(128);
+    options.num_losses = 2;
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize({trunk, head1, head2}, {optimizer, heads}, options);
+    const at::Tensor x = torch::randn({4, 8});
+    const at::Tensor h = recompute ? amp::recompute([trunk](const at::Tensor& in) mutable { return trunk->forward(in, true); }, x)
+                                   : trunk->forward(x, true);
+    const at::Tensor loss1 = head1(h).to(at::kFloat).pow(2).mean(), loss2 = head2(h).to(at::kFloat).abs().mean();
+    {
+      scale_loss scaled(loss1, {optimizer, heads}, {.loss_id = 0});
+      scaled.backward(/*retain_graph=*/true);
+    }
+    {
+      scale_loss scaled(loss2, {optimizer, heads}, {.loss_id = 1});
+      scaled.backward();
+    }
+    std::vector<at::Tensor> grads;
+    for (const auto& p : trunk->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  expect_bit_equal(run(false), run(true), "trunk gradient");
+}
+
+// Gradient penalties: backward through the block's own backward, whose
+// graph leads through the rerun's stand-ins to the block's argument (made
+// by an op before it) and, at O1, to the cast cache's copies. Equal to the
+// plain block up to rounding: the first-order path and the double-backward
+// path add into the gradients in another order (at O1 in bfloat16, whose
+// rounding is 2^-8 relative).
+TEST_F(AmpTest, CreateGraphDifferentiatesThroughTheRerun) {
+  for (amp::OptLevel level : {amp::O0, amp::O1}) {
+    auto run = [&](bool recompute) {
+      torch::manual_seed(0);
+      Block block(8);
+      torch::optim::SGD optimizer(block->parameters(), 0.1);
+      Options options = level;
+      options.loss_scale = LossScale::Static(1);  // x0 is no parameter: its gradient stays scaled
+      options.verbosity = 0;
+      Handle handle;
+      handle.initialize(block, optimizer, options);
+      const at::Tensor x0 = torch::randn({4, 8}, torch::requires_grad());
+      const at::Tensor x = x0 * 3;
+      auto f = [block](const at::Tensor& in) mutable { return torch::tanh(block->forward(in, false)); };
+      const at::Tensor y = recompute ? amp::recompute(f, x) : f(x);
+      const at::Tensor dx = torch::autograd::grad({y.to(at::kFloat).sum()}, {x}, {}, true, true)[0];
+      const at::Tensor loss = y.to(at::kFloat).pow(2).mean() + dx.pow(2).sum();
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      std::vector<at::Tensor> out{dx.detach(), x0.grad()};
+      for (const auto& p : block->parameters()) out.push_back(p.grad().clone());
+      return out;
+    };
+    const std::vector<at::Tensor> plain = run(false), recomputed = run(true);
+    EXPECT_TRUE(BitEqual(plain[0], recomputed[0])) << to_string(level) << ": first-order gradient";
+    const double tolerance = level == amp::O1 ? 2e-2 : 1e-5;  // of each tensor's largest magnitude
+    for (size_t i = 0; i < plain.size(); ++i) {
+      const double scale = plain[i].abs().max().item<double>();
+      EXPECT_LE((plain[i] - recomputed[i]).abs().max().item<double>(), tolerance * scale) << to_string(level) << " " << i;
+    }
+  }
+}
+
+TEST_F(AmpTest, HooksOnWeightsRunOnceAndSequentialSegmentsMatchForward) {
+  auto run = [](bool recompute, int* hook_calls) {
+    torch::manual_seed(0);
+    torch::nn::Sequential layers(torch::nn::Linear(6, 8), torch::nn::BatchNorm1d(8), torch::nn::ReLU(),
+                                 torch::nn::Dropout(0.2), torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                                 torch::nn::Linear(8, 3));
+    torch::optim::SGD optimizer(layers->parameters(), 0.1);
+    Options options = O1;
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize(layers, optimizer, options);
+    layers[0]->as<torch::nn::Linear>()->weight.register_hook([hook_calls](const at::Tensor& g) {
+      ++*hook_calls;
+      return g * 2;
+    });
+    const at::Tensor x = torch::randn({5, 6});
+    const at::Tensor out = recompute ? amp::recompute_sequential(layers, 3, x) : layers->forward(x);
+    {
+      scale_loss scaled(out.to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    std::vector<at::Tensor> result;
+    for (const auto& p : layers->parameters()) result.push_back(p.grad().clone());
+    for (const auto& b : layers->buffers()) result.push_back(b.clone());
+    return result;
+  };
+  int plain_calls = 0, recomputed_calls = 0;
+  expect_bit_equal(run(false, &plain_calls), run(true, &recomputed_calls), "gradient or buffer");
+  EXPECT_EQ(plain_calls, 1);
+  EXPECT_EQ(recomputed_calls, 1);
+}
+
+// --- Errors -------------------------------------------------------------------
+
+TEST_F(AmpTest, RecomputeRefusesWhatItCannotRerunFaithfully) {
+  torch::nn::Linear fc(4, 4);
+  const at::Tensor x = torch::randn({2, 4}, torch::requires_grad());
+  const at::Tensor h = x * 2;
+
+  // An argument changed in place between forward and backward.
+  const at::Tensor held = h.detach().clone();
+  const at::Tensor y = amp::recompute([fc](const at::Tensor& in) mutable { return fc(in); }, held);
+  held.add_(1);
+  EXPECT_AMP_ERROR(y.sum().backward(), "tensor argument 0 of a recomputed block was changed in place");
+
+  // The block changes its argument.
+  const at::Tensor arg = torch::randn({2, 4});
+  EXPECT_AMP_ERROR(amp::recompute([fc](const at::Tensor& in) mutable { return fc(in.mul_(2)); }, arg),
+                   "changed its tensor argument 0 in place");
+
+  // A tensor with history captured instead of passed.
+  EXPECT_AMP_ERROR(amp::recompute([fc, h](const at::Tensor& in) mutable { return fc(in) + h; }, torch::randn({2, 4})),
+                   "Pass it to amp::recompute as an argument");
+
+  // Backward twice through a freed block.
+  const at::Tensor z = amp::recompute([fc](const at::Tensor& in) mutable { return fc(in); }, x);
+  z.sum().backward();
+  EXPECT_AMP_ERROR(z.sum().backward(), "Pass retain_graph=true");
+
+  EXPECT_AMP_ERROR(amp::recompute_sequential(torch::nn::Sequential(torch::nn::ReLU()), 0, x), "segments must be >= 1");
+  EXPECT_AMP_ERROR(amp::recompute_sequential(torch::nn::Sequential(), 1, x), "empty Sequential");
+}
+
+// --- Memory -----------------------------------------------------------------------
+
+// Bytes held during backward: without recomputation every block's
+// activations wait for it; with it only the blocks' inputs, plus one
+// block's activations at a time.
+TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
+  amp::track_allocations();
+  auto peak_of_step = [](bool recompute) {
+    torch::manual_seed(0);
+    torch::nn::ModuleList blocks;
+    for (int i = 0; i < 6; ++i) blocks->push_back(Block(64));
+    torch::optim::SGD optimizer(blocks->parameters(), 0.1);
+    Options options = O1;
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize(blocks, optimizer, options);
+    const at::Tensor x = torch::randn({256, 64});
+    optimizer.zero_grad();
+    reset_peak_allocated();
+    const int64_t before = allocated_bytes().current;
+    at::Tensor h = x;
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      const auto b = blocks->ptr<BlockImpl>(i);
+      h = recompute ? amp::recompute([b](const at::Tensor& in) { return b->forward(in, false); }, h)
+                    : b->forward(h, false);
+    }
+    {
+      scale_loss scaled(h.to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    return allocated_bytes().peak - before;
+  };
+  const int64_t plain = peak_of_step(false), recomputed = peak_of_step(true);
+  EXPECT_LT(recomputed, plain * 6 / 10) << "peak bytes: " << plain << " without, " << recomputed << " with";
+}
 
 }  // namespace
 }  // namespace amp::testing

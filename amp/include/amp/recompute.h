@@ -16,7 +16,7 @@
 //     at::Tensor forward(const at::Tensor& x) {
 //       at::Tensor h = embed(x);
 //       for (const auto& block : blocks)  // holders copied into the lambda: it runs again in backward
-//         h = amp::recompute([block](const at::Tensor& in) { return block->forward(in); }, h);
+//         h = amp::recompute([block](const at::Tensor& in) mutable { return block->forward(in); }, h);
 //       return head(h);
 //     }
 //   };
@@ -37,7 +37,8 @@
 // Caller's duties: fn must compute the same thing when called again - a
 // function of its arguments, the models' parameters and buffers, and the
 // random generators; everything fn captures must live until backward
-// (capture module holders by value). Tensors read by fn that carry autograd
+// (capture module holders by value, in a `mutable` lambda: a holder's
+// forward is not const). Tensors read by fn that carry autograd
 // history must be passed as arguments (an error says so otherwise).
 // In-place changes fn makes to tensors other than the buffers of the models
 // passed to amp::initialize (or of the Sequential given to

@@ -6,7 +6,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <unordered_map>
+#include <algorithm>
 #include <unordered_set>
 
 namespace amp::detail {
@@ -23,17 +23,8 @@ bool RunMark::created(const Node& node) const {
 
 BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const RunMark& mark,
                                   const Node* inputs_node, const std::vector<at::Tensor>& copies) {
-  // A copy is met through its grad_fn, or, when it is a leaf (a stand-in),
-  // through its accumulator, found by the tensor it accumulates into.
-  std::unordered_map<const Node*, size_t> copy_nodes;
-  std::unordered_map<const c10::TensorImpl*, size_t> copy_leaves;
-  for (size_t j = 0; j < copies.size(); ++j) {
-    if (const auto& fn = copies[j].grad_fn()) {
-      copy_nodes.emplace(fn.get(), j);
-    } else {
-      copy_leaves.emplace(copies[j].unsafeGetTensorImpl(), j);
-    }
-  }
+  std::vector<Edge> copy_edges;  // copy j's gradient edge
+  for (const at::Tensor& c : copies) copy_edges.push_back(c.requires_grad() ? torch::autograd::impl::gradient_edge(c) : Edge());
   BlockBoundary boundary;
   std::unordered_set<const Node*> visited;
   std::vector<Node*> unvisited;
@@ -47,16 +38,15 @@ BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const 
     if (!e.is_valid()) return;
     Node* n = e.function.get();
     BoundaryEdge b{e, BoundaryEdge::Kind::kCaptured};
+    const auto copy = std::find(copy_edges.begin(), copy_edges.end(), e);
     if (n == inputs_node) {
       b.kind = BoundaryEdge::Kind::kInput;
       b.index = e.input_nr;
-    } else if (auto it = copy_nodes.find(n); it != copy_nodes.end()) {
+    } else if (copy != copy_edges.end()) {
       b.kind = BoundaryEdge::Kind::kCopy;
-      b.index = it->second;
-    } else if (const auto* leaf = dynamic_cast<const AccumulateGrad*>(n)) {
-      auto c = copy_leaves.find(leaf->variable.unsafeGetTensorImpl());
-      b.kind = c != copy_leaves.end() ? BoundaryEdge::Kind::kCopy : BoundaryEdge::Kind::kLeaf;
-      if (c != copy_leaves.end()) b.index = c->second;
+      b.index = copy - copy_edges.begin();
+    } else if (dynamic_cast<const AccumulateGrad*>(n) != nullptr) {
+      b.kind = BoundaryEdge::Kind::kLeaf;
     } else if (mark.created(*n)) {
       if (visited.insert(n).second) unvisited.push_back(n);
       return;

@@ -6,16 +6,17 @@
 // the inside goes to
 //   - an input: the node that gives the run's copy of argument i a history
 //     of its own (`inputs`), at input number i;
-//   - a cast-cache copy j (`copies`): the copy's grad_fn, or - in a rerun,
-//     which meets stand-in leaves of the copies - that leaf's accumulator;
+//   - a cast-cache copy j (`copies`): the copy's gradient edge (its
+//     grad_fn; in a rerun, which meets stand-ins of the copies, the
+//     stand-ins' node);
 //   - a leaf that requires grad (a parameter): its gradient accumulator;
 //   - anything else: a tensor with history that the block captured instead
 //     of taking it as an argument (refused by the caller).
 // Forward records the boundary as the recompute node's next edges; the
 // rerun's boundary tells which of them each gradient it computes goes to.
-// At the rerun every boundary edge is a leaf or a capture point with
-// nothing behind it, so no boundary edge lies behind another and the
-// rerun's backward counts each path once.
+// At the rerun every boundary edge is a leaf, or a node with nothing
+// behind it until the rerun's backward is done, so no boundary edge lies
+// behind another and that backward counts each path once.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -37,39 +37,63 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// Gives a run's copies of the block's arguments a history of their own:
-// argument i is this node's input i. It never runs: backward stops here and
-// takes what arrives.
-struct BlockInputs final : Node {
-  variable_list apply(variable_list&&) override {
-    TORCH_INTERNAL_ASSERT(false, "amp: a recomputed block's inputs node ran");
-  }
-  std::string name() const override { return "amp::RecomputedBlockInputs"; }
+// Stands for tensors from outside the block in one run: tensor i is this
+// node's input i, and its next edge i leads to that tensor. It hands
+// gradients on unchanged - in the graph a backward with create_graph
+// (gradient penalties) makes through the rerun. The rerun's own backward
+// must stop here and collect what arrives, so for its extent the edges are
+// hidden (HiddenEdges); made with them, the node keeps the topological
+// number the engine's pruning relies on.
+struct StandIns final : Node {
+  explicit StandIns(torch::autograd::edge_list edges = {}) : Node(std::move(edges)) {}
+  variable_list apply(variable_list&& grads) override { return std::move(grads); }
+  std::string name() const override { return "amp::RecomputeStandIns"; }
 };
 
-// Whether argument `a` reaches the block through a BlockRun's node: it
-// requires grad and is not a leaf (a weight passed as an argument is taken
-// as it is).
+class HiddenEdges {
+ public:
+  explicit HiddenEdges(std::vector<Node*> nodes) : nodes_(std::move(nodes)) {
+    for (Node* n : nodes_) hidden_.push_back(std::exchange(n->next_edges(), {}));
+  }
+  ~HiddenEdges() {
+    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->next_edges() = std::move(hidden_[i]);
+  }
+  HiddenEdges(const HiddenEdges&) = delete;
+  HiddenEdges& operator=(const HiddenEdges&) = delete;
+
+ private:
+  std::vector<Node*> nodes_;
+  std::vector<torch::autograd::edge_list> hidden_;
+};
+
+// A tensor sharing `t`'s data and version counter whose history is the
+// next input of `node`.
+at::Tensor stand_in(const at::Tensor& t, const std::shared_ptr<StandIns>& node) {
+  at::Tensor s = t.detach();
+  torch::autograd::create_gradient_edge(s, node);
+  return s;
+}
+
+// Whether argument `a` reaches the block as a stand-in: it requires grad
+// and is not a leaf (a weight passed as an argument is taken as it is).
 bool through_node(const at::Tensor& a) { return a.defined() && a.requires_grad() && !a.is_leaf(); }
 
-// The arguments one run of the block receives: where `through[i]`, a copy
-// of `args[i]` sharing its data and version counter whose history is input
-// i of `node` (an activation, as the argument is: never cached as a
-// weight); otherwise args[i] itself.
+// The arguments one run of the block receives: where `through[i]`, a
+// stand-in for args[i] (an activation, as the argument is: never cached as
+// a weight); otherwise args[i] itself. `edges`: the stand-ins' (see StandIns).
 struct BlockRun {
-  std::shared_ptr<BlockInputs> node = std::make_shared<BlockInputs>();
+  std::shared_ptr<StandIns> node;
   std::vector<at::Tensor> inputs;
 
-  BlockRun(const std::vector<at::Tensor>& args, const std::vector<bool>& through) {
+  BlockRun(const std::vector<at::Tensor>& args, const std::vector<bool>& through, torch::autograd::edge_list edges = {})
+      : node(std::make_shared<StandIns>(std::move(edges))) {
     for (size_t i = 0; i < args.size(); ++i) {
-      if (!through[i]) {
+      if (through[i]) {
+        inputs.push_back(stand_in(args[i], node));
+      } else {
         inputs.push_back(args[i]);
         node->add_input_metadata(Node::undefined_input());
-        continue;
       }
-      at::Tensor copy = args[i].detach();
-      torch::autograd::create_gradient_edge(copy, node);
-      inputs.push_back(std::move(copy));
     }
   }
 };
@@ -132,6 +156,7 @@ class RecomputeNode final : public Node {
  private:
   std::optional<size_t> slot_of(const BoundaryEdge& b) const;
   void check_arguments() const;
+  torch::autograd::edge_list input_edges() const;
 
   std::optional<Saved> saved_;
   std::vector<size_t> output_of_;
@@ -146,6 +171,15 @@ void RecomputeNode::check_arguments() const {
                 "rerun the block on the values forward saw. Change a clone instead, or change it after "
                 "backward.");
   }
+}
+
+// Argument i's edge where it reaches the block through a stand-in.
+torch::autograd::edge_list RecomputeNode::input_edges() const {
+  torch::autograd::edge_list edges(saved_->args.size());
+  for (size_t s = 0; s < saved_->boundary.size(); ++s) {
+    if (saved_->boundary[s].kind == BoundaryEdge::Kind::kInput) edges[saved_->boundary[s].index] = next_edge(s);
+  }
+  return edges;
 }
 
 // Which next edge a gradient the rerun computed at `b` belongs to.
@@ -167,10 +201,13 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   const bool create_graph = at::GradMode::is_enabled();  // the engine's mode: create_graph
 
   // The rerun, in the forward's state, meeting stand-ins of the cast
-  // cache's copies forward met (leaves: the rerun's backward stops there).
-  BlockRun run(saved_->args, saved_->through);
+  // cache's copies forward met.
+  BlockRun run(saved_->args, saved_->through, input_edges());
+  torch::autograd::edge_list copy_edges;
+  for (const CachedCopy& c : saved_->replay->cached_copies()) copy_edges.push_back(torch::autograd::impl::gradient_edge(c.copy));
+  auto copies_node = std::make_shared<StandIns>(std::move(copy_edges));
   std::vector<at::Tensor> stand_ins;
-  for (const CachedCopy& c : saved_->replay->cached_copies()) stand_ins.push_back(c.copy.detach().requires_grad_());
+  for (const CachedCopy& c : saved_->replay->cached_copies()) stand_ins.push_back(stand_in(c.copy, copies_node));
   RunMark mark;
   std::vector<at::Tensor> outputs;
   {
@@ -210,6 +247,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   variable_list partial;
   {
     LeafHooksAside hooks(wanted);
+    HiddenEdges dead_ends({run.node.get(), copies_node.get()});
     partial = torch::autograd::Engine::get_default_engine().execute(
         roots, root_grads, /*keep_graph=*/create_graph, create_graph, /*accumulate_grad=*/false, wanted);
   }
