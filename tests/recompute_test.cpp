@@ -6,6 +6,10 @@
 
 #include <amp/memory.h>
 
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+
 namespace amp::testing {
 namespace {
 
@@ -339,6 +343,64 @@ TEST_F(AmpTest, HooksOnWeightsRunOnceAndSequentialSegmentsMatchForward) {
   expect_bit_equal(run(false, &plain_calls), run(true, &recomputed_calls), "gradient or buffer");
   EXPECT_EQ(plain_calls, 1);
   EXPECT_EQ(recomputed_calls, 1);
+}
+
+// --- Overflow provenance ---------------------------------------------------------
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Identity forward; its backward turns the gradient into inf.
+struct InfInBackward : torch::autograd::Function<InfInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] * kInf};
+  }
+};
+
+// An inf made inside a recomputed block, in forward or in backward, is
+// reported as if the block were not recomputed: the same op or node, its
+// module, its dtype, and the same gradients.
+TEST_F(AmpTest, AnOverflowInsideARecomputedBlockIsNamedAsWithoutRecomputation) {
+  for (bool in_forward : {true, false}) {
+    auto report_of = [&](bool recompute) {
+      torch::manual_seed(0);
+      TinyNet model;
+      torch::nn::Linear head(4, 2);
+      torch::optim::SGD optimizer(model->parameters(), 0.1);
+      Options options = O1;
+      options.verbosity = 0;
+      options.overflow_provenance = true;
+      options.loss_scale = LossScale::Dynamic();
+      Handle handle;
+      handle.initialize({model, head}, {optimizer}, options);
+      auto block = [model, in_forward](const at::Tensor& x) mutable {
+        at::Tensor h = torch::relu(model->fc1(x));
+        h = in_forward ? h * kInf : InfInBackward::apply(h);
+        return model->fc2(h);
+      };
+      const at::Tensor x = torch::randn({4, 8});
+      const at::Tensor out = recompute ? amp::recompute(block, x) : block(x);
+      optimizer.zero_grad();
+      {
+        scale_loss scaled(head(out).to(at::kFloat).sum(), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      return last_overflow(optimizer);
+    };
+    const std::optional<OverflowReport> plain = report_of(false), recomputed = report_of(true);
+    ASSERT_TRUE(plain.has_value() && recomputed.has_value());
+    const auto& expected = in_forward ? plain->forward : plain->backward;
+    const auto& got = in_forward ? recomputed->forward : recomputed->backward;
+    ASSERT_TRUE(expected.has_value() && got.has_value()) << (in_forward ? "forward" : "backward");
+    EXPECT_EQ(got->op, expected->op);
+    EXPECT_EQ(got->module, expected->module);
+    EXPECT_EQ(got->module, "model0.fc1");
+    EXPECT_EQ(got->dtype, expected->dtype);
+    EXPECT_EQ(got->input_non_finite, expected->input_non_finite);
+    EXPECT_EQ(recomputed->non_finite_gradients, plain->non_finite_gradients);
+  }
 }
 
 // --- Errors -------------------------------------------------------------------

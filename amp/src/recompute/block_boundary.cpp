@@ -21,10 +21,25 @@ bool RunMark::created(const Node& node) const {
   return node.thread_id() == thread && node.sequence_nr() >= first_sequence_nr && node.sequence_nr() != UINT64_MAX;
 }
 
+namespace {
+
+// Each tensor's gradient edge; invalid where it needs no gradient, or is a
+// leaf (a weight passed as an argument meets the walk as a leaf).
+std::vector<Edge> edges_of(const std::vector<at::Tensor>& tensors, bool leaves) {
+  std::vector<Edge> edges;
+  for (const at::Tensor& t : tensors) {
+    const bool counted = t.defined() && t.requires_grad() && (leaves || !t.is_leaf());
+    edges.push_back(counted ? torch::autograd::impl::gradient_edge(t) : Edge());
+  }
+  return edges;
+}
+
+}  // namespace
+
 BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const RunMark& mark,
-                                  const Node* inputs_node, const std::vector<at::Tensor>& copies) {
-  std::vector<Edge> copy_edges;  // copy j's gradient edge
-  for (const at::Tensor& c : copies) copy_edges.push_back(c.requires_grad() ? torch::autograd::impl::gradient_edge(c) : Edge());
+                                  const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& copies) {
+  const std::vector<Edge> input_edges = edges_of(inputs, /*leaves=*/false);
+  const std::vector<Edge> copy_edges = edges_of(copies, /*leaves=*/true);
   BlockBoundary boundary;
   std::unordered_set<const Node*> visited;
   std::vector<Node*> unvisited;
@@ -38,10 +53,11 @@ BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const 
     if (!e.is_valid()) return;
     Node* n = e.function.get();
     BoundaryEdge b{e, BoundaryEdge::Kind::kCaptured};
+    const auto input = std::find(input_edges.begin(), input_edges.end(), e);
     const auto copy = std::find(copy_edges.begin(), copy_edges.end(), e);
-    if (n == inputs_node) {
+    if (input != input_edges.end()) {
       b.kind = BoundaryEdge::Kind::kInput;
-      b.index = e.input_nr;
+      b.index = input - input_edges.begin();
     } else if (copy != copy_edges.end()) {
       b.kind = BoundaryEdge::Kind::kCopy;
       b.index = copy - copy_edges.begin();

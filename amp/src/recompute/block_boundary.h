@@ -4,8 +4,7 @@
 // Walking back from the run's outputs, a node the run created (on this
 // thread, numbered from the mark on) is inside the block; every edge leaving
 // the inside goes to
-//   - an input: the node that gives the run's copy of argument i a history
-//     of its own (`inputs`), at input number i;
+//   - an input: the gradient edge of the run's stand-in for argument i;
 //   - a cast-cache copy j (`copies`): the copy's gradient edge (its
 //     grad_fn; in a rerun, which meets stand-ins of the copies, the
 //     stand-ins' node);
@@ -52,10 +51,10 @@ struct BlockBoundary {
   // The nodes inside, for overflow provenance.
   std::vector<torch::autograd::Node*> inside;
 
-  // `inputs_node`: the node whose input i stands for argument i. `copies`:
-  // the cache's copies (or stand-ins) the run could meet.
+  // `inputs`: the run's arguments (stand-ins where they reach it through
+  // one). `copies`: the cache's copies (or their stand-ins) it could meet.
   static BlockBoundary walk(const std::vector<at::Tensor>& outputs, const RunMark& mark,
-                            const torch::autograd::Node* inputs_node, const std::vector<at::Tensor>& copies);
+                            const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& copies);
 };
 
 }  // namespace amp::detail

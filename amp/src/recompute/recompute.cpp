@@ -12,6 +12,7 @@
 #include "context.h"
 #include "recompute/block_boundary.h"
 #include "recompute/forward_replay.h"
+#include "recompute/stand_ins.h"
 #include "step/graph_capture.h"
 #include "step/overflow_provenance.h"
 
@@ -37,23 +38,23 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// Stands for tensors from outside the block in one run: tensor i is this
-// node's input i, and its next edge i leads to that tensor. It hands
-// gradients on unchanged - in the graph a backward with create_graph
-// (gradient penalties) makes through the rerun. The rerun's own backward
-// must stop here and collect what arrives, so for its extent the edges are
-// hidden (HiddenEdges); made with them, the node keeps the topological
-// number the engine's pruning relies on.
+// Stands for a tensor from outside the block in one run; its next edge
+// leads to that tensor. It hands gradients on unchanged - in the graph a
+// backward with create_graph (gradient penalties) makes through the rerun.
+// The rerun's own backward must stop here and collect what arrives, so for
+// its extent the edge is hidden (HiddenEdges); made with it, the node keeps
+// the topological number the engine's pruning relies on.
 struct StandIns final : Node {
-  explicit StandIns(torch::autograd::edge_list edges = {}) : Node(std::move(edges)) {}
+  explicit StandIns(Edge edge) : Node(edge.is_valid() ? torch::autograd::edge_list{std::move(edge)}
+                                                      : torch::autograd::edge_list{}) {}
   variable_list apply(variable_list&& grads) override { return std::move(grads); }
   std::string name() const override { return "amp::RecomputeStandIns"; }
 };
 
 class HiddenEdges {
  public:
-  explicit HiddenEdges(std::vector<Node*> nodes) : nodes_(std::move(nodes)) {
-    for (Node* n : nodes_) hidden_.push_back(std::exchange(n->next_edges(), {}));
+  explicit HiddenEdges(std::vector<std::shared_ptr<Node>> nodes) : nodes_(std::move(nodes)) {
+    for (const auto& n : nodes_) hidden_.push_back(std::exchange(n->next_edges(), {}));
   }
   ~HiddenEdges() {
     for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->next_edges() = std::move(hidden_[i]);
@@ -62,15 +63,17 @@ class HiddenEdges {
   HiddenEdges& operator=(const HiddenEdges&) = delete;
 
  private:
-  std::vector<Node*> nodes_;
+  std::vector<std::shared_ptr<Node>> nodes_;
   std::vector<torch::autograd::edge_list> hidden_;
 };
 
-// A tensor sharing `t`'s data and version counter whose history is the
-// next input of `node`.
-at::Tensor stand_in(const at::Tensor& t, const std::shared_ptr<StandIns>& node) {
+// A tensor sharing `t`'s data and version counter that stands for it (its
+// history: a StandIns node leading to `edge`), held in `nodes`.
+at::Tensor stand_in(const at::Tensor& t, Edge edge, std::vector<std::shared_ptr<Node>>& nodes) {
   at::Tensor s = t.detach();
+  auto node = std::make_shared<StandIns>(std::move(edge));
   torch::autograd::create_gradient_edge(s, node);
+  nodes.push_back(std::move(node));
   return s;
 }
 
@@ -79,21 +82,17 @@ at::Tensor stand_in(const at::Tensor& t, const std::shared_ptr<StandIns>& node) 
 bool through_node(const at::Tensor& a) { return a.defined() && a.requires_grad() && !a.is_leaf(); }
 
 // The arguments one run of the block receives: where `through[i]`, a
-// stand-in for args[i] (an activation, as the argument is: never cached as
-// a weight); otherwise args[i] itself. `edges`: the stand-ins' (see StandIns).
+// stand-in for args[i] leading to edges[i] (an activation, as the argument
+// is: never cached as a weight); otherwise args[i] itself.
 struct BlockRun {
-  std::shared_ptr<StandIns> node;
+  std::vector<std::shared_ptr<Node>> stand_ins;
   std::vector<at::Tensor> inputs;
 
-  BlockRun(const std::vector<at::Tensor>& args, const std::vector<bool>& through, torch::autograd::edge_list edges = {})
-      : node(std::make_shared<StandIns>(std::move(edges))) {
+  BlockRun(const std::vector<at::Tensor>& args, const std::vector<bool>& through,
+           torch::autograd::edge_list edges = {}) {
+    edges.resize(args.size());
     for (size_t i = 0; i < args.size(); ++i) {
-      if (through[i]) {
-        inputs.push_back(stand_in(args[i], node));
-      } else {
-        inputs.push_back(args[i]);
-        node->add_input_metadata(Node::undefined_input());
-      }
+      inputs.push_back(through[i] ? stand_in(args[i], std::move(edges[i]), stand_ins) : args[i]);
     }
   }
 };
@@ -203,15 +202,14 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   // The rerun, in the forward's state, meeting stand-ins of the cast
   // cache's copies forward met.
   BlockRun run(saved_->args, saved_->through, input_edges());
-  torch::autograd::edge_list copy_edges;
-  for (const CachedCopy& c : saved_->replay->cached_copies()) copy_edges.push_back(torch::autograd::impl::gradient_edge(c.copy));
-  auto copies_node = std::make_shared<StandIns>(std::move(copy_edges));
-  std::vector<at::Tensor> stand_ins;
-  for (const CachedCopy& c : saved_->replay->cached_copies()) stand_ins.push_back(stand_in(c.copy, copies_node));
+  std::vector<at::Tensor> copies;
+  for (const CachedCopy& c : saved_->replay->cached_copies()) {
+    copies.push_back(stand_in(c.copy, torch::autograd::impl::gradient_edge(c.copy), run.stand_ins));
+  }
   RunMark mark;
   std::vector<at::Tensor> outputs;
   {
-    ForwardReplay::Scope replay(*saved_->replay, stand_ins);
+    ForwardReplay::Scope replay(*saved_->replay, copies);
     at::AutoGradMode grad(true);
     mark = RunMark::now();
     outputs = saved_->block(run.inputs);
@@ -233,7 +231,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   variable_list result(num_outputs());
   if (roots.empty()) return result;
 
-  const BlockBoundary boundary = BlockBoundary::walk(outputs, mark, run.node.get(), stand_ins);
+  const BlockBoundary boundary = BlockBoundary::walk(outputs, mark, run.inputs, copies);
   watch_recomputed_nodes(*this, boundary.inside);
   torch::autograd::edge_list wanted;
   std::vector<std::optional<size_t>> slots;
@@ -247,7 +245,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   variable_list partial;
   {
     LeafHooksAside hooks(wanted);
-    HiddenEdges dead_ends({run.node.get(), copies_node.get()});
+    HiddenEdges dead_ends(run.stand_ins);
     partial = torch::autograd::Engine::get_default_engine().execute(
         roots, root_grads, /*keep_graph=*/create_graph, create_graph, /*accumulate_grad=*/false, wanted);
   }
@@ -265,6 +263,9 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
 }
 
 }  // namespace
+
+bool is_stand_ins(const Node& node) { return dynamic_cast<const StandIns*>(&node) != nullptr; }
+
 }  // namespace detail
 
 namespace internal {
@@ -307,7 +308,7 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   std::vector<detail::CachedCopy> copies = detail::cached_copies();
   std::vector<at::Tensor> copy_tensors;
   for (const detail::CachedCopy& c : copies) copy_tensors.push_back(c.copy);
-  detail::BlockBoundary boundary = detail::BlockBoundary::walk(outputs, mark, run.node.get(), copy_tensors);
+  detail::BlockBoundary boundary = detail::BlockBoundary::walk(outputs, mark, run.inputs, copy_tensors);
   if (boundary.edges.empty()) return outputs;  // nothing in it needs a gradient
   std::vector<detail::CachedCopy> met;  // the copies forward met, renumbered
   torch::autograd::edge_list next;

@@ -1,6 +1,7 @@
 #include "step/overflow_provenance.h"
 
 #include "context.h"
+#include "recompute/stand_ins.h"
 #include "step/host_read.h"
 
 #include <ATen/ATen.h>
@@ -20,16 +21,21 @@ using torch::autograd::variable_list;
 
 // The module of the named parameter nearest to `node` along backward
 // (breadth first, at most kDepth nodes on: a linear layer's matmul reaches
-// its bias through a cast), without the parameter's own name; "" if none.
+// its bias through a cast; a recomputed block's stand-ins do not count),
+// without the parameter's own name; "" if none.
 std::string module_of(const Node& node, const ParameterNames& names) {
   constexpr int kDepth = 4;
   std::vector<const Node*> level{&node};
   for (int depth = 0; depth < kDepth && !level.empty(); ++depth) {
     std::vector<const Node*> next_level;
-    for (const Node* n : level) {
-      for (const auto& edge : n->next_edges()) {
+    for (size_t i = 0; i < level.size(); ++i) {
+      for (const auto& edge : level[i]->next_edges()) {
         const Node* next = edge.function.get();
         if (next == nullptr) continue;
+        if (is_stand_ins(*next)) {
+          level.push_back(next);  // on this level: what it stands for is one node on
+          continue;
+        }
         const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(next);
         if (leaf == nullptr) {
           next_level.push_back(next);
