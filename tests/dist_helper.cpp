@@ -25,6 +25,8 @@
 //     bucket_bytes=N          data_parallel.bucket_bytes (64: several buckets)
 //     seed_per_rank=0|1       1: rank r builds its weights from seed 3 + r (0:
 //                             every rank from seed 3)
+//     recompute=0|1           1: forward through amp::recompute_sequential,
+//                             each layer but the last recomputed (0)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -91,7 +93,7 @@ int main(int argc, char** argv) {
                                            {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
                                            {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
-                                           {"shard_gradients", "1"}};
+                                           {"shard_gradients", "1"}, {"recompute", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -145,6 +147,9 @@ int main(int argc, char** argv) {
   const std::string checkpoint = flags["checkpoint"], scratch = std::string(argv[3]) + ".weights";
   const int save_after = std::stoi(flags["save_after"]);
   const double clip = std::stod(flags["clip"]);
+  auto forward = [&model, recompute = flags["recompute"] == "1"](const at::Tensor& x) {
+    return recompute ? amp::recompute_sequential(model, /*segments=*/3, x) : model->forward(x);
+  };
   if (flags["resume"] == "1") amp::load_checkpoint(checkpoint, {model}, {optimizer});
 
   std::vector<at::Tensor> trace;
@@ -156,7 +161,7 @@ int main(int argc, char** argv) {
     optimizer->zero_grad();
     for (int micro = 0; micro < micro_batches; ++micro) {
       const int64_t first = rank * rows + micro * micro_rows;
-      auto loss = torch::mse_loss(model->forward(x.narrow(0, first, micro_rows)), y.narrow(0, first, micro_rows)) /
+      auto loss = torch::mse_loss(forward(x.narrow(0, first, micro_rows)), y.narrow(0, first, micro_rows)) /
                   micro_batches;
       const bool last = micro == micro_batches - 1;
       const bool in_grad = reduce == "inside" || reduce == "after";

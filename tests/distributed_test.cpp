@@ -260,6 +260,17 @@ INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
                                   std::to_string(std::get<3>(info.param)) + "_bytes";
                          });
 
+// Recomputed layers under sharding: the weights a rerun meets in backward
+// are the ones forward gathered, and gradients reach the reduce-scatter
+// hooks through the recompute node: the same bits as without it, with
+// accumulation too.
+TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
+  for (const std::string level : {"O2", "O5"}) {
+    const std::string args = "level=" + level + " optimizer=adam shard=1 micro_batches=2";
+    expect_same_bits(run_ranks(2, args + " recompute=1"), run_ranks(2, args), level);
+  }
+}
+
 TEST_F(RanksAsProcesses, ShardedOverGlooWithCudaTensors) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   // One GPU: two ranks share it over Gloo, amp's fused AdamW skipping on the device.
