@@ -259,7 +259,16 @@ Program generate_program(uint64_t seed) {
     p.restart_before = draw.between(1, p.iterations - 1);
     if (draw.chance(0.5)) p.fresh_process_level = draw.pick(all_opt_levels());
   }
-  p.fused_step = draw.chance(0.7);  // drawn last: earlier seeds keep their programs
+  p.fused_step = draw.chance(0.7);  // drawn late: earlier seeds keep their programs
+  for (ModelSpec& m : p.models) {
+    if (!draw.chance(0.3)) continue;
+    const int n = static_cast<int>(m.blocks.size());
+    RecomputedBlocks r;
+    r.first = static_cast<size_t>(draw.between(0, n - 1));
+    r.last = static_cast<size_t>(draw.between(static_cast<int>(r.first) + 1, n));
+    r.nested = r.last - r.first >= 2 && draw.chance(0.5);
+    m.recomputed = r;
+  }
   return p;
 }
 
@@ -268,7 +277,11 @@ std::string describe(const Program& p) {
   for (size_t m = 0; m < p.models.size(); ++m) {
     out << "  model " << m << ": " << (p.models[m].token_input ? "Embedding " : "");
     for (Block b : p.models[m].blocks) out << name(b) << " ";
-    out << (p.models[m].affine_norms ? "" : "(norms not affine)") << "\n";
+    out << (p.models[m].affine_norms ? "" : "(norms not affine)");
+    if (const auto& r = p.models[m].recomputed) {
+      out << " blocks " << r->first << ".." << r->last - 1 << " recomputed" << (r->nested ? " (nested)" : "");
+    }
+    out << "\n";
   }
   for (size_t o = 0; o < p.optimizers.size(); ++o) {
     const auto& s = p.optimizers[o];

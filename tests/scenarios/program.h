@@ -2,7 +2,8 @@
 //
 // generate_program(seed) draws one, reproducibly from its seed: 1-3 small
 // models (Linear, Conv1d, Conv2d, BatchNorm, LayerNorm blocks; a model may
-// read tokens through an Embedding), 1-2 optimizers (SGD with or without
+// read tokens through an Embedding, and run some of its blocks under
+// amp::recompute, possibly nested), 1-2 optimizers (SGD with or without
 // momentum, Adam, AdamW), and per iteration 1-2 phases. A phase zeroes the
 // gradients of the optimizers it steps, runs 1-3 losses - each a chain of
 // models, possibly detached part-way (a GAN's discriminator on fake data),
@@ -37,10 +38,18 @@ enum class LossKind { kMse, kSoftplusMean, kCrossEntropy };
 enum class Zero { kOptimizer, kModel, kNever };
 enum class FaultKind { kInfGradient, kNaNGradient, kNaNLoss };
 
+// Blocks [first, last) of a model run under amp::recompute; `nested`: the
+// second half of them again inside it.
+struct RecomputedBlocks {
+  size_t first = 0, last = 0;
+  bool nested = false;
+};
+
 struct ModelSpec {
   bool token_input = false;  // an Embedding reads token ids first
   std::vector<Block> blocks;
   bool affine_norms = true;
+  std::optional<RecomputedBlocks> recomputed;
 };
 
 struct OptimizerSpec {

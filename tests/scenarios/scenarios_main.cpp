@@ -8,6 +8,7 @@
 #include "program.h"
 #include "runs.h"
 
+#include <algorithm>
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 
@@ -69,6 +70,12 @@ struct Coverage {
     count["restart"] += p.restart_before.has_value();
     count["fresh-process restart"] += p.fresh_process_level.has_value();
     count["float16 at O1-O3"] += p.float16;
+    const auto recomputes = [&](bool nested) {
+      return std::any_of(p.models.begin(), p.models.end(),
+                         [&](const ModelSpec& m) { return m.recomputed && (!nested || m.recomputed->nested); });
+    };
+    count["recomputed blocks"] += recomputes(false);
+    count["nested recomputation"] += recomputes(true);
   }
 };
 

@@ -1,5 +1,7 @@
 #include "workload.h"
 
+#include <amp/recompute.h>
+
 namespace amp::scenarios {
 
 ScenarioModelImpl::ScenarioModelImpl(const ModelSpec& spec) : spec_(spec) {
@@ -35,7 +37,23 @@ ScenarioModelImpl::ScenarioModelImpl(const ModelSpec& spec) : spec_(spec) {
 
 at::Tensor ScenarioModelImpl::forward(at::Tensor x) {
   if (spec_.token_input) x = embedding_(x).mean(1);
-  for (size_t i = 0; i < blocks_.size(); ++i) {
+  if (!spec_.recomputed) return run_blocks(0, blocks_.size(), x);
+  const RecomputedBlocks& r = *spec_.recomputed;
+  x = run_blocks(0, r.first, x);
+  x = recompute_blocks(r.first, r.last, r.nested, x);
+  return run_blocks(r.last, blocks_.size(), x);
+}
+
+at::Tensor ScenarioModelImpl::recompute_blocks(size_t begin, size_t end, bool nested, const at::Tensor& x) {
+  return amp::recompute([this, begin, end, nested](const at::Tensor& in) {
+    if (!nested) return run_blocks(begin, end, in);
+    const size_t middle = (begin + end) / 2;
+    return recompute_blocks(middle, end, /*nested=*/false, run_blocks(begin, middle, in));
+  }, x);
+}
+
+at::Tensor ScenarioModelImpl::run_blocks(size_t begin, size_t end, at::Tensor x) {
+  for (size_t i = begin; i < end; ++i) {
     auto* module = blocks_[i].get();
     switch (spec_.blocks[i]) {
       case Block::kLinear:

@@ -19,6 +19,10 @@ class ScenarioModelImpl : public torch::nn::Module {
   at::Tensor forward(at::Tensor x);
 
  private:
+  at::Tensor run_blocks(size_t begin, size_t end, at::Tensor x);
+  // Blocks [begin, end) under amp::recompute, their second half again when `nested`.
+  at::Tensor recompute_blocks(size_t begin, size_t end, bool nested, const at::Tensor& x);
+
   ModelSpec spec_;
   torch::nn::Embedding embedding_{nullptr};
   std::vector<std::shared_ptr<torch::nn::Module>> blocks_;

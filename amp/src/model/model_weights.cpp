@@ -179,8 +179,8 @@ void ModelWeights::check_converted() {
   pending_.store(false);
 }
 
-const ModelWeights::Entry* ModelWeights::find(const at::Tensor& t) const {
-  auto it = index_.find(t.unsafeGetTensorImpl());
+const ModelWeights::Entry* ModelWeights::find(const c10::TensorImpl* t) const {
+  auto it = index_.find(t);
   return it == index_.end() ? nullptr : &entries_[it->second];
 }
 

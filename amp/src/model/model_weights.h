@@ -156,7 +156,8 @@ class ModelWeights {
   void check_converted();
   void check_computing();
   void update_pending();
-  const Entry* find(const at::Tensor& t) const;
+  const Entry* find(const at::Tensor& t) const { return find(t.unsafeGetTensorImpl()); }
+  const Entry* find(const c10::TensorImpl* t) const;
   Entry* find(const at::Tensor& t) { return const_cast<Entry*>(std::as_const(*this).find(t)); }
 
   Mode mode_ = Mode::kNone;
@@ -186,7 +187,10 @@ void ModelWeights::on_op(const Args& args) {
   bool other = false;
   args.for_each_tensor([&](const at::Tensor& t, bool) {
     if (!t.defined()) return;
-    const Entry* e = find(t);
+    // A view counts as the tensor it views: nn::Linear without a bias passes
+    // weight.t() to mm, made before this op lowers the weight (the cast cache
+    // then serves the view of the lowered weight).
+    const Entry* e = find(t.is_view() ? t._base().unsafeGetTensorImpl() : t.unsafeGetTensorImpl());
     if (e == nullptr) {
       other = true;
       return;

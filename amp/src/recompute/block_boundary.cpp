@@ -58,11 +58,13 @@ BlockBoundary BlockBoundary::walk(const std::vector<at::Tensor>& outputs, const 
     if (input != input_edges.end()) {
       b.kind = BoundaryEdge::Kind::kInput;
       b.index = input - input_edges.begin();
+    } else if (dynamic_cast<const AccumulateGrad*>(n) != nullptr) {
+      // Before copies: a cache entry whose copy is its weight itself (cast
+      // through a view made before O2 lowered it) is that weight.
+      b.kind = BoundaryEdge::Kind::kLeaf;
     } else if (copy != copy_edges.end()) {
       b.kind = BoundaryEdge::Kind::kCopy;
       b.index = copy - copy_edges.begin();
-    } else if (dynamic_cast<const AccumulateGrad*>(n) != nullptr) {
-      b.kind = BoundaryEdge::Kind::kLeaf;
     } else if (mark.created(*n)) {
       if (visited.insert(n).second) unvisited.push_back(n);
       return;

@@ -241,6 +241,9 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
                 "forward did not; it must compute the same thing each time it runs.");
     wanted.push_back(b.edge);
     slots.push_back(slot_of(b));
+    TORCH_CHECK(slots.back().has_value(), "amp::recompute: when backward ran the block again it read a "
+                "tensor that needs a gradient (at ", b.edge.function->name(), ") that forward did not; it must "
+                "compute the same thing each time it runs.");
   }
   variable_list partial;
   {
@@ -251,13 +254,8 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   }
   for (size_t j = 0; j < partial.size(); ++j) {
     if (!partial[j].defined()) continue;
-    if (slots[j]) {
-      at::Tensor& into = result[*slots[j]];
-      into = into.defined() ? into + partial[j] : partial[j];
-    } else {  // a weight forward met through the cast cache, cast afresh (the cache was cleared)
-      torch::autograd::Engine::get_default_engine().execute({wanted[j]}, {partial[j]}, create_graph,
-                                                            create_graph, /*accumulate_grad=*/true);
-    }
+    at::Tensor& into = result[*slots[j]];
+    into = into.defined() ? into + partial[j] : partial[j];
   }
   return result;
 }
