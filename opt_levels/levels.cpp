@@ -10,13 +10,14 @@ namespace amp {
 
 const std::vector<LevelDefaults>& level_table() {
   static const std::vector<LevelDefaults> table = {
-      // level name  model cast                patch  keep BN fp32   masters       static scale  bf16  fp16 twin     note
-      {O0, "O0", ModelCast::kFloat32,      false, std::nullopt, false,        1.0,          false, std::nullopt, ""},
-      {O1, "O1", ModelCast::kNone,         true,  std::nullopt, std::nullopt, std::nullopt, false, std::nullopt, ""},
-      {O2, "O2", ModelCast::kLowPrecision, false, true,         true,         std::nullopt, false, std::nullopt, ""},
-      {O3, "O3", ModelCast::kLowPrecision, false, false,        false,        1.0,          false, std::nullopt, ""},
-      {O4, "O4", ModelCast::kNone,         true,  std::nullopt, std::nullopt, 1.0,          true,  O1,           "O1 in bfloat16"},
-      {O5, "O5", ModelCast::kLowPrecision, false, true,         true,         1.0,          true,  O2,           "O2 in bfloat16"},
+      // level name  model cast                patch  keep BN fp32   masters       static scale  bf16  fp16 twin     stochastic note
+      {O0, "O0", ModelCast::kFloat32,      false, std::nullopt, false,        1.0,          false, std::nullopt, false, ""},
+      {O1, "O1", ModelCast::kNone,         true,  std::nullopt, std::nullopt, std::nullopt, false, std::nullopt, false, ""},
+      {O2, "O2", ModelCast::kLowPrecision, false, true,         true,         std::nullopt, false, std::nullopt, false, ""},
+      {O3, "O3", ModelCast::kLowPrecision, false, false,        false,        1.0,          false, std::nullopt, false, ""},
+      {O4, "O4", ModelCast::kNone,         true,  std::nullopt, std::nullopt, 1.0,          true,  O1,           false, "O1 in bfloat16"},
+      {O5, "O5", ModelCast::kLowPrecision, false, true,         true,         1.0,          true,  O2,           false, "O2 in bfloat16"},
+      {O6, "O6", ModelCast::kLowPrecision, false, true,         false,        1.0,          true,  std::nullopt, true,  "bfloat16 without float32 masters"},
   };
   return table;
 }
@@ -65,6 +66,7 @@ std::string describe(const Properties& p) {
       << "  loss_scale            "
       << (p.loss_scale.dynamic ? "dynamic" : std::to_string(p.loss_scale.value)) << "\n"
       << "  cast_model_outputs    " << c10::toString(p.cast_model_outputs) << "\n"
+      << "  stochastic_rounding   " << (p.stochastic_rounding ? "True" : "False") << "\n"
       << "  low precision dtype   CPU " << c10::toString(p.cpu_dtype) << ", CUDA "
       << c10::toString(p.cuda_dtype) << "\n";
   return out.str();

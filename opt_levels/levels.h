@@ -14,7 +14,7 @@ namespace amp {
 enum class ModelCast : uint8_t {
   kNone,          // untouched: casts happen per op (O1, O4)
   kFloat32,       // checked to be fp32 (O0)
-  kLowPrecision,  // converted to the device's low-precision dtype (O2, O3, O5)
+  kLowPrecision,  // converted to the device's low-precision dtype (O2, O3, O5, O6)
 };
 
 struct LevelDefaults {
@@ -28,6 +28,7 @@ struct LevelDefaults {
   bool bfloat16_only;
   // For a bfloat16-only level: the level that does the same in float16.
   std::optional<OptLevel> float16_level;
+  bool stochastic_rounding;  // updates land in the bf16 weights rounded stochastically
   const char* note;  // shown in the list of levels, e.g. "O1 in bfloat16"
 
   // O1-style levels keep the model fp32 and cast per op.

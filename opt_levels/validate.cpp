@@ -123,6 +123,26 @@ Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
                 "float32 or the model's dtype ", *p.cast_model_type, ", got ", t);
     p.cast_model_outputs = t;
   }
+
+  p.stochastic_rounding = o.stochastic_rounding.value_or(defaults.stochastic_rounding);
+  if (p.stochastic_rounding) {
+    TORCH_CHECK(!p.master_weights, "amp: stochastic_rounding rounds each update into bfloat16 weights "
+                "kept without float32 masters; with master_weights (", name, ") the update lands in "
+                "float32. Use opt_level O6, or master_weights=false.");
+    TORCH_CHECK(p.cast_model_type == c10::kBFloat16, "amp: stochastic_rounding rounds updates into "
+                "bfloat16 weights, but opt_level ", name, " keeps the model in ",
+                p.cast_model_type ? c10::toString(*p.cast_model_type) : "float32 (cast per op)",
+                ". Use opt_level O6.");
+  }
+  if (o.optimizer_state_dtype) {
+    const c10::ScalarType t = *o.optimizer_state_dtype;
+    TORCH_CHECK(t == c10::kFloat || t == c10::kBFloat16, "amp: optimizer_state_dtype must be float32 "
+                "or bfloat16, got ", t);
+    TORCH_CHECK(p.stochastic_rounding, "amp: optimizer_state_dtype applies with stochastic_rounding "
+                "(O6); under ", name, " the optimizer keeps its state in the dtype of what it steps. "
+                "Remove the override, or use O6.");
+  }
+  p.optimizer_state_dtype = o.optimizer_state_dtype.value_or(p.stochastic_rounding ? c10::kBFloat16 : c10::kFloat);
   return p;
 }
 

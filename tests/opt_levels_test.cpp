@@ -47,6 +47,10 @@ std::vector<Row> rows() {
       {"O3_cuda", O3, none, kCuda, at::kHalf, false, false, false, false, 1.0},
       {"O4", O4, none, kCuda, kNone, true, false, false, false, 1.0},
       {"O5", O5, none, kCuda, at::kBFloat16, false, true, true, false, 1.0},
+      {"O6", O6, none, kCuda, at::kBFloat16, false, true, false, false, 1.0},
+      {"O6_fp32_state", O6, [](auto& o) { o.optimizer_state_dtype = at::kFloat; }, kCpu, at::kBFloat16, false, true, false, false, 1.0},
+      {"O6_round_to_nearest", O6, [](auto& o) { o.stochastic_rounding = false; }, kCpu, at::kBFloat16, false, true, false, false, 1.0},
+      {"O3_bf16_stochastic", O3, [](auto& o) { o.stochastic_rounding = true; }, kCpu, at::kBFloat16, false, false, false, false, 1.0},
       // Valid overrides.
       {"O2_keep_bn_false", O2, [](auto& o) { o.keep_batchnorm_fp32 = false; }, kCpu, at::kBFloat16, false, false, true, true, 65536.0},
       {"O3_keep_bn_true", O3, [](auto& o) { o.keep_batchnorm_fp32 = true; }, kCpu, at::kBFloat16, false, true, false, false, 1.0},
@@ -87,6 +91,13 @@ std::vector<Row> rows() {
       {"min_above_max", O1, [](auto& o) { o.dynamic_scaling.min_loss_scale = 8; o.dynamic_scaling.max_loss_scale = 4; }, kCpu, kNone, 0, 0, 0, 0, 0, "must not exceed max_loss_scale"},
       {"min_zero", O1, [](auto& o) { o.dynamic_scaling.min_loss_scale = 0; }, kCpu, kNone, 0, 0, 0, 0, 0, "min_loss_scale must be a finite number > 0"},
       {"outputs_at_O1", O1, [](auto& o) { o.cast_model_outputs = at::kFloat; }, kCpu, kNone, 0, 0, 0, 0, 0, "cast_model_outputs applies to levels that cast the model"},
+      {"O6_fp16", O6, [](auto& o) { o.cuda_dtype = at::kHalf; }, kCpu, kNone, 0, 0, 0, 0, 0, "O6 is a bfloat16 level"},
+      {"O6_masters", O6, [](auto& o) { o.master_weights = true; }, kCpu, kNone, 0, 0, 0, 0, 0, "with master_weights (O6) the update lands in float32"},
+      {"O5_stochastic", O5, [](auto& o) { o.stochastic_rounding = true; }, kCpu, kNone, 0, 0, 0, 0, 0, "Use opt_level O6, or master_weights=false"},
+      {"O3_cuda_stochastic", O3, [](auto& o) { o.stochastic_rounding = true; }, kCuda, kNone, 0, 0, 0, 0, 0, "keeps the model in Half"},
+      {"O1_stochastic", O1, [](auto& o) { o.stochastic_rounding = true; }, kCpu, kNone, 0, 0, 0, 0, 0, "keeps the model in float32 (cast per op)"},
+      {"O2_state_dtype", O2, [](auto& o) { o.optimizer_state_dtype = at::kFloat; }, kCpu, kNone, 0, 0, 0, 0, 0, "optimizer_state_dtype applies with stochastic_rounding"},
+      {"O6_state_half", O6, [](auto& o) { o.optimizer_state_dtype = at::kHalf; }, kCpu, kNone, 0, 0, 0, 0, 0, "optimizer_state_dtype must be float32 or bfloat16"},
       {"outputs_int", O2, [](auto& o) { o.cast_model_outputs = at::kInt; }, kCpu, kNone, 0, 0, 0, 0, 0, "must be float32 or the model's dtype"},
   };
 }
@@ -109,6 +120,9 @@ TEST_P(OptLevelTable, ResolvesOrRejects) {
   EXPECT_EQ(p.master_weights, row.master_weights);
   EXPECT_EQ(p.loss_scale.dynamic, row.dynamic);
   EXPECT_EQ(p.loss_scale.value, row.scale);
+  const bool stochastic = overrides.stochastic_rounding.value_or(row.level == O6);
+  EXPECT_EQ(p.stochastic_rounding, stochastic);
+  EXPECT_EQ(p.optimizer_state_dtype, overrides.optimizer_state_dtype.value_or(stochastic ? at::kBFloat16 : at::kFloat));
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, OptLevelTable, ::testing::ValuesIn(rows()),
@@ -135,7 +149,7 @@ TEST(OptLevelDocs, HeaderTableSaysWhatTheLevelsResolveTo) {
     out << std::fixed << std::setprecision(1) << v;
     return out.str();
   };
-  for (OptLevel level : {O0, O1, O2, O3, O4, O5}) {
+  for (OptLevel level : all_opt_levels()) {
     SCOPED_TRACE(to_string(level));
     const Properties cuda = resolve_properties(level, {}, c10::kCUDA);
     const Properties cpu = resolve_properties(level, {}, c10::kCPU);
@@ -149,20 +163,22 @@ TEST(OptLevelDocs, HeaderTableSaysWhatTheLevelsResolveTo) {
         cuda.patch_torch_functions ? (bf16 ? "true (bf16)" : "true") : "false",
         casts_model ? yes_no(cuda.keep_batchnorm_fp32) : "-",
         cuda.patch_torch_functions ? "-" : yes_no(cuda.master_weights),
-        cuda.loss_scale.dynamic ? "dynamic" : one_decimal(cuda.loss_scale.value)};
+        cuda.loss_scale.dynamic ? "dynamic" : one_decimal(cuda.loss_scale.value),
+        yes_no(cuda.stochastic_rounding)};
     EXPECT_EQ(documented[std::string(to_string(level))], expected);
   }
 }
 
 TEST(OptLevelNames, ParseAcceptsTheLevelsAndExplainsTheLetterO) {
-  ASSERT_EQ(all_opt_levels().size(), 6u);
+  ASSERT_EQ(all_opt_levels().size(), 7u);
   for (OptLevel level : all_opt_levels()) EXPECT_EQ(parse_opt_level(to_string(level)), level);
   for (const char* bad : {"o1", "0O", "01", "O9", "", "O1 "}) {
     EXPECT_AMP_ERROR(parse_opt_level(bad), "the prefix O is the capital letter O, not the number zero");
     EXPECT_AMP_ERROR(parse_opt_level(bad), "'O0', 'O1', 'O2', 'O3'");
   }
   EXPECT_AMP_ERROR(Options("O7"), "unexpected optimization level 'O7'");
-  EXPECT_AMP_ERROR(parse_opt_level("O9"), "'O4' (O1 in bfloat16), 'O5' (O2 in bfloat16)");
+  EXPECT_AMP_ERROR(parse_opt_level("O9"), "'O4' (O1 in bfloat16), 'O5' (O2 in bfloat16), 'O6' (bfloat16 "
+                   "without float32 masters)");
 }
 
 TEST(OptLevelNames, DescribeListsTheResolvedProperties) {
@@ -171,6 +187,7 @@ TEST(OptLevelNames, DescribeListsTheResolvedProperties) {
   EXPECT_THAT(table, ::testing::HasSubstr("cast_model_type       Half"));
   EXPECT_THAT(table, ::testing::HasSubstr("keep_batchnorm_fp32   True"));
   EXPECT_THAT(table, ::testing::HasSubstr("loss_scale            dynamic"));
+  EXPECT_THAT(describe(resolve_properties(O6, {}, c10::kCPU)), ::testing::HasSubstr("stochastic_rounding   True"));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "step/optimizer_kinds.h"
 #include "interception/policy_registry.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -60,6 +61,9 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     telemetry_ = std::make_unique<TelemetryRecorder>(
         options.num_losses, parameter_names_,
         [p = properties_](c10::DeviceType device) { return p.low_precision_dtype(device); });
+  }
+  if (properties.stochastic_rounding) {
+    rounding_ = std::make_unique<StochasticRounding>(at::detail::getDefaultCPUGenerator().current_seed());
   }
   for (torch::optim::Optimizer* optimizer : optimizers) {
     steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));

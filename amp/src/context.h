@@ -12,6 +12,7 @@
 #include "step/optimizer_step.h"
 #include "step/overflow_provenance.h"
 #include "step/precision_telemetry.h"
+#include "step/stochastic_rounding.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -66,6 +67,9 @@ class Context {
   ForwardLog* forward_log() const { return forward_log_.get(); }
   // Options::precision_telemetry's records; null when it is off.
   TelemetryRecorder* telemetry() const { return telemetry_.get(); }
+  // How the fused optimizers round updates into bf16 weights
+  // (Properties::stochastic_rounding); null without it.
+  StochasticRounding* rounding() const { return rounding_.get(); }
 
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
@@ -122,6 +126,7 @@ class Context {
   std::shared_ptr<const ParameterNames> parameter_names_;
   NamedBuffers model_buffers_;
   std::unique_ptr<TelemetryRecorder> telemetry_;
+  std::unique_ptr<StochasticRounding> rounding_;
   std::unique_ptr<GradientReducer> reducer_;
   std::function<void(at::Tensor&)> reduce_overflow_;
   std::unique_ptr<Interceptor> interceptor_;

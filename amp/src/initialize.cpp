@@ -159,6 +159,19 @@ void check_sharding(const Options& o, const Properties& p, const Optimizers& opt
   }
 }
 
+// Stochastic rounding (O6) happens in amp's fused optimizers; LibTorch's
+// own would round every update to nearest, and small ones would vanish.
+void check_rounding_optimizers(const Optimizers& optimizers, const Properties& p) {
+  if (!p.stochastic_rounding) return;
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    TORCH_CHECK(detail::fused_optimizer(*optimizer) != nullptr, "amp: opt_level ", to_string(p.opt_level),
+                " rounds each update into the bfloat16 weights stochastically, which amp's fused "
+                "optimizers do; this optimizer is LibTorch's own, whose bfloat16 updates round to "
+                "nearest and lose every change below half a bf16 ulp. Use amp::optim::FusedAdamW, "
+                "FusedAdam or FusedSGD (same options), or stochastic_rounding=false.");
+  }
+}
+
 // Options::data_parallel, checked before any collective runs.
 void check_data_parallel(const Options& o, const Modules& models) {
   const DataParallel& dp = o.data_parallel;
@@ -339,6 +352,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
   if (options.enabled) check_sharding(options, properties, optimizers);
+  check_rounding_optimizers(optimizers, properties);
   check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);

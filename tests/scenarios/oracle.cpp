@@ -58,6 +58,9 @@ LevelRun level_run(const Program& p, OptLevel level) {
     } catch (const c10::Error&) {  // a bfloat16-only level (O4/O5)
     }
   }
+  // O6 rounds stochastically in amp's fused optimizers only; with
+  // LibTorch's own it runs rounding to nearest (initialize refuses them otherwise).
+  if (level == O6 && !p.fused_step) o.stochastic_rounding = false;
   const Properties defaults = resolve_properties(level, o, c10::DeviceType::CPU);
   if (p.dynamic_scaling || defaults.loss_scale.dynamic) o.loss_scale = LossScale::Dynamic(p.init_scale);
   o.dynamic_scaling.growth_interval = p.growth_interval;

@@ -257,7 +257,7 @@ Program generate_program(uint64_t seed) {
   }
   if (draw.chance(0.25)) {
     p.restart_before = draw.between(1, p.iterations - 1);
-    if (draw.chance(0.5)) p.fresh_process_level = draw.pick(all_opt_levels());
+    if (draw.chance(0.5)) p.fresh_process_level = draw.pick(std::vector<OptLevel>{O0, O1, O2, O3, O4, O5});
   }
   p.fused_step = draw.chance(0.7);  // drawn late: earlier seeds keep their programs
   for (ModelSpec& m : p.models) {

@@ -29,7 +29,7 @@ OptLevel saved_opt_level(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(archive.try_read("opt_level", value), "amp: the archive has no 'opt_level' entry; "
               "was it written by amp::save_state?");
   if (value.isString()) return parse_opt_level(value.toStringRef());
-  constexpr OptLevel kNumbered[] = {O0, O1, O2, O3, O4, O5};  // never reorder: old checkpoints
+  constexpr OptLevel kNumbered[] = {O0, O1, O2, O3, O4, O5};  // frozen: levels saved as numbers
   TORCH_CHECK(value.isTensor() && value.toTensor().numel() == 1 && !value.toTensor().is_floating_point(),
               "amp: entry 'opt_level' should hold a level name such as \"O2\", got ", value.tagKind());
   const int64_t number = value.toTensor().item<int64_t>();
@@ -50,6 +50,7 @@ void save_state(torch::serialize::OutputArchive& archive) {
     context->scaler(i).save(scaler);
     archive.write("loss_scaler" + std::to_string(i), scaler);
   }
+  if (detail::StochasticRounding* rounding = context->rounding()) rounding->save(archive);
 }
 
 void load_state(torch::serialize::InputArchive& archive) {
@@ -63,8 +64,12 @@ void load_state(torch::serialize::InputArchive& archive) {
               " loss scaler(s) but amp was initialized with num_losses=", context->num_losses(),
               "; initialize with num_losses=", num_losses, ".");
   for (const std::string& key : archive.keys()) {
+    TORCH_CHECK(!detail::StochasticRounding::is_entry(key) || context->rounding() != nullptr, "amp: the "
+                "state holds the stochastic rounding generators of a run with stochastic_rounding (O6), but "
+                "amp runs without it; initialize with the checkpoint's opt_level and overrides.");
     const bool known = key == "opt_level" || key == "num_losses" ||
-                       (key.rfind("loss_scaler", 0) == 0 && key.size() > 11);
+                       (key.rfind("loss_scaler", 0) == 0 && key.size() > 11) ||
+                       (detail::StochasticRounding::is_entry(key) && context->rounding() != nullptr);
     TORCH_CHECK(known, "amp: unexpected entry '", key, "' in amp's state; was the archive written by "
                 "amp::save_state?");
   }
@@ -77,6 +82,7 @@ void load_state(torch::serialize::InputArchive& archive) {
     loaded.push_back(context->scaler(i));
     loaded.back().load(scaler);
   }
+  if (detail::StochasticRounding* rounding = context->rounding()) rounding->load(archive);
   for (int i = 0; i < context->num_losses(); ++i) context->scaler(i) = loaded[i];
 }
 

@@ -14,10 +14,48 @@
 namespace amp::optim {
 namespace {
 
-bool kernel_ready(const at::Tensor& t, const at::Tensor& param) {
-  return !t.defined() || (t.layout() == at::kStrided && t.is_contiguous() &&
-                          t.scalar_type() == param.scalar_type() && t.device() == param.device() &&
-                          t.sizes() == param.sizes());
+bool kernel_ready(const at::Tensor& t, const at::Tensor& param, c10::ScalarType dtype) {
+  return !t.defined() || (t.layout() == at::kStrided && t.is_contiguous() && t.scalar_type() == dtype &&
+                          t.device() == param.device() && t.sizes() == param.sizes());
+}
+
+// At most this many elements of parameters are widened to float32 at once
+// (UpdateRounding): 16 MiB per widened list.
+constexpr int64_t kChunkElements = int64_t{1} << 22;
+
+// Steps `columns` (parallel lists; column 0 the parameters) through
+// `kernel` in float32, a chunk at a time: bfloat16 tensors are widened,
+// float32 ones passed as they are; afterwards the bfloat16 tensors of the
+// columns the kernel writes (`written`) take its results, rounded
+// stochastically. Empty columns stay empty.
+template <class Kernel>
+void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, const std::vector<bool>& written,
+                  detail::StochasticRounding& rounder, const Kernel& kernel) {
+  const std::vector<at::Tensor>& params = *columns[0];
+  for (size_t begin = 0; begin < params.size();) {
+    size_t end = begin;
+    for (int64_t elements = 0; end < params.size() && (end == begin || elements + params[end].numel() <= kChunkElements);
+         ++end) {
+      elements += params[end].numel();
+    }
+    std::vector<std::vector<at::Tensor>> wide(columns.size());
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (columns[c]->empty()) continue;
+      for (size_t i = begin; i < end; ++i) {
+        const at::Tensor& t = (*columns[c])[i];
+        wide[c].push_back(t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t);
+      }
+    }
+    kernel(wide);
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (!written[c] || columns[c]->empty()) continue;
+      for (size_t i = begin; i < end; ++i) {
+        const at::Tensor& t = (*columns[c])[i];
+        if (t.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][i - begin], t);
+      }
+    }
+    begin = end;
+  }
 }
 
 
@@ -37,15 +75,16 @@ bool amsgrad(Fused::Kind kind, const torch::optim::OptimizerOptions& options) {
 
 // ---- FusedStepping ------------------------------------------------------------
 
-bool FusedStepping::suits(const torch::optim::Optimizer& optimizer) const {
+bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const {
   std::optional<c10::Device> device;
   for (const auto& group : optimizer.param_groups()) {
     const bool needs_max = amsgrad(kind_, group.options());
     for (const at::Tensor& p : group.params()) {
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
-      if (p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble) return false;
-      if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p)) return false;
+      const bool rounded = rounding != nullptr && p.scalar_type() == at::kBFloat16;
+      if (p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble && !rounded) return false;
+      if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
       if (device && *device != p.device()) return false;
       device = p.device();
       auto s = optimizer.state().find(p.unsafeGetTensorImpl());
@@ -53,122 +92,162 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer) const {
       int64_t step = 0;
       const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
       if (tensors.empty()) return false;  // state of another kind
+      const c10::ScalarType state_dtype = rounded ? rounding->state_dtype : p.scalar_type();
       for (size_t i = 0; i < tensors.size(); ++i) {
         const bool needed = kind_ == Kind::kSgd || i < 2 || needs_max;  // Adam's third: amsgrad only
-        if (needed && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p))) return false;
+        if (needed && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
       }
     }
   }
   return true;
 }
 
-FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) {
+FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
+                                  const UpdateRounding* rounding) {
   at::NoGradGuard no_grad;
   FusedAttempt attempt;
   for (auto& group : optimizer.param_groups()) {
     switch (kind_) {
       case Kind::kAdam:
         step_adam<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-            group, optimizer.state(), found_inf, attempt);
+            group, optimizer.state(), found_inf, rounding, attempt);
         break;
       case Kind::kAdamW:
         step_adam<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-            group, optimizer.state(), found_inf, attempt);
+            group, optimizer.state(), found_inf, rounding, attempt);
         break;
       case Kind::kSgd:
-        step_sgd(group, optimizer.state(), found_inf, attempt);
+        step_sgd(group, optimizer.state(), found_inf, rounding, attempt);
         break;
     }
   }
   return attempt;
 }
 
+// The dtype of the state a step creates for `p`.
+c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* rounding) {
+  return rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounding->state_dtype : p.scalar_type();
+}
+
 // LibTorch's Adam / AdamW step with the state it would create, as one fused
-// kernel call per group.
+// kernel call per group (per chunk for rounded parameters).
 template <class Options, class ParamState>
 void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                              const at::Tensor& found_inf, FusedAttempt& attempt) {
+                              const at::Tensor& found_inf, const UpdateRounding* rounding,
+                              FusedAttempt& attempt) {
   const auto& options = static_cast<const Options&>(group.options());
-  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  struct Lists {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  } direct, rounded;
   for (const at::Tensor& p : group.params()) {
     if (!p.grad().defined()) continue;
     void* key = p.unsafeGetTensorImpl();
     auto it = state.find(key);
     if (it == state.end()) {
+      const at::TensorOptions dtype = p.options().dtype(state_dtype_of(p, rounding));
       auto fresh = std::make_unique<ParamState>();
-      fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-      fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-      if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      fresh->exp_avg(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+      fresh->exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+      if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
       it = state.emplace(key, std::move(fresh)).first;
       attempt.created.push_back(key);
     }
     auto& s = static_cast<ParamState&>(*it->second);
     at::Tensor& step = device_steps_[key];
     if (!step.defined()) step = at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));
-    params.push_back(p);
-    grads.push_back(p.grad());
-    exp_avgs.push_back(s.exp_avg());
-    exp_avg_sqs.push_back(s.exp_avg_sq());
-    if (options.amsgrad()) max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
-    steps.push_back(step);
+    Lists& lists = rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct;
+    lists.params.push_back(p);
+    lists.grads.push_back(p.grad());
+    lists.exp_avgs.push_back(s.exp_avg());
+    lists.exp_avg_sqs.push_back(s.exp_avg_sq());
+    if (options.amsgrad()) lists.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+    lists.steps.push_back(step);
     attempt.stepped.push_back(key);
   }
-  if (params.empty()) return;
-  const c10::Device device = params.front().device();
+  if (direct.params.empty() && rounded.params.empty()) return;
+  const c10::Device device = (direct.params.empty() ? rounded : direct).params.front().device();
   std::optional<at::Tensor> flag;
-  if (found_inf.defined()) {
-    flag = found_inf.to(device);
-    at::_foreach_add_(steps, (1 - *flag).reshape({}));  // step counts move only if taken
-  } else {
-    at::_foreach_add_(steps, 1);
+  for (Lists* lists : {&direct, &rounded}) {
+    if (lists->steps.empty()) continue;
+    if (found_inf.defined()) {
+      flag = found_inf.to(device);
+      at::_foreach_add_(lists->steps, (1 - *flag).reshape({}));  // step counts move only if taken
+    } else {
+      at::_foreach_add_(lists->steps, 1);
+    }
   }
   const auto [beta1, beta2] = options.betas();
-  if constexpr (std::is_same_v<Options, torch::optim::AdamWOptions>) {
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
-                      beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                      /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
-  } else {
-    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
-                     beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                     /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
+  auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps) {
+    if constexpr (std::is_same_v<Options, torch::optim::AdamWOptions>) {
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
+                        beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                        /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
+    } else {
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
+                       beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                       /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
+    }
+  };
+  if (!direct.params.empty()) {
+    kernel(direct.params, direct.grads, direct.exp_avgs, direct.exp_avg_sqs, direct.max_exp_avg_sqs, direct.steps);
+  }
+  if (!rounded.params.empty()) {
+    step_widened({&rounded.params, &rounded.grads, &rounded.exp_avgs, &rounded.exp_avg_sqs,
+                  &rounded.max_exp_avg_sqs, &rounded.steps},
+                 {true, false, true, true, true, false}, *rounding->rounder,
+                 [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
   }
 }
 
 // LibTorch's SGD step: parameters without a momentum buffer yet take their
 // first step, which sets it to the gradient.
 void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                             const at::Tensor& found_inf, FusedAttempt& attempt) {
+                             const at::Tensor& found_inf, const UpdateRounding* rounding,
+                             FusedAttempt& attempt) {
   const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
   const bool momentum = options.momentum() != 0;
   struct Batch {
     std::vector<at::Tensor> params, grads, buffers;
-  } continuing, first;
+    bool first = false, rounded = false;
+  };
+  Batch batches[4];  // (continuing, first step) x (direct, rounded)
+  for (int b = 0; b < 4; ++b) batches[b].first = b % 2 == 1, batches[b].rounded = b >= 2;
   for (const at::Tensor& p : group.params()) {
     if (!p.grad().defined()) continue;
     void* key = p.unsafeGetTensorImpl();
-    Batch* batch = &continuing;
+    const bool rounded = rounding != nullptr && p.scalar_type() == at::kBFloat16;
+    Batch* batch = &batches[rounded ? 2 : 0];
     if (momentum) {
       auto it = state.find(key);
       if (it == state.end()) {
         auto fresh = std::make_unique<torch::optim::SGDParamState>();
-        fresh->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+        fresh->momentum_buffer(at::empty_like(p, p.options().dtype(state_dtype_of(p, rounding)),
+                                              at::MemoryFormat::Preserve));
         it = state.emplace(key, std::move(fresh)).first;
         attempt.created.push_back(key);
-        batch = &first;
+        batch = &batches[rounded ? 3 : 1];
       }
       batch->buffers.push_back(static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer());
     }
     batch->params.push_back(p);
     batch->grads.push_back(p.grad());
   }
-  for (Batch* batch : {&continuing, &first}) {
-    if (batch->params.empty()) continue;
+  for (const Batch& batch : batches) {
+    if (batch.params.empty()) continue;
     std::optional<at::Tensor> flag;
-    if (found_inf.defined()) flag = found_inf.to(batch->params.front().device());
-    at::_fused_sgd_(batch->params, batch->grads, batch->buffers, options.weight_decay(),
-                    options.momentum(), options.lr(), options.dampening(), options.nesterov(),
-                    /*maximize=*/false, /*is_first_step=*/batch == &first, /*grad_scale=*/std::nullopt,
-                    flag);
+    if (found_inf.defined()) flag = found_inf.to(batch.params.front().device());
+    auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
+      at::_fused_sgd_(params, grads, buffers, options.weight_decay(), options.momentum(), options.lr(),
+                      options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/batch.first,
+                      /*grad_scale=*/std::nullopt, flag);
+    };
+    if (!batch.rounded) {
+      kernel(batch.params, batch.grads, batch.buffers);
+    } else {
+      step_widened({&batch.params, &batch.grads, &batch.buffers}, {true, false, true}, *rounding->rounder,
+                   [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
+    }
   }
 }
 
@@ -221,8 +300,14 @@ Fused::~Fused() = default;
 
 // Returns false when LibTorch's own step must run instead.
 bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
-  detail::OptimizerStep* amp_step = detail::live_optimizer_step(optimizer);
-  const bool kernels = stepping_->suits(optimizer);
+  const std::shared_ptr<detail::Context> context = detail::live_context();
+  detail::OptimizerStep* amp_step = context ? context->step_of(optimizer) : nullptr;
+  std::optional<UpdateRounding> rounding;
+  if (amp_step != nullptr && context->rounding() != nullptr) {
+    rounding = UpdateRounding{context->rounding(), context->properties().optimizer_state_dtype};
+  }
+  const UpdateRounding* rounds = rounding ? &*rounding : nullptr;
+  const bool kernels = stepping_->suits(optimizer, rounds);
   detail::OptimizerStep::FusedDecision decision;
   if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels);
   if (decision.skip) return true;
@@ -230,7 +315,7 @@ bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
     stepping_->reset();  // LibTorch's step counts on the host
     return false;
   }
-  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf);
+  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf, rounds);
   if (amp_step != nullptr) {
     amp_step->end_fused_step(std::move(attempt), std::move(decision));
   } else {

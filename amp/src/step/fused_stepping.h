@@ -11,6 +11,8 @@
 
 #include <amp/fused.h>
 
+#include "step/stochastic_rounding.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
@@ -18,6 +20,14 @@
 #include <vector>
 
 namespace amp::optim {
+
+// O6 (Properties::stochastic_rounding): bfloat16 parameters are stepped in
+// float32 copies, a chunk at a time, and the results - and, with a
+// bfloat16 state, the state - rounded back stochastically.
+struct UpdateRounding {
+  detail::StochasticRounding* rounder = nullptr;
+  c10::ScalarType state_dtype = c10::kFloat;
+};
 
 // What one fused step did, for settling it once its outcome is known.
 struct FusedAttempt {
@@ -33,12 +43,15 @@ class FusedStepping {
   explicit FusedStepping(Kind kind) : kind_(kind) {}
 
   // Whether the kernels can step `optimizer` now: every gradient dense,
-  // contiguous and of its parameter's dtype, float32 or float64, every
-  // parameter on one CPU or CUDA device, and state of the same kind.
-  bool suits(const torch::optim::Optimizer& optimizer) const;
+  // contiguous and of its parameter's dtype, float32 or float64 (or
+  // bfloat16 with `rounding`), every parameter on one CPU or CUDA device,
+  // and state of the same kind, in the parameter's dtype (with `rounding`:
+  // in its state dtype).
+  bool suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const;
   // Steps the parameters with gradients, skipping on the device when
   // `found_inf` (1 element, exactly 0 or 1; undefined: never) is 1.
-  FusedAttempt step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf);
+  FusedAttempt step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
+                    const UpdateRounding* rounding);
   // The outcome of `attempt`: counts its step, or drops the state it created.
   void settle(const FusedAttempt& attempt, bool skipped, StateMap& state);
   // Whether a step now could be captured in a CUDA graph: every parameter
@@ -55,9 +68,9 @@ class FusedStepping {
  private:
   template <class Options, class ParamState>
   void step_adam(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                 const at::Tensor& found_inf, FusedAttempt& attempt);
+                 const at::Tensor& found_inf, const UpdateRounding* rounding, FusedAttempt& attempt);
   void step_sgd(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                const at::Tensor& found_inf, FusedAttempt& attempt);
+                const at::Tensor& found_inf, const UpdateRounding* rounding, FusedAttempt& attempt);
 
   Kind kind_;
   std::unordered_map<void*, at::Tensor> device_steps_;  // Adam's step counts

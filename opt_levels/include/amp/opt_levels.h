@@ -5,18 +5,24 @@
 // overrides and rejects every combination that makes no sense, with an error
 // that says what to do instead.
 //
-//   level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
-//   O0     float32          false                  -                    false           1.0
-//   O1     -                true                   -                    -               dynamic
-//   O2     low precision    false                  true                 true            dynamic
-//   O3     low precision    false                  false                false           1.0
-//   O4     -                true (bf16)            -                    -               1.0
-//   O5     bfloat16         false                  true                 true            1.0
+//   level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale  stochastic_rounding
+//   O0     float32          false                  -                    false           1.0         false
+//   O1     -                true                   -                    -               dynamic     false
+//   O2     low precision    false                  true                 true            dynamic     false
+//   O3     low precision    false                  false                false           1.0         false
+//   O4     -                true (bf16)            -                    -               1.0         false
+//   O5     bfloat16         false                  true                 true            1.0         false
+//   O6     bfloat16         false                  true                 false           1.0         true
 //
 // "low precision" is the model device's dtype: float16 on CUDA, bfloat16 on
 // CPU, unless PropertyOverrides::cpu_dtype / cuda_dtype choose otherwise. O4
 // and O5 are the bf16 levels of Apex-ROCm (O1 and O2 in bfloat16; bf16's fp32
-// exponent range needs no loss scaling).
+// exponent range needs no loss scaling). O6 trains bf16 weights without
+// float32 masters: amp's fused optimizers compute each update in float32
+// and round it into the weight stochastically (unbiased, so updates smaller
+// than half a bf16 ulp still move the weight on average), keeping their
+// state in optimizer_state_dtype - 8 bytes per parameter with Adam's state
+// in bf16, against 16 for float32 training.
 //
 // Example:
 //   amp::PropertyOverrides overrides;
@@ -31,7 +37,11 @@
 //   - patch_torch_functions=true outside O1/O4 (choose O1);
 //   - keep_batchnorm_fp32 or master_weights set at all under O1/O4 (O1 keeps
 //     the model fp32, so neither applies);
-//   - a dtype other than float16/bfloat16, or float16 under O4/O5;
+//   - a dtype other than float16/bfloat16, or float16 under O4/O5/O6;
+//   - stochastic_rounding=true with master_weights, or with a model cast to
+//     anything but bfloat16 (it rounds updates into bf16 weights: use O6);
+//   - optimizer_state_dtype other than float32/bfloat16, or set without
+//     stochastic_rounding (other levels keep the state in the weights' dtype);
 //   - scaler values out of range (check_dynamic_scaling): a loss scale <= 0
 //     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
 //     growth_interval or hysteresis < 1 or above 2^31-1 (int32 counters),
@@ -54,7 +64,7 @@
 
 namespace amp {
 
-enum class OptLevel : uint8_t { O0, O1, O2, O3, O4, O5 };
+enum class OptLevel : uint8_t { O0, O1, O2, O3, O4, O5, O6 };
 
 inline constexpr OptLevel O0 = OptLevel::O0;  // FP32 baseline; scale_loss still works.
 inline constexpr OptLevel O1 = OptLevel::O1;  // per-op casts, fp32 weights.
@@ -62,6 +72,7 @@ inline constexpr OptLevel O2 = OptLevel::O2;  // low-precision model, fp32 BN an
 inline constexpr OptLevel O3 = OptLevel::O3;  // everything low precision.
 inline constexpr OptLevel O4 = OptLevel::O4;  // O1 in bfloat16.
 inline constexpr OptLevel O5 = OptLevel::O5;  // O2 in bfloat16.
+inline constexpr OptLevel O6 = OptLevel::O6;  // bfloat16 weights, no masters, stochastic rounding.
 
 // "O0".."O5". Anything else is an error listing the valid names.
 OptLevel parse_opt_level(std::string_view name);
@@ -116,6 +127,13 @@ struct PropertyOverrides {
   std::optional<c10::ScalarType> cpu_dtype;
   std::optional<c10::ScalarType> cuda_dtype;
   DynamicScaling dynamic_scaling;
+  // Without master weights, amp's fused optimizers round each update into
+  // the bf16 weights stochastically instead of to nearest (O6).
+  std::optional<bool> stochastic_rounding;
+  // With stochastic_rounding: the dtype of the fused optimizers' state
+  // (Adam's moments, SGD's momentum), float32 or bfloat16 (O6: bfloat16,
+  // rounded stochastically too).
+  std::optional<c10::ScalarType> optimizer_state_dtype;
 };
 
 // A level with its overrides applied and validated.
@@ -132,6 +150,8 @@ struct Properties {
   c10::ScalarType cpu_dtype = c10::kBFloat16;
   c10::ScalarType cuda_dtype = c10::kHalf;
   DynamicScaling dynamic_scaling;
+  bool stochastic_rounding = false;
+  c10::ScalarType optimizer_state_dtype = c10::kFloat;  // read with stochastic_rounding
 
   // False when Options::enabled is false: the loop runs as plain float32
   // (O0's properties: no casts, no loss scaling, no skipped steps).

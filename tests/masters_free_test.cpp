@@ -1,0 +1,239 @@
+// O6: bfloat16 weights without float32 masters, updates computed in float32
+// by amp's fused optimizers and rounded into the weights stochastically.
+// The rounding is unbiased (against float64), brackets the exact update,
+// trains where rounding to nearest stalls, is reproducible from the seed and
+// resumes bit for bit; LibTorch's own optimizers are refused.
+#include "test_util.h"
+
+#include <cmath>
+
+namespace amp::testing {
+namespace {
+
+// One parameter vector of `n` elements: loss = sum(w * c) has gradient c.
+struct VectorModelImpl : torch::nn::Module {
+  explicit VectorModelImpl(at::Tensor init) : w(register_parameter("w", std::move(init))) {}
+  at::Tensor w;
+};
+TORCH_MODULE(VectorModel);
+
+Options o6(std::function<void(Options&)> edit = nullptr) {
+  Options options = O6;
+  options.verbosity = 0;
+  if (edit) edit(options);
+  return options;
+}
+
+// One step of FusedSGD (lr 1) from w = 1 with gradient -delta everywhere:
+// the exact update is 1 + delta, between the bf16 neighbours 1 and
+// 1 + 2^-7. Returns the weights after the step, as float64.
+at::Tensor one_sgd_step(double delta, int64_t n, const Options& options) {
+  VectorModel model(torch::ones({n}));
+  amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(1.0));
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  EXPECT_EQ(model->w.scalar_type(), at::kBFloat16);
+  optimizer.zero_grad();
+  const at::Tensor loss = (model->w.to(at::kFloat) * -delta).sum();
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  return model->w.detach().to(at::kDouble);
+}
+
+TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
+  constexpr int64_t kN = 1 << 18;
+  const double ulp = std::ldexp(1.0, -7);
+  for (double fraction : {0.125, 0.375, 0.5, 0.8125}) {
+    torch::manual_seed(1);
+    const double delta = fraction * ulp;  // exact in bf16: the gradient holds it unrounded
+    const at::Tensor w = one_sgd_step(delta, kN, o6());
+    // Every element is one of the two neighbours of the exact 1 + delta ...
+    EXPECT_TRUE(torch::logical_or(w == 1.0, w == 1.0 + ulp).all().item<bool>()) << fraction;
+    // ... and their mean is 1 + delta within 5 standard errors of a
+    // Bernoulli(fraction) mean over kN draws.
+    const double mean = w.mean().item<double>(), exact = 1.0 + delta;
+    const double error = ulp * std::sqrt(fraction * (1 - fraction) / kN);
+    EXPECT_NEAR(mean, exact, 5 * error) << "fraction of an ulp " << fraction;
+  }
+  // Rounding to nearest drops the same update entirely below half an ulp.
+  const at::Tensor nearest = one_sgd_step(0.375 * ulp, 1024, o6([](Options& o) { o.stochastic_rounding = false; }));
+  EXPECT_TRUE((nearest == 1.0).all().item<bool>());
+}
+
+// The bf16 neighbour of float32 `exact` on the other side of `nearest`
+// (its round-to-nearest bf16 value).
+at::Tensor other_neighbour(const at::Tensor& exact, const at::Tensor& nearest) {
+  const at::Tensor away = torch::logical_xor(exact > nearest, nearest < 0);  // step away from zero
+  const at::Tensor bits = nearest.to(at::kBFloat16).view(at::kShort);
+  return (bits + torch::where(away, 1, -1).to(at::kShort)).view(at::kBFloat16).to(at::kFloat);
+}
+
+// Adam, AdamW and SGD with momentum, one step from the same bf16 weights and
+// gradients: every rounded weight is one of the two bf16 neighbours of the
+// same fused kernel's float32 step on float32 copies.
+TEST_F(AmpTest, RoundedUpdatesBracketTheFloat32Step) {
+  using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+  const std::vector<Make> makers = {
+      [](auto p) { return std::make_unique<amp::optim::FusedAdamW>(p, torch::optim::AdamWOptions(1e-2).weight_decay(0.1)); },
+      [](auto p) { return std::make_unique<amp::optim::FusedAdam>(p, torch::optim::AdamOptions(1e-2)); },
+      [](auto p) { return std::make_unique<amp::optim::FusedSGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); },
+  };
+  for (size_t k = 0; k < makers.size(); ++k) {
+    torch::manual_seed(2);
+    VectorModel model(torch::randn({4096}));
+    auto optimizer = makers[k](model->parameters());
+    Handle handle;
+    handle.initialize(model, *optimizer, o6());
+    const at::Tensor start = model->w.detach().to(at::kFloat);
+    const at::Tensor grad = torch::randn({4096}).to(at::kBFloat16).to(at::kFloat);  // exact in bf16
+    {
+      scale_loss scaled((model->w.to(at::kFloat) * grad).sum(), *optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+    // The reference: the same class outside amp, on float32 copies.
+    VectorModelImpl reference(start.clone().requires_grad_());
+    auto step = makers[k](reference.parameters());
+    reference.w.mutable_grad() = grad.clone();
+    step->step();
+    const at::Tensor exact = reference.w.detach();
+    const at::Tensor nearest = exact.to(at::kBFloat16).to(at::kFloat);
+    const at::Tensor got = model->w.detach().to(at::kFloat);
+    EXPECT_TRUE(torch::logical_or(got == nearest, got == other_neighbour(exact, nearest)).all().item<bool>()) << k;
+    EXPECT_GT((got != nearest).sum().item<int64_t>(), 0) << k;  // some rounded away from nearest
+  }
+}
+
+// Linear regression towards w* = 1.01 from w = 1 with updates of about a
+// tenth of a bf16 ulp: rounding to nearest never moves the weights; the
+// stochastic rounding trains them as float64 does, on average.
+TEST_F(AmpTest, AModelThatStallsRoundingToNearestTrainsWithStochasticRounding) {
+  auto train = [](bool stochastic) {
+    torch::manual_seed(3);
+    VectorModel model(torch::ones({512}));
+    amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.02));
+    Handle handle;
+    handle.initialize(model, optimizer, o6([&](Options& o) { o.stochastic_rounding = stochastic; }));
+    for (int step = 0; step < 300; ++step) {
+      const at::Tensor x = torch::randn({16, 1});
+      optimizer.zero_grad();
+      // Each weight fits its own copy of the task: its gradient is 2 mean(x^2) (w - 1.01).
+      const at::Tensor loss = (x * model->w.to(at::kFloat) - x * 1.01).pow(2).mean(0).sum();
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    return model->w.detach().to(at::kDouble);
+  };
+  const at::Tensor nearest = train(false), stochastic = train(true);
+  EXPECT_TRUE((nearest == 1.0).all().item<bool>()) << "rounding to nearest moved a weight";
+  // float64 gets within 1e-3 of 1.01 in 300 steps; the stochastic weights'
+  // mean does too, each staying within a bf16 ulp of it.
+  EXPECT_NEAR(stochastic.mean().item<double>(), 1.01, 1e-3);
+  EXPECT_LT((stochastic - 1.01).abs().max().item<double>(), std::ldexp(1.0, -7) * 1.5);
+}
+
+// A small classifier with a BatchNorm kept in float32: Adam state in bfloat16
+// by default (float32 on request), 8 bytes per bf16 parameter, the same
+// bits from the same seed, others from another.
+struct ClassifierImpl : torch::nn::Module {
+  ClassifierImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(16, 64))),
+        norm(register_module("norm", torch::nn::BatchNorm1d(64))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::gelu(norm(fc1(x)))); }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d norm;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Classifier);
+
+struct ClassifierRun {
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> state;
+  TrainingBytes bytes;
+};
+
+// `steps` steps of FusedAdamW from seed `seed`; `resume_at`: at that step
+// save a checkpoint, rebuild everything in fresh objects and load it.
+ClassifierRun train_classifier(uint64_t seed, int steps, const Options& options, int resume_at = -1) {
+  torch::manual_seed(seed);
+  auto model = std::make_shared<Classifier>();
+  auto optimizer = std::make_shared<amp::optim::FusedAdamW>((*model)->parameters(), torch::optim::AdamWOptions(3e-3));
+  auto handle = std::make_unique<Handle>();
+  handle->initialize(*model, *optimizer, options);
+  const std::string path = temp_path("o6_resume.pt");
+  for (int step = 0; step < steps; ++step) {
+    if (step == resume_at) {
+      save_checkpoint(path, {*model}, {*optimizer});
+      handle.reset();  // deinitialize; a fresh run loads the file
+      torch::manual_seed(seed + 1000);
+      model = std::make_shared<Classifier>();
+      optimizer = std::make_shared<amp::optim::FusedAdamW>((*model)->parameters(), torch::optim::AdamWOptions(3e-3));
+      handle = std::make_unique<Handle>();
+      handle->initialize(*model, *optimizer, options);
+      load_checkpoint(path, {*model}, {*optimizer});
+      std::remove(path.c_str());
+    }
+    torch::manual_seed(seed * 100 + step);  // the data, the same for every run
+    const at::Tensor x = torch::randn({32, 16}), y = torch::randint(0, 4, {32});
+    optimizer->zero_grad();
+    const at::Tensor loss = torch::cross_entropy_loss((*model)->forward(x), y);
+    {
+      scale_loss scaled(loss, *optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+  }
+  ClassifierRun run;
+  for (const auto& p : (*model)->parameters()) run.params.push_back(p.detach().clone());
+  for (const auto& p : (*model)->parameters()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*optimizer->state().at(p.unsafeGetTensorImpl()));
+    run.state.insert(run.state.end(), {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq()});
+  }
+  run.bytes = training_bytes(*optimizer);
+  return run;
+}
+
+TEST_F(AmpTest, MastersFreeTrainingIsReproducibleAndResumesBitForBit) {
+  const ClassifierRun a = train_classifier(7, 6, o6()), b = train_classifier(7, 6, o6());
+  for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(BitEqual(a.params[i], b.params[i])) << i;
+  EXPECT_EQ(a.params[0].scalar_type(), at::kBFloat16);
+  EXPECT_EQ(a.params[2].scalar_type(), at::kFloat);  // BatchNorm's weight, kept float32
+  const ClassifierRun resumed = train_classifier(7, 6, o6(), /*resume_at=*/3);
+  for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(BitEqual(a.params[i], resumed.params[i])) << i;
+  for (size_t i = 0; i < a.state.size(); ++i) EXPECT_TRUE(BitEqual(a.state[i], resumed.state[i])) << i;
+}
+
+TEST_F(AmpTest, MastersFreeStateDtypeAndBytesPerParameter) {
+  const ClassifierRun bf16_state = train_classifier(9, 2, o6());
+  const ClassifierRun fp32_state = train_classifier(9, 2, o6([](Options& o) { o.optimizer_state_dtype = at::kFloat; }));
+  EXPECT_EQ(bf16_state.state[1].scalar_type(), at::kBFloat16);  // fc1.weight's exp_avg
+  EXPECT_EQ(fp32_state.state[1].scalar_type(), at::kFloat);
+  // fc1, fc2 in bf16 (weights 2, gradients 2, Adam's two moments 4 bytes);
+  // BatchNorm's 128 float32 parameters 4 + 4 + 8.
+  const int64_t low = 16 * 64 + 64 + 64 * 4 + 4, kept = 128;
+  EXPECT_EQ(bf16_state.bytes.parameters, low + kept);
+  EXPECT_EQ(bf16_state.bytes.masters + bf16_state.bytes.gradients + bf16_state.bytes.optimizer_state,
+            8 * low + 16 * kept);
+  EXPECT_EQ(fp32_state.bytes.optimizer_state, 8 * low + 8 * kept);
+}
+
+TEST_F(AmpTest, MastersFreeLevelRefusesLibTorchsOwnOptimizers) {
+  Classifier model;
+  torch::optim::AdamW own(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  EXPECT_AMP_ERROR(initialize(model, own, o6()), "Use amp::optim::FusedAdamW, FusedAdam or FusedSGD");
+  EXPECT_FALSE(is_initialized());
+  EXPECT_EQ(model->fc1->weight.scalar_type(), at::kFloat);  // nothing converted
+  // Rounding to nearest is LibTorch's own step: allowed.
+  Handle handle;
+  handle.initialize(model, own, o6([](Options& o) { o.stochastic_rounding = false; }));
+}
+
+}  // namespace
+}  // namespace amp::testing
