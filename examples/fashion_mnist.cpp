@@ -21,12 +21,16 @@
 #include <fstream>
 #include <iostream>
 
-ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0, O1, O2, O3, O4 (O1 bf16), O5 (O2 bf16)");
+ABSL_FLAG(std::string, opt_level, "O1",
+          "amp opt level: O0, O1, O2, O3, O4 (O1 bf16), O5 (O2 bf16), O6 (bf16 without float32 masters)");
 ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16 (default: bf16 on CPU, fp16 on CUDA)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
 ABSL_FLAG(int, epochs, 1, "training epochs");
 ABSL_FLAG(int, batch_size, 128, "batch size");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
+ABSL_FLAG(std::string, optimizer, "",
+          "libtorch (torch::optim::Adam) or fused (amp::optim::FusedAdam); default: fused at O6, whose "
+          "stochastic rounding needs it, libtorch otherwise");
 ABSL_FLAG(int, seed, 0, "random seed (weights and batch order)");
 ABSL_FLAG(std::string, data_dir, examples::kDefaultFashionMnistDir, "directory of the idx .gz files");
 ABSL_FLAG(int64_t, train_limit, 20000,
@@ -59,23 +63,12 @@ double accuracy(Net& model, const examples::ImageDataset& test, c10::Device devi
 }
 
 
-int run() {
-  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
-  amp::Options options = examples::amp_options(
-      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+// The training loop, as LibTorch's examples write it, with amp's two edits.
+template <class Optimizer>
+int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device device,
+          const examples::ImageDataset& train_set, const examples::ImageDataset& test) {
   const int batch_size = absl::GetFlag(FLAGS_batch_size);
   const int epochs = absl::GetFlag(FLAGS_epochs);
-  if (batch_size < 1) throw std::invalid_argument("--batch_size must be >= 1");
-  if (epochs < 0) throw std::invalid_argument("--epochs must be >= 0");
-
-  const auto train = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
-                                                  absl::GetFlag(FLAGS_train_limit));
-  const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false,
-                                                 absl::GetFlag(FLAGS_test_limit));
-  torch::manual_seed(absl::GetFlag(FLAGS_seed));
-  Net model;
-  model->to(device);
-  torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
   const examples::NonFiniteInjection injection(absl::GetFlag(FLAGS_inject_non_finite), *model);
   options.overflow_provenance = injection.enabled();
 
@@ -92,7 +85,7 @@ int run() {
     csv << "step,loss,loss_scale\n";
   }
 
-  const int64_t n = train.images.size(0);
+  const int64_t n = train_set.images.size(0);
   int64_t step = 0;
   double seconds = 0;
   examples::Progress progress(50, epochs * ((n + batch_size - 1) / batch_size));
@@ -101,8 +94,8 @@ int run() {
     const auto order = torch::randperm(n);
     for (int64_t first = 0; first < n; first += batch_size) {
       const auto index = order.narrow(0, first, std::min<int64_t>(batch_size, n - first));
-      const auto images = train.images.index_select(0, index).to(device);
-      const auto labels = train.labels.index_select(0, index).to(device);
+      const auto images = train_set.images.index_select(0, index).to(device);
+      const auto labels = train_set.labels.index_select(0, index).to(device);
 
       const auto injected = injection.inject(step + 1, *model);
       optimizer.zero_grad();
@@ -126,11 +119,37 @@ int run() {
   if (!absl::GetFlag(FLAGS_checkpoint).empty()) {
     amp::save_checkpoint(absl::GetFlag(FLAGS_checkpoint), {model}, {optimizer});
   }
-  std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB\n",
+  std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  ms/step %.1f  skipped steps %lld  "
+              "peak RSS %.0f MiB  peak allocated %.1f MiB\n",
               amp::to_string(options.opt_level), accuracy(model, test, device, 512),
               epochs > 0 ? seconds / epochs : 0.0, step > 0 ? 1000 * seconds / step : 0.0,
-              static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib());
+              static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib(),
+              examples::peak_allocated_mib(device));
   return 0;
+}
+
+int run() {
+  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
+  amp::Options options = examples::amp_options(
+      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
+  if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
+
+  const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
+                                                      absl::GetFlag(FLAGS_train_limit));
+  const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false,
+                                                 absl::GetFlag(FLAGS_test_limit));
+  torch::manual_seed(absl::GetFlag(FLAGS_seed));
+  Net model;
+  model->to(device);
+  const double lr = absl::GetFlag(FLAGS_lr);
+  if (fused) {
+    amp::optim::FusedAdam optimizer(model->parameters(), lr);
+    return train(model, optimizer, options, device, train_set, test);
+  }
+  torch::optim::Adam optimizer(model->parameters(), lr);
+  return train(model, optimizer, options, device, train_set, test);
 }
 
 }  // namespace

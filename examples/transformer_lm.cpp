@@ -15,13 +15,19 @@
 #include <chrono>
 #include <iostream>
 
-ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5");
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O6");
 ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
 ABSL_FLAG(int, steps, 500, "training steps");
 ABSL_FLAG(int, batch_size, 32, "sequences per batch");
 ABSL_FLAG(int, context, 64, "characters per sequence");
 ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
+ABSL_FLAG(std::string, optimizer, "",
+          "libtorch (torch::optim::AdamW) or fused (amp::optim::FusedAdamW); default: fused at O6, whose "
+          "stochastic rounding needs it, libtorch otherwise");
+ABSL_FLAG(int, layers, 2, "transformer blocks");
+ABSL_FLAG(int, width, 64, "model width");
+ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
 ABSL_FLAG(int, seed, 0, "random seed");
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
@@ -49,24 +55,12 @@ std::string sample(examples::CharTransformer& model, c10::Device device, const s
   return text;
 }
 
-int run() {
-  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
-  amp::Options options = examples::amp_options(
-      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+// The training loop and the sample, with amp's two edits.
+template <class Optimizer>
+int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options options, c10::Device device,
+          const at::Tensor& bytes) {
   const int steps = absl::GetFlag(FLAGS_steps), batch = absl::GetFlag(FLAGS_batch_size);
-  examples::TransformerConfig config;
-  config.context = absl::GetFlag(FLAGS_context);
-  if (steps < 0 || batch < 1 || config.context < 2) {
-    throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2");
-  }
-  const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
-  auto bytes = torch::empty({int64_t(corpus.size())}, torch::kLong);
-  for (size_t i = 0; i < corpus.size(); ++i) bytes[i] = static_cast<uint8_t>(corpus[i]);
-
-  torch::manual_seed(absl::GetFlag(FLAGS_seed));
-  examples::CharTransformer model(config);
-  model->to(device);
-  torch::optim::AdamW optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  const examples::TransformerConfig& config = model->config;
   const examples::NonFiniteInjection injection(absl::GetFlag(FLAGS_inject_non_finite), *model);
   options.overflow_provenance = injection.enabled();
   amp::initialize(model, optimizer, options);
@@ -88,7 +82,7 @@ int run() {
       amp::scale_loss scaled(loss, optimizer);
       scaled.backward();
     }
-    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);  // float32 at every level
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);  // float32 at every level but O3/O6
     optimizer.step();
     if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
@@ -96,12 +90,44 @@ int run() {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   progress.finish();
-  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB\n",
+  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB  "
+              "peak allocated %.1f MiB\n",
               amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
               steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(optimizer)),
-              examples::peak_rss_mib());
+              examples::peak_rss_mib(), examples::peak_allocated_mib(device));
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
   return 0;
+}
+
+int run() {
+  const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
+  amp::Options options = examples::amp_options(
+      absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  examples::TransformerConfig config;
+  config.context = absl::GetFlag(FLAGS_context);
+  config.layers = absl::GetFlag(FLAGS_layers);
+  config.width = absl::GetFlag(FLAGS_width);
+  config.recompute = absl::GetFlag(FLAGS_recompute);
+  if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||
+      config.layers < 1 || config.width < config.heads || config.width % config.heads != 0) {
+    throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
+                                "--width a multiple of 4");
+  }
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
+  const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
+  auto bytes = torch::empty({int64_t(corpus.size())}, torch::kLong);
+  for (size_t i = 0; i < corpus.size(); ++i) bytes[i] = static_cast<uint8_t>(corpus[i]);
+
+  torch::manual_seed(absl::GetFlag(FLAGS_seed));
+  examples::CharTransformer model(config);
+  model->to(device);
+  const double lr = absl::GetFlag(FLAGS_lr);
+  if (fused) {
+    amp::optim::FusedAdamW optimizer(model->parameters(), lr);
+    return train(model, optimizer, options, device, bytes);
+  }
+  torch::optim::AdamW optimizer(model->parameters(), lr);
+  return train(model, optimizer, options, device, bytes);
 }
 
 }  // namespace

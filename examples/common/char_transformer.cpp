@@ -1,5 +1,7 @@
 #include "char_transformer.h"
 
+#include <amp/recompute.h>
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -33,13 +35,18 @@ CharTransformerImpl::CharTransformerImpl(const TransformerConfig& c) : config(c)
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c));
   norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
-  head = register_module("head", torch::nn::Linear(c.width, c.vocab));
+  if (!c.tied_head) head = register_module("head", torch::nn::Linear(c.width, c.vocab));
 }
 
 torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
   auto x = token(tokens) + position(at::arange(tokens.size(1), tokens.options()));
-  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
-  return head(norm(x));
+  for (const auto& module : *blocks) {
+    auto block = std::dynamic_pointer_cast<BlockImpl>(module);
+    x = config.recompute ? amp::recompute([block](const torch::Tensor& in) { return block->forward(in); }, x)
+                         : block->forward(x);
+  }
+  x = norm(x);
+  return config.tied_head ? at::linear(x, token->weight) : head(x);
 }
 
 std::string read_license_corpus(const std::string& dir) {

@@ -1,7 +1,8 @@
 // A small character-level transformer language model (GPT-style): token and
 // position embeddings, pre-norm blocks of causal multi-head attention
 // (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
-// linear head.
+// linear head (or the token embedding, tied). Each block may run under
+// amp::recompute.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -19,6 +20,8 @@ struct TransformerConfig {
   int64_t width = 64;
   int64_t heads = 4;
   int64_t layers = 2;
+  bool tied_head = false;  // logits from the token embedding's weight, no head of its own
+  bool recompute = false;  // each block's activations recomputed in backward
 };
 
 struct BlockImpl : torch::nn::Module {

@@ -1,5 +1,8 @@
 #include "run_setup.h"
 
+#include <amp/memory.h>
+#include <amp/opt_levels.h>
+
 #include <string>
 
 #include <sys/resource.h>
@@ -20,6 +23,7 @@ int run_main(int argc, char** argv, const char* usage, const std::function<int()
   absl::SetProgramUsageMessage(usage);
   absl::ParseCommandLine(argc, argv);
   const std::string program = std::filesystem::path(argv[0]).filename().string();
+  amp::track_allocations();
   try {
     return run();
   } catch (const std::invalid_argument& e) {
@@ -63,13 +67,22 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
   } else {
     throw std::invalid_argument("--dtype must be fp16 or bf16, got '" + dtype + "'");
   }
-  if (options.opt_level == amp::O4 || options.opt_level == amp::O5) {
-    if (low != c10::kBFloat16) throw std::invalid_argument("--opt_level O4/O5 are bf16 levels; drop --dtype=fp16");
+  if (options.opt_level == amp::O4 || options.opt_level == amp::O5 || options.opt_level == amp::O6) {
+    if (low != c10::kBFloat16) throw std::invalid_argument("--opt_level O4/O5/O6 are bf16 levels; drop --dtype=fp16");
     return options;
   }
   (device.is_cuda() ? options.cuda_dtype : options.cpu_dtype) = low;
   return options;
 }
+
+bool use_fused_optimizer(const std::string& flag, const amp::Options& options) {
+  if (flag == "fused") return true;
+  if (flag == "libtorch") return false;
+  if (flag.empty()) return options.opt_level == amp::O6 && options.stochastic_rounding.value_or(true);
+  throw std::invalid_argument("--optimizer must be fused or libtorch, got '" + flag + "'");
+}
+
+double peak_allocated_mib(c10::Device device) { return amp::allocated_bytes(device).peak / 1048576.0; }
 
 double peak_rss_mib() {
   rusage usage{};

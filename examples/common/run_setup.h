@@ -18,13 +18,21 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
                          c10::Device device, int verbosity = 1);
 c10::Device parse_device(const std::string& device);
 
-// A program's main: parses the Abseil flags, runs `run` and turns exceptions
+// A program's main: parses the Abseil flags, starts counting the CPU
+// allocator's bytes (amp::track_allocations), runs `run` and turns exceptions
 // into "<program>: <message>" on stderr (c10::Error without its C++
 // frames), exit code 2 for bad flags (std::invalid_argument), 1 otherwise.
 int run_main(int argc, char** argv, const char* usage, const std::function<int()>& run);
 
+// Whether the --optimizer flag asks for amp's fused optimizer: "fused" yes,
+// "libtorch" no; "" picks it where the level needs it (O6's stochastic
+// rounding happens in amp's fused optimizers) and LibTorch's own otherwise.
+bool use_fused_optimizer(const std::string& flag, const amp::Options& options);
+
 // The process's peak resident memory so far, in MiB.
 double peak_rss_mib();
+// The most bytes LibTorch's allocator held for tensors on `device` at once, in MiB.
+double peak_allocated_mib(c10::Device device);
 
 // Prints "step N/T  loss L  scale S  X samples/s  ETA m:ss", rewritten in
 // place on a terminal, as plain lines every `every` steps otherwise. The ETA
