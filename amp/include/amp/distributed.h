@@ -133,11 +133,15 @@ struct DataParallel {
 // What this rank holds for `optimizer` (passed to amp::initialize), in
 // bytes, measured from the tensors themselves (each storage once): what the
 // optimizer steps (O2's float32 masters, or with shard this rank's pieces),
-// its state, and the gradients of those and of the model's parameters.
-// `parameters` counts the elements of the whole parameters it trains, for
-// bytes per parameter. Errors: amp is not initialized; an optimizer not
+// its state, and the gradients of those and of the model's parameters;
+// `weights`: the low-precision copies forward computes with where the
+// optimizer steps something else (O2/O5's beside their masters, the
+// gathered weights under shard; 0 where it steps them itself: O0, O1, O3,
+// O6). `parameters` counts the elements of the whole parameters it trains,
+// for bytes per parameter. Errors: amp is not initialized; an optimizer not
 // passed to it.
 struct TrainingBytes {
+  int64_t weights = 0;
   int64_t masters = 0;
   int64_t optimizer_state = 0;
   int64_t gradients = 0;

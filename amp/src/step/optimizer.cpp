@@ -91,13 +91,22 @@ TrainingBytes training_bytes(const torch::optim::Optimizer& optimizer) {
     stepped.insert(stepped.end(), group.params().begin(), group.params().end());
   }
   for (const at::Tensor& p : stepped) out.masters += bytes(p);
+  const detail::ShardedOptimizer* sharded_by = context->sharded() ? context->sharded()->of(optimizer) : nullptr;
+  if (sharded_by != nullptr) {
+    for (const at::Tensor& member : sharded_by->members()) out.weights += bytes(member);
+  } else if (context->weights().mode() == detail::ModelWeights::Mode::kMasters) {
+    std::unordered_set<const c10::TensorImpl*> steps(stepped.size());
+    for (const at::Tensor& p : stepped) steps.insert(p.unsafeGetTensorImpl());
+    for (const auto& e : context->weights().entries()) {
+      if (steps.count(e.tensor.unsafeGetTensorImpl())) out.weights += bytes(e.compute);
+    }
+  }
   for (const auto& [key, state] : step.optimizer().state()) {
     int64_t count = 0;
     for (const detail::StateTensor& t : detail::state_tensors(*state, count)) out.optimizer_state += bytes(t.value);
   }
   for (const at::Tensor& p : stepped) out.gradients += bytes(p.grad());
-  const detail::ShardedOptimizer* sharded = context->sharded() ? context->sharded()->of(optimizer) : nullptr;
-  for (const at::Tensor& p : sharded ? sharded->members() : stepped) {
+  for (const at::Tensor& p : sharded_by ? sharded_by->members() : stepped) {
     out.gradients += bytes(p.grad());
     out.parameters += p.numel();
   }
