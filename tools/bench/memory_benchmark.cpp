@@ -1,0 +1,391 @@
+// Memory benchmark: how large a model amp lets a program train.
+//
+// A GPT-shaped decoder (examples/common/char_transformer.h: byte tokens,
+// learned positions, pre-norm blocks of causal 4-head attention and a 4x
+// GELU MLP, tied head; width 256, context 256, batch 8) takes AdamW steps on
+// Debian's license texts under each configuration: plain LibTorch float32;
+// amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
+// without masters, stochastic rounding) with recomputation; the O2/O5 ones
+// sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks started by this
+// program, bytes per rank); and Python's torch on the same model
+// (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint.
+//
+// Table 1: one step at equal batch and depth: the allocator's peak bytes
+// (amp::allocated_bytes: everything the step's tensors held at once,
+// parameters and optimizer state included), the part of it above what the
+// step started with (activations and gradients), and time per step, as
+// ratios to LibTorch float32 measured in the same run.
+// Table 2: the largest depth whose step fits --budget_mib, found from the
+// peaks at two depths (they grow linearly with depth) and checked by a step
+// at the depth found, then trained --train_steps steps: parameters, ratio to
+// LibTorch float32's, and the mean loss of the last five steps.
+//
+//   memory_benchmark --layers=4 --budget_mib=512 --train_steps=20
+#include <amp/amp.h>
+
+#include "bench_util.h"
+#include "common/char_transformer.h"
+#include "common/run_setup.h"
+
+#include <absl/flags/flag.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <algorithm>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+ABSL_FLAG(int, layers, 4, "depth of the equal-batch table");
+ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
+ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
+ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
+ABSL_FLAG(std::string, only, "", "run only the configurations whose name contains this");
+ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: no peer rows)");
+ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
+// Set by the launcher for the ranks it starts.
+ABSL_FLAG(int, rank, -1, "internal: this process is one rank of a sharded configuration");
+ABSL_FLAG(int, world, 1, "internal: ranks of that configuration");
+ABSL_FLAG(std::string, store, "", "internal: rendezvous file of the ranks");
+ABSL_FLAG(std::string, config, "", "internal: the configuration a rank runs");
+ABSL_FLAG(int, run_layers, 0, "internal: the depth a rank runs");
+ABSL_FLAG(std::string, result, "", "internal: where a rank writes its figures");
+
+namespace {
+
+constexpr int64_t kWidth = 256, kContext = 256, kBatch = 8;
+
+struct Config {
+  std::string name;
+  std::optional<amp::OptLevel> level;  // none: LibTorch without amp
+  bool recompute = false;
+  int world = 1;
+};
+
+std::vector<Config> configs() {
+  std::vector<Config> out = {{"LibTorch fp32", std::nullopt}, {"amp O1", amp::O1},
+                             {"amp O2", amp::O2},             {"amp O5", amp::O5},
+                             {"amp O5 + recompute", amp::O5, true}, {"amp O6 + recompute", amp::O6, true}};
+  for (int world : {2, 4}) {
+    const std::string per = " sharded x" + std::to_string(world);
+    out.push_back({"amp O2" + per, amp::O2, false, world});
+    out.push_back({"amp O5" + per, amp::O5, false, world});
+    out.push_back({"amp O5 + recompute" + per, amp::O5, true, world});
+  }
+  return out;
+}
+
+struct Figures {
+  double peak_mib = 0, ms_per_step = 0, loss = NAN;
+  double above_start_mib = 0;  // the peak above what the step started with (activations, gradients)
+  int64_t parameters = 0;
+};
+
+// Training steps of one configuration in this process (one rank of it
+// when `group` is set): a warm-up step creates the optimizer state, the
+// next is measured, then --timed_steps are timed and `train_steps` more
+// give the loss.
+class Trainer {
+ public:
+  Trainer(const Config& config, int layers, c10::intrusive_ptr<c10d::ProcessGroupGloo> group)
+      : config_(config), group_(std::move(group)), corpus_(corpus()) {
+    examples::TransformerConfig shape;
+    shape.context = kContext;
+    shape.width = kWidth;
+    shape.layers = layers;
+    shape.tied_head = true;
+    shape.recompute = config.recompute;
+    torch::manual_seed(0);
+    model_ = examples::CharTransformer(shape);
+    if (config.level == amp::O6) {
+      optimizer_ = std::make_shared<amp::optim::FusedAdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
+    } else {
+      optimizer_ = std::make_shared<torch::optim::AdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
+    }
+    if (config.level) {
+      amp::Options options = *config.level;
+      options.verbosity = 0;
+      if (group_) {
+        options.data_parallel.group = group_;
+        options.data_parallel.shard = true;
+      }
+      handle_.initialize(model_, *optimizer_, options);
+    }
+  }
+
+  Figures run(int timed, int train_steps) {
+    Figures f;
+    for (const auto& p : model_->parameters()) f.parameters += p.numel();
+    step(0);
+    optimizer_->zero_grad();
+    amp::reset_peak_allocated();
+    const int64_t start = amp::allocated_bytes().current;
+    step(1);
+    f.above_start_mib = (amp::allocated_bytes().peak - start) / 1048576.0;
+    // The corpus is the program's, not the step's (the Python peer counts tensors of the step alone).
+    f.peak_mib = (amp::allocated_bytes().peak - corpus_.nbytes()) / 1048576.0;
+    std::vector<double> ms;
+    for (int i = 0; i < timed; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      step(2 + i);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    f.ms_per_step = bench::median(ms);
+    std::vector<double> losses;
+    for (int i = 0; i < train_steps; ++i) losses.push_back(step(10 + i));
+    if (!losses.empty()) {
+      const size_t last = std::min<size_t>(5, losses.size());
+      f.loss = std::accumulate(losses.end() - last, losses.end(), 0.0) / last;
+    }
+    return f;
+  }
+
+ private:
+  static const at::Tensor& corpus() {
+    static const at::Tensor bytes = [] {
+      const std::string text = examples::read_license_corpus();
+      auto t = torch::empty({int64_t(text.size())}, torch::kByte);
+      std::memcpy(t.data_ptr(), text.data(), text.size());
+      return t;
+    }();
+    return bytes;
+  }
+
+  // One step on batch `number` (this rank's rows of it when sharded).
+  double step(int number) {
+    torch::manual_seed(1000 + number);
+    const auto starts = torch::randint(0, corpus_.size(0) - kContext - 1, {kBatch});
+    at::Tensor windows = corpus_.index({starts.unsqueeze(1) + torch::arange(kContext + 1)}).to(torch::kLong);
+    if (group_) windows = windows.chunk(config_.world)[group_->getRank()];
+    const at::Tensor inputs = windows.narrow(1, 0, kContext), targets = windows.narrow(1, 1, kContext);
+    optimizer_->zero_grad();
+    const at::Tensor logits = model_->forward(inputs);
+    const at::Tensor loss = torch::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, 256}), targets.reshape({-1}));
+    if (config_.level) {
+      amp::scale_loss scaled(loss, *optimizer_);
+      scaled.backward();
+    } else {
+      loss.backward();
+    }
+    optimizer_->step();
+    return loss.item<double>();
+  }
+
+  Config config_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  const at::Tensor& corpus_;
+  examples::CharTransformer model_{nullptr};
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  amp::Handle handle_;
+};
+
+std::string serialize(const Figures& f) {
+  std::ostringstream out;
+  out << f.peak_mib << " " << f.ms_per_step << " " << f.loss << " " << f.parameters << " " << f.above_start_mib;
+  return out.str();
+}
+
+Figures deserialize(const std::string& text) {
+  Figures f;
+  std::istringstream in(text);
+  std::string loss;
+  in >> f.peak_mib >> f.ms_per_step >> loss >> f.parameters >> f.above_start_mib;
+  f.loss = loss == "nan" ? NAN : std::stod(loss);
+  return f;
+}
+
+// A sharded configuration: its ranks as processes of this program; the
+// largest rank's peak, rank 0's time and loss.
+Figures run_ranks(const Config& config, int layers, int timed, int train_steps) {
+  const std::string base = "/tmp/amp_memory_" + std::to_string(getpid()) + "_" + std::to_string(std::rand());
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < config.world; ++rank) {
+    std::vector<std::string> args = {"/proc/self/exe", "--rank=" + std::to_string(rank),
+                                     "--world=" + std::to_string(config.world), "--store=" + base + ".store",
+                                     "--config=" + config.name, "--run_layers=" + std::to_string(layers),
+                                     "--train_steps=" + std::to_string(train_steps),
+                                     "--timed_steps=" + std::to_string(timed),
+                                     "--result=" + base + "." + std::to_string(rank)};
+    std::vector<char*> raw;
+    for (auto& a : args) raw.push_back(a.data());
+    raw.push_back(nullptr);
+    pid_t pid;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, raw.data(), environ) != 0) {
+      throw std::runtime_error("cannot start a rank");
+    }
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("a rank of " + config.name + " failed");
+  }
+  Figures out;
+  for (int rank = 0; rank < config.world; ++rank) {
+    std::ifstream in(base + "." + std::to_string(rank));
+    std::string line;
+    std::getline(in, line);
+    const Figures f = deserialize(line);
+    if (rank == 0) out = f;
+    out.peak_mib = std::max(out.peak_mib, f.peak_mib);
+    out.above_start_mib = std::max(out.above_start_mib, f.above_start_mib);
+    std::remove((base + "." + std::to_string(rank)).c_str());
+  }
+  std::remove((base + ".store").c_str());
+  return out;
+}
+
+Figures measure(const Config& config, int layers, int timed, int train_steps) {
+  if (config.world > 1) return run_ranks(config, layers, timed, train_steps);
+  return Trainer(config, layers, nullptr).run(timed, train_steps);
+}
+
+// One rank of a sharded configuration (started by run_ranks).
+int rank_main() {
+  const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
+  auto store = c10::make_intrusive<c10d::FileStore>(absl::GetFlag(FLAGS_store), world);
+  auto gloo = c10d::ProcessGroupGloo::Options::create();
+  gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
+  for (const Config& c : configs()) {
+    if (c.name != absl::GetFlag(FLAGS_config)) continue;
+    const Figures f = Trainer(c, absl::GetFlag(FLAGS_run_layers), group)
+                          .run(absl::GetFlag(FLAGS_timed_steps), absl::GetFlag(FLAGS_train_steps));
+    std::ofstream(absl::GetFlag(FLAGS_result)) << serialize(f) << "\n";
+    return 0;
+  }
+  throw std::invalid_argument("unknown configuration " + absl::GetFlag(FLAGS_config));
+}
+
+// The Python peer's figures for `mode` at `layers`.
+Figures peer(const std::string& mode, int layers, int timed, int train_steps) {
+  const std::string python = absl::GetFlag(FLAGS_python);
+  std::string script = absl::GetFlag(FLAGS_peer_script);
+  if (script.empty()) script = std::string(AMP_SOURCE_DIR) + "/tools/bench/memory_peer.py";
+  const std::string command = python + " " + script + " --mode=" + mode + " --layers=" + std::to_string(layers) +
+                              " --train_steps=" + std::to_string(train_steps) +
+                              " --timed_steps=" + std::to_string(timed) + " 2>/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  char buffer[512];
+  std::string line;
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) line = buffer;
+  if (pclose(pipe) != 0) throw std::runtime_error("the Python peer failed: " + command);
+  std::istringstream in(line);
+  std::string word, loss;
+  Figures f;
+  int ignored;
+  in >> word >> word >> word >> ignored >> word >> f.parameters >> word >> f.peak_mib >> word >> f.above_start_mib >> word >>
+      f.ms_per_step >> word >> loss;
+  f.loss = loss == "nan" ? NAN : std::stod(loss);
+  return f;
+}
+
+struct Row {
+  std::string name;
+  // Measures at a depth, timing `timed` steps and training `train` more.
+  std::function<Figures(int layers, int timed, int train)> measure;
+};
+
+std::vector<Row> rows() {
+  std::vector<Row> out;
+  const std::string only = absl::GetFlag(FLAGS_only);
+  for (const Config& c : configs()) {
+    if (!only.empty() && c.name.find(only) == std::string::npos && c.name != "LibTorch fp32") continue;
+    out.push_back({c.name, [c](int layers, int timed, int train) { return measure(c, layers, timed, train); }});
+  }
+  if (absl::GetFlag(FLAGS_python).empty()) return out;
+  for (const auto& [name, mode] : std::vector<std::pair<std::string, std::string>>{
+           {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"}}) {
+    if (!only.empty() && name.find(only) == std::string::npos) continue;
+    out.push_back({name, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
+  }
+  return out;
+}
+
+void equal_batch_table(const std::vector<Row>& table, int layers) {
+  std::printf("\n1. One AdamW step, GPT-shaped decoder (width %lld, context %lld, batch %lld, %d blocks), "
+              "allocator bytes (per rank when sharded)\n\n",
+              (long long)kWidth, (long long)kContext, (long long)kBatch, layers);
+  std::printf("| configuration | parameters | peak MiB | peak / fp32 | above start MiB | above start / fp32 | ms/step | "
+              "time / fp32 |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::optional<Figures> fp32;
+  for (const Row& row : table) {
+    const Figures f = row.measure(layers, absl::GetFlag(FLAGS_timed_steps), 0);
+    if (!fp32) fp32 = f;
+    std::printf("| %s | %lld | %.1f | %.2f | %.1f | %.2f | %.0f | %.2f |\n", row.name.c_str(), (long long)f.parameters,
+                f.peak_mib, f.peak_mib / fp32->peak_mib, f.above_start_mib, f.above_start_mib / fp32->above_start_mib,
+                f.ms_per_step, f.ms_per_step / fp32->ms_per_step);
+    std::fflush(stdout);
+  }
+}
+
+// The deepest model whose step's peak fits the budget: peaks grow about
+// linearly with depth, so each guess follows the line through the last two
+// measurements, kept between the deepest that fit and the shallowest that
+// did not.
+std::pair<int, Figures> largest_in_budget(const Row& row, double budget) {
+  std::map<int, Figures> measured;
+  auto peak_at = [&](int layers) {
+    if (!measured.count(layers)) measured[layers] = row.measure(layers, /*timed=*/0, /*train=*/0);
+    return measured[layers].peak_mib;
+  };
+  int fits = 0, too_deep = 1 << 20, previous = 2, current = 4;
+  for (int layers : {previous, current}) (peak_at(layers) <= budget ? fits : too_deep) = layers;
+  while (too_deep - fits > 1) {
+    const double slope = (peak_at(current) - peak_at(previous)) / (current - previous);
+    int guess = current + static_cast<int>(std::floor((budget - peak_at(current)) / std::max(slope, 1e-3)));
+    guess = std::clamp(guess, fits + 1, too_deep - 1);
+    if (guess == current) guess = peak_at(current) <= budget ? current + 1 : current - 1;
+    previous = current, current = guess;
+    (peak_at(current) <= budget ? fits : too_deep) = current;
+  }
+  return {fits, measured[fits]};
+}
+
+void budget_table(const std::vector<Row>& table, double budget, int train_steps) {
+  std::printf("\n2. The largest model whose step fits %.0f MiB of allocator bytes (per rank when sharded), "
+              "trained %d steps\n\n", budget, train_steps);
+  std::printf("| configuration | blocks | parameters | parameters / fp32 | peak MiB | loss (last 5 steps) |\n"
+              "|---|---:|---:|---:|---:|---:|\n");
+  int64_t fp32_parameters = 0;
+  for (const Row& row : table) {
+    const auto [layers, fit] = largest_in_budget(row, budget);
+    if (layers == 0) continue;
+    const Figures trained = row.measure(layers, /*timed=*/0, train_steps);
+    if (fp32_parameters == 0) fp32_parameters = trained.parameters;
+    std::printf("| %s | %d | %lld | %.2f | %.1f | %.3f |\n", row.name.c_str(), layers, (long long)trained.parameters,
+                double(trained.parameters) / fp32_parameters, fit.peak_mib, trained.loss);
+    std::fflush(stdout);
+  }
+}
+
+int run() {
+  if (absl::GetFlag(FLAGS_rank) >= 0) return rank_main();
+  const std::vector<Row> table = rows();
+  equal_batch_table(table, absl::GetFlag(FLAGS_layers));
+  if (absl::GetFlag(FLAGS_budget_mib) > 0) {
+    budget_table(table, absl::GetFlag(FLAGS_budget_mib), absl::GetFlag(FLAGS_train_steps));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return examples::run_main(argc, argv, "How large a GPT-shaped model amp trains in a memory budget.", run);
+}

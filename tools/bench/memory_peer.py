@@ -1,0 +1,145 @@
+"""The memory benchmark's Python peer (tools/bench/memory_benchmark.cpp).
+
+The same GPT-shaped decoder as examples/common/char_transformer.cpp (byte
+tokens, learned positions, pre-norm blocks of causal 4-head attention and a
+4x GELU MLP, tied head), the same AdamW step, in Python's torch: float32,
+torch.autocast(bfloat16), and autocast with torch.utils.checkpoint on every
+block. Bytes are LibTorch's CPU allocator's, as amp counts them: the tensors
+held before the step, plus the most the profiler's memory events
+(profile_memory=True) see allocated at once during it.
+
+  python memory_peer.py --mode=checkpoint --layers=4
+  python memory_peer.py --mode=fp32 --layers=12 --train_steps=20
+
+Prints one line: "peer <mode> layers L parameters P peak_mib X above_start_mib A ms_step Y loss Z".
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        batch, time_, width = x.shape
+        split = self.qkv(self.norm1(x)).view(batch, time_, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(split[0], split[1], split[2], is_causal=True)
+        h = x + self.proj(attended.transpose(1, 2).reshape(batch, time_, width))
+        return h + self.down(F.gelu(self.up(self.norm2(h))))
+
+
+class Gpt(torch.nn.Module):
+    def __init__(self, layers, width, context, heads=4, vocab=256, recompute=False):
+        super().__init__()
+        self.token = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.recompute = recompute
+
+    def forward(self, tokens):
+        x = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+        return F.linear(self.norm(x), self.token.weight)
+
+
+def corpus_bytes(directory="/usr/share/common-licenses"):
+    names = sorted(n for n in os.listdir(directory)
+                   if os.path.isfile(os.path.join(directory, n)) and not os.path.islink(os.path.join(directory, n)))
+    text = b"".join(open(os.path.join(directory, n), "rb").read() + b"\n" for n in names)
+    return torch.tensor(list(text), dtype=torch.long)
+
+
+def batch_for(corpus, step, batch, context):
+    torch.manual_seed(1000 + step)
+    starts = torch.randint(0, corpus.numel() - context - 1, (batch,))
+    windows = corpus[starts.unsqueeze(1) + torch.arange(context + 1)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def tensor_bytes(model, optimizer):
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [t for t in state.values() if torch.is_tensor(t)]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint"], required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--timed_steps", type=int, default=3)
+    parser.add_argument("--train_steps", type=int, default=0, help="train this many steps and report the loss")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = corpus_bytes()
+    torch.manual_seed(0)
+    model = Gpt(args.layers, args.width, args.context, recompute=args.mode == "checkpoint")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(number):
+        inputs, targets = batch_for(corpus, number, args.batch, args.context)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mode != "fp32"):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    step(0)  # creates the optimizer's state
+    optimizer.zero_grad()
+    held = tensor_bytes(model, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(1)
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(path)
+    above_start = max([e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"] + [0])
+    peak = held + above_start
+    times = [0.0]
+    for i in range(args.timed_steps):
+        start = time.perf_counter()
+        step(2 + i)
+        times.append(1000 * (time.perf_counter() - start))
+    losses = [step(10 + i) for i in range(args.train_steps)]
+    loss = statistics.mean(losses[-5:]) if losses else float("nan")
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"peer {args.mode} layers {args.layers} parameters {parameters} peak_mib {peak / 1048576:.2f} "
+          f"above_start_mib {above_start / 1048576:.2f} "
+          f"ms_step {statistics.median(times[1:] or times):.1f} loss {loss:.4f}")
+
+
+if __name__ == "__main__":
+    main()
