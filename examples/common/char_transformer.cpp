@@ -3,6 +3,7 @@
 #include <amp/recompute.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn/init.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -36,6 +37,9 @@ CharTransformerImpl::CharTransformerImpl(const TransformerConfig& c) : config(c)
   for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c));
   norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
   if (!c.tied_head) head = register_module("head", torch::nn::Linear(c.width, c.vocab));
+  // A tied head reads the embedding as output weights: small, as GPT-2's
+  // initialization, or the first logits are large and the loss starts far off.
+  if (c.tied_head) torch::nn::init::normal_(token->weight, 0.0, 0.02);
 }
 
 torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {

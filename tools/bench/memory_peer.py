@@ -53,6 +53,7 @@ class Gpt(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(width)
         self.recompute = recompute
+        torch.nn.init.normal_(self.token.weight, 0.0, 0.02)  # a tied head's weights, as GPT-2's
 
     def forward(self, tokens):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
