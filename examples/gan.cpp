@@ -119,9 +119,11 @@ int run() {
   }
   progress.finish();
   auto skipped = [](torch::optim::Optimizer& o) { return static_cast<long long>(amp::skipped_steps(o)); };
-  std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld\n",
+  std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld  "
+              "peak RSS %.0f MiB  peak allocated %.1f MiB\n",
               amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scale(0), amp::loss_scale(1),
-              amp::loss_scale(2), skipped(opt_d), skipped(opt_g));
+              amp::loss_scale(2), skipped(opt_d), skipped(opt_g), examples::peak_rss_mib(),
+              examples::peak_allocated_mib(device));
   if (check) std::printf("gradient check: %d steps, worst relative error vs float64 D %.2e G %.2e\n", steps, worst_d, worst_g);
   return 0;
 }

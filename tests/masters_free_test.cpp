@@ -27,8 +27,9 @@ Options o6(std::function<void(Options&)> edit = nullptr) {
 // One step of FusedSGD (lr 1) from w = 1 with gradient -delta everywhere:
 // the exact update is 1 + delta, between the bf16 neighbours 1 and
 // 1 + 2^-7. Returns the weights after the step, as float64.
-at::Tensor one_sgd_step(double delta, int64_t n, const Options& options) {
+at::Tensor one_sgd_step(double delta, int64_t n, const Options& options, c10::Device device = c10::kCPU) {
   VectorModel model(torch::ones({n}));
+  model->to(device);
   amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(1.0));
   Handle handle;
   handle.initialize(model, optimizer, options);
@@ -40,7 +41,16 @@ at::Tensor one_sgd_step(double delta, int64_t n, const Options& options) {
     scaled.backward();
   }
   optimizer.step();
-  return model->w.detach().to(at::kDouble);
+  return model->w.detach().cpu().to(at::kDouble);
+}
+
+// The mean of kN weights rounded from 1 + fraction * ulp is within 5
+// standard errors of a Bernoulli(fraction) mean of the exact value.
+void expect_unbiased(const at::Tensor& w, double fraction, int64_t n) {
+  const double ulp = std::ldexp(1.0, -7);
+  EXPECT_TRUE(torch::logical_or(w == 1.0, w == 1.0 + ulp).all().item<bool>()) << fraction;
+  const double error = ulp * std::sqrt(fraction * (1 - fraction) / n);
+  EXPECT_NEAR(w.mean().item<double>(), 1.0 + fraction * ulp, 5 * error) << "fraction of an ulp " << fraction;
 }
 
 TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
@@ -48,15 +58,8 @@ TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
   const double ulp = std::ldexp(1.0, -7);
   for (double fraction : {0.125, 0.375, 0.5, 0.8125}) {
     torch::manual_seed(1);
-    const double delta = fraction * ulp;  // exact in bf16: the gradient holds it unrounded
-    const at::Tensor w = one_sgd_step(delta, kN, o6());
-    // Every element is one of the two neighbours of the exact 1 + delta ...
-    EXPECT_TRUE(torch::logical_or(w == 1.0, w == 1.0 + ulp).all().item<bool>()) << fraction;
-    // ... and their mean is 1 + delta within 5 standard errors of a
-    // Bernoulli(fraction) mean over kN draws.
-    const double mean = w.mean().item<double>(), exact = 1.0 + delta;
-    const double error = ulp * std::sqrt(fraction * (1 - fraction) / kN);
-    EXPECT_NEAR(mean, exact, 5 * error) << "fraction of an ulp " << fraction;
+    // delta is exact in bf16: the gradient holds it unrounded.
+    expect_unbiased(one_sgd_step(fraction * ulp, kN, o6()), fraction, kN);
   }
   // Rounding to nearest drops the same update entirely below half an ulp.
   const at::Tensor nearest = one_sgd_step(0.375 * ulp, 1024, o6([](Options& o) { o.stochastic_rounding = false; }));
@@ -69,6 +72,15 @@ at::Tensor other_neighbour(const at::Tensor& exact, const at::Tensor& nearest) {
   const at::Tensor away = torch::logical_xor(exact > nearest, nearest < 0);  // step away from zero
   const at::Tensor bits = nearest.to(at::kBFloat16).view(at::kShort);
   return (bits + torch::where(away, 1, -1).to(at::kShort)).view(at::kBFloat16).to(at::kFloat);
+}
+
+TEST_F(AmpTest, OnCudaStochasticRoundingIsUnbiased) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  constexpr int64_t kN = 1 << 20;
+  for (double fraction : {0.125, 0.5, 0.8125}) {
+    torch::manual_seed(1);
+    expect_unbiased(one_sgd_step(fraction * std::ldexp(1.0, -7), kN, o6(), c10::kCUDA), fraction, kN);
+  }
 }
 
 // Adam, AdamW and SGD with momentum, one step from the same bf16 weights and

@@ -7,6 +7,7 @@
 #include <amp/memory.h>
 
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/cuda.h>
 
 #include <limits>
 
@@ -72,9 +73,11 @@ struct Trace {
 
 // Trains a fresh Net (seed 0) for `steps` steps of momentum SGD with
 // cross-entropy; dropout draws from the default generator throughout.
-Trace train(const amp::Options& options, Recompute mode, int steps = 3) {
+Trace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Device device = c10::kCPU) {
   torch::manual_seed(0);
+  if (device.is_cuda()) torch::cuda::manual_seed_all(0);
   Net model;
+  model->to(device);
   model->mode = mode;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   amp::Options o = options;
@@ -83,8 +86,8 @@ Trace train(const amp::Options& options, Recompute mode, int steps = 3) {
   handle.initialize(model, optimizer, o);
   Trace trace;
   for (int step = 0; step < steps; ++step) {
-    const at::Tensor x = torch::randn({8, 12});
-    const at::Tensor y = torch::randint(0, 5, {8});
+    const at::Tensor x = torch::randn({8, 12}).to(device);
+    const at::Tensor y = torch::randint(0, 5, {8}).to(device);
     optimizer.zero_grad();
     const at::Tensor loss = torch::cross_entropy_loss(model->forward(x), y);
     {
@@ -140,6 +143,19 @@ INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest,
                                            LevelCase{"O2_fp16", amp::O2, c10::kHalf},
                                            LevelCase{"O3_fp16", amp::O3, c10::kHalf}),
                          [](const auto& info) { return info.param.name; });
+
+// On the GPU backward runs on autograd's device thread, and dropout draws
+// from the CUDA generator: the rerun takes both from its forward.
+TEST_F(AmpTest, OnCudaRecomputedTrainingIsBitIdentical) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  for (amp::OptLevel level : {amp::O1, amp::O2, amp::O5}) {
+    const Trace plain = train(level, Recompute::kNone, 3, c10::kCUDA);
+    const Trace recomputed = train(level, Recompute::kNested, 3, c10::kCUDA);
+    expect_bit_equal(plain.grads, recomputed.grads, to_string(level));
+    expect_bit_equal(plain.params, recomputed.params, to_string(level));
+    expect_bit_equal(plain.buffers, recomputed.buffers, to_string(level));
+  }
+}
 
 // --- The block's contract -------------------------------------------------------
 

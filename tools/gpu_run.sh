@@ -2,7 +2,7 @@
 # The one command that proves amp on a GPU machine: builds amp there against
 # the machine's LibTorch (its python3 holds torch 2.11.0+cu130), runs the
 # whole test suite with CUDA present, compute-sanitizer over the CUDA tests,
-# the examples with --device=cuda at O0-O5, the GPU benchmark and Python's
+# the examples with --device=cuda at O0-O6 (and recomputed), the GPU benchmark and Python's
 # torch.amp on the same models, writing what it finds to <out_dir>.
 #
 #   tools/fetch_gpu_deps.sh                    # here, once: third_party_debs/
@@ -183,6 +183,10 @@ if device_stage examples; then
       say "    $level ${cmd%% *}: $(example_result 120 $cmd --opt_level=$level)"
     done
   done
+  # O6 (amp's fused optimizers) and recomputation on the device.
+  say "    O6 fashion_mnist: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O6)"
+  say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
+  say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
   say "gpu_run: examples --device=cuda done ($((SECONDS - start)) s)"
 fi
 
