@@ -18,15 +18,6 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Identity forward; its backward turns the gradient into inf/NaN.
-struct InfInBackward : torch::autograd::Function<InfInBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    return {grads[0] * kInf};
-  }
-};
-
 // TinyNet with injection points between its layers.
 struct ProbedNetImpl : torch::nn::Module {
   ProbedNetImpl()

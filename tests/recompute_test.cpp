@@ -365,15 +365,6 @@ TEST_F(AmpTest, HooksOnWeightsRunOnceAndSequentialSegmentsMatchForward) {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Identity forward; its backward turns the gradient into inf.
-struct InfInBackward : torch::autograd::Function<InfInBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    return {grads[0] * kInf};
-  }
-};
-
 // An inf made inside a recomputed block, in forward or in backward, is
 // reported as if the block were not recomputed: the same op or node, its
 // module, its dtype, and the same gradients.

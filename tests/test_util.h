@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -162,6 +163,16 @@ class AmpTest : public ::testing::Test {
   static amp::Options quiet(amp::Options options) {
     options.verbosity = 0;
     return options;
+  }
+};
+
+// Identity forward; its backward turns the gradient into inf (overflow
+// provenance's injection inside backward).
+struct InfInBackward : torch::autograd::Function<InfInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] * std::numeric_limits<float>::infinity()};
   }
 };
 

@@ -25,24 +25,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-
-class Block(torch.nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(width)
-        self.norm2 = torch.nn.LayerNorm(width)
-        self.qkv = torch.nn.Linear(width, 3 * width)
-        self.proj = torch.nn.Linear(width, width)
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        batch, time_, width = x.shape
-        split = self.qkv(self.norm1(x)).view(batch, time_, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(split[0], split[1], split[2], is_causal=True)
-        h = x + self.proj(attended.transpose(1, 2).reshape(batch, time_, width))
-        return h + self.down(F.gelu(self.up(self.norm2(h))))
+from peer_examples import Block, read_license_corpus  # the transformer peer's block, the same corpus
 
 
 class Gpt(torch.nn.Module):
@@ -63,10 +46,7 @@ class Gpt(torch.nn.Module):
 
 
 def corpus_bytes(directory="/usr/share/common-licenses"):
-    names = sorted(n for n in os.listdir(directory)
-                   if os.path.isfile(os.path.join(directory, n)) and not os.path.islink(os.path.join(directory, n)))
-    text = b"".join(open(os.path.join(directory, n), "rb").read() + b"\n" for n in names)
-    return torch.tensor(list(text), dtype=torch.long)
+    return torch.tensor(list(read_license_corpus(directory)), dtype=torch.long)
 
 
 def batch_for(corpus, step, batch, context):
