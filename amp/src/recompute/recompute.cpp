@@ -38,45 +38,6 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// Stands for a tensor from outside the block in one run; its next edge
-// leads to that tensor. It hands gradients on unchanged - in the graph a
-// backward with create_graph (gradient penalties) makes through the rerun.
-// The rerun's own backward must stop here and collect what arrives, so for
-// its extent the edge is hidden (HiddenEdges); made with it, the node keeps
-// the topological number the engine's pruning relies on.
-struct StandIns final : Node {
-  explicit StandIns(Edge edge) : Node(edge.is_valid() ? torch::autograd::edge_list{std::move(edge)}
-                                                      : torch::autograd::edge_list{}) {}
-  variable_list apply(variable_list&& grads) override { return std::move(grads); }
-  std::string name() const override { return "amp::RecomputeStandIns"; }
-};
-
-class HiddenEdges {
- public:
-  explicit HiddenEdges(std::vector<std::shared_ptr<Node>> nodes) : nodes_(std::move(nodes)) {
-    for (const auto& n : nodes_) hidden_.push_back(std::exchange(n->next_edges(), {}));
-  }
-  ~HiddenEdges() {
-    for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i]->next_edges() = std::move(hidden_[i]);
-  }
-  HiddenEdges(const HiddenEdges&) = delete;
-  HiddenEdges& operator=(const HiddenEdges&) = delete;
-
- private:
-  std::vector<std::shared_ptr<Node>> nodes_;
-  std::vector<torch::autograd::edge_list> hidden_;
-};
-
-// A tensor sharing `t`'s data and version counter that stands for it (its
-// history: a StandIns node leading to `edge`), held in `nodes`.
-at::Tensor stand_in(const at::Tensor& t, Edge edge, std::vector<std::shared_ptr<Node>>& nodes) {
-  at::Tensor s = t.detach();
-  auto node = std::make_shared<StandIns>(std::move(edge));
-  torch::autograd::create_gradient_edge(s, node);
-  nodes.push_back(std::move(node));
-  return s;
-}
-
 // Whether argument `a` reaches the block as a stand-in: it requires grad
 // and is not a leaf (a weight passed as an argument is taken as it is).
 bool through_node(const at::Tensor& a) { return a.defined() && a.requires_grad() && !a.is_leaf(); }
@@ -261,8 +222,6 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
 }
 
 }  // namespace
-
-bool is_stand_ins(const Node& node) { return dynamic_cast<const StandIns*>(&node) != nullptr; }
 
 }  // namespace detail
 
