@@ -209,10 +209,25 @@ void GradientReducer::Reduction::start_ready_buckets() {
     fill(next_bucket_++);
     if (sharded()) {
       bucket.work = reducer_.config_.group->_reduce_scatter_base(bucket.chunk, bucket.flat);
+      release_reduced(/*in_flight=*/2);
     } else {
       std::vector<at::Tensor> tensors{bucket.flat};
       bucket.work = reducer_.config_.group->allreduce(tensors);
     }
+  }
+}
+
+void GradientReducer::Reduction::release_reduced(size_t in_flight) {
+  while (released_ < next_bucket_) {
+    ReduceBucket& bucket = *buckets_[released_];
+    const bool done = bucket.work == nullptr || bucket.work->isCompleted();
+    if (!done && next_bucket_ - released_ <= in_flight) return;
+    if (bucket.work) {
+      bucket.work->wait();
+      bucket.work.reset();
+    }
+    bucket.flat = at::Tensor();  // the chunk holds this rank's part
+    ++released_;
   }
 }
 
@@ -232,13 +247,17 @@ void GradientReducer::Reduction::finish() {
         if (buckets_[b]->asides[j].defined()) flags[first_member_[b] + j] = 1;
       }
     }
-    used = at::tensor(flags).to(buckets_.front()->flat.device());
+    used = at::tensor(flags).to(buckets_.front()->chunk.device());
     std::vector<at::Tensor> tensors{used};
     used_work = reducer_.config_.group->allreduce(tensors);
   }
-  for (ReduceBucket* bucket : buckets_) {
-    bucket->work->wait();
-    bucket->work.reset();
+  if (sharded()) {
+    release_reduced(/*in_flight=*/0);
+  } else {
+    for (ReduceBucket* bucket : buckets_) {
+      bucket->work->wait();
+      bucket->work.reset();
+    }
   }
   if (used_work) used_work->wait();
   TORCH_CHECK(error_.empty(), error_);

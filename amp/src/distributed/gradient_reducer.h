@@ -15,7 +15,10 @@
 // accumulators. When backward has produced every gradient of a bucket, the
 // bucket is filled (sharded: the members' gradients are released then) and,
 // if every earlier bucket has started, its collective starts - in bucket
-// order, so the ranks' collectives match. finish() starts what backward
+// order, so the ranks' collectives match. Sharded, a bucket's full buffer
+// (the whole bucket in the reduce dtype) goes as soon as its reduce-scatter
+// is done; at most two wait at once, so no rank holds every gradient in
+// float32 at the end of backward. finish() starts what backward
 // left (members without a gradient count zero), waits, and installs the
 // averages as new tensors: the parameters' .grad (replicated) or the
 // pieces' .grad (sharded).
@@ -114,6 +117,9 @@ class GradientReducer::Reduction {
   void on_gradient(size_t member);
   void fill(size_t bucket);
   void start_ready_buckets();
+  // Sharded: frees the full buffers of buckets whose reduce-scatter is done,
+  // waiting for the oldest while more than `in_flight` hold theirs.
+  void release_reduced(size_t in_flight);
   void install_replicated();
   void install_sharded(const at::Tensor& used);
   void unhook() noexcept;
@@ -125,6 +131,7 @@ class GradientReducer::Reduction {
   std::vector<bool> produced_;          // per member (buckets in order): its accumulator ran
   std::vector<int64_t> missing_;        // per bucket: members not produced yet
   size_t next_bucket_ = 0;              // buckets before it have started
+  size_t released_ = 0;                 // sharded: buckets before it hold only their chunk
   std::mutex mutex_;  // hooks run on autograd's threads
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::string error_;                   // met inside a hook, raised by finish()
