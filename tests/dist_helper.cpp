@@ -3,7 +3,7 @@
 // one rank alone seeing an overflow at step 2.
 //
 //   dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]
-//     level=O1|O2|O5          opt level (O2)
+//     level=O1|O2|O5|O6       opt level (O2; O6 with fused_adamw)
 //     reduce=builtin|inside|after|local|none
 //                             builtin: Options::data_parallel, the loop as in
 //                             one process; inside/after: the loop averages

@@ -10,7 +10,8 @@
 // Sharded (data_parallel.shard): at world sizes 1-4, O2 and O5, SGD, Adam
 // and AdamW the float32 masters equal the replicated run's bit for bit;
 // accumulation and clipping stay within float32 rounding of it; a sharded
-// checkpoint resumes at other world sizes bit for bit as unsharded runs.
+// checkpoint resumes at other world sizes bit for bit as unsharded runs. O6
+// shards its bfloat16 weights: ranks agree and resume bit for bit.
 // In-process checks over a process group of one rank (collectives that leave
 // tensors as they are) cover the guard's side: parameters without
 // gradients, two backward passes, errors.
@@ -269,6 +270,36 @@ TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
     const std::string args = "level=" + level + " optimizer=adam shard=1 micro_batches=2";
     expect_same_bits(run_ranks(2, args + " recompute=1"), run_ranks(2, args), level);
   }
+}
+
+// O6 sharded: the pieces are the bfloat16 weights themselves, stepped by
+// amp's fused AdamW with stochastic rounding, each rank drawing its own
+// stream. Ranks agree, the overflow is skipped everywhere, the run stays
+// within a few bf16 roundings of the replicated one (the noise differs),
+// and a checkpoint resumes every rank's rounding bit for bit.
+TEST_F(RanksAsProcesses, ShardedMastersFreeTrainingAgreesAndResumesBitForBit) {
+  const std::string args = "level=O6 optimizer=fused_adamw";
+  const auto sharded = run_ranks(3, args + " shard=1");
+  for (size_t r = 1; r < sharded.size(); ++r) expect_same_bits({sharded[r]}, {sharded[0]}, "rank " + std::to_string(r));
+  EXPECT_EQ(sharded[0].skipped, 1);
+  const auto replicated = run_ranks(3, args);
+  const double moved = (sharded[0].steps.back() - sharded[0].steps.front()).abs().max().item<double>();
+  EXPECT_GT(moved, 0.01);
+  EXPECT_LE(max_distance(sharded, replicated), 0.25 * moved);
+  EXPECT_GT(max_distance(sharded, replicated), 0);  // other noise: not the replicated run
+
+  const std::string file = ::testing::TempDir() + "amp_sharded_o6_" + std::to_string(::getpid()) + ".pt";
+  const std::string saving = args + " shard=1 checkpoint=" + file + " save_after=1";
+  auto tail = run_ranks(2, saving);
+  tail[0].steps.erase(tail[0].steps.begin(), tail[0].steps.begin() + 2);
+  expect_same_bits(run_ranks(2, saving + " resume=1"), tail, "resumed at world size 2");
+  std::remove(file.c_str());
+}
+
+// Replicas round with rank 0's seed: ranks seeded apart still step alike.
+TEST_F(RanksAsProcesses, ReplicatedMastersFreeRanksRoundAlike) {
+  const auto ranks = run_ranks(2, "level=O6 optimizer=fused_adamw seed_per_rank=1");
+  expect_same_bits({ranks[1]}, {ranks[0]}, "rank 1");
 }
 
 TEST_F(RanksAsProcesses, ShardedOverGlooWithCudaTensors) {
@@ -535,7 +566,10 @@ TEST_F(AmpTest, ShardedOptionsAreChecked) {
   Options no_group = O2;
   no_group.data_parallel.shard = true;
   EXPECT_THAT(refused(sgd, no_group), ::testing::HasSubstr("needs data_parallel.group"));
-  EXPECT_THAT(refused(sgd, fake_sharded(O1)), ::testing::HasSubstr("Use O2 or O5"));
+  EXPECT_THAT(refused(sgd, fake_sharded(O1)), ::testing::HasSubstr("Use O2, O5 or O6"));
+  Options nearest = fake_sharded(O6);  // LibTorch's own step on the model's bf16 weights
+  nearest.stochastic_rounding = false;
+  EXPECT_THAT(refused(sgd, nearest), ::testing::HasSubstr("Use O2, O5 or O6"));
   torch::optim::LBFGS lbfgs(model->parameters());
   EXPECT_THAT(refused(lbfgs, fake_sharded(O2)), ::testing::HasSubstr("SGD, Adam, AdamW"));
   torch::optim::SGD twice({torch::optim::OptimizerParamGroup(model->parameters()),

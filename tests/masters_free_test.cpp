@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <optional>
 
 namespace amp::testing {
 namespace {
@@ -172,8 +173,10 @@ struct ClassifierRun {
 };
 
 // `steps` steps of FusedAdamW from seed `seed`; `resume_at`: at that step
-// save a checkpoint, rebuild everything in fresh objects and load it.
-ClassifierRun train_classifier(uint64_t seed, int steps, const Options& options, int resume_at = -1) {
+// save a checkpoint, rebuild everything in fresh objects (initialized with
+// `resumed_with`, or `options`) and load it.
+ClassifierRun train_classifier(uint64_t seed, int steps, const Options& options, int resume_at = -1,
+                               const std::optional<Options>& resumed_with = std::nullopt) {
   torch::manual_seed(seed);
   auto model = std::make_shared<Classifier>();
   auto optimizer = std::make_shared<amp::optim::FusedAdamW>((*model)->parameters(), torch::optim::AdamWOptions(3e-3));
@@ -188,7 +191,7 @@ ClassifierRun train_classifier(uint64_t seed, int steps, const Options& options,
       model = std::make_shared<Classifier>();
       optimizer = std::make_shared<amp::optim::FusedAdamW>((*model)->parameters(), torch::optim::AdamWOptions(3e-3));
       handle = std::make_unique<Handle>();
-      handle->initialize(*model, *optimizer, options);
+      handle->initialize(*model, *optimizer, resumed_with.value_or(options));
       load_checkpoint(path, {*model}, {*optimizer});
       std::remove(path.c_str());
     }
@@ -220,6 +223,26 @@ TEST_F(AmpTest, MastersFreeTrainingIsReproducibleAndResumesBitForBit) {
   const ClassifierRun resumed = train_classifier(7, 6, o6(), /*resume_at=*/3);
   for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(BitEqual(a.params[i], resumed.params[i])) << i;
   for (size_t i = 0; i < a.state.size(); ++i) EXPECT_TRUE(BitEqual(a.state[i], resumed.state[i])) << i;
+}
+
+TEST_F(AmpTest, MastersFreeTrainingWithFloat32StateResumesBitForBit) {
+  const Options fp32_state = o6([](Options& o) { o.optimizer_state_dtype = at::kFloat; });
+  const ClassifierRun a = train_classifier(8, 6, fp32_state), resumed = train_classifier(8, 6, fp32_state, 3);
+  for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(BitEqual(a.params[i], resumed.params[i])) << i;
+  for (size_t i = 0; i < a.state.size(); ++i) EXPECT_TRUE(BitEqual(a.state[i], resumed.state[i])) << i;
+  EXPECT_EQ(resumed.state[1].scalar_type(), at::kFloat);
+}
+
+// A checkpoint holds the state as it was kept; loading it into a run with
+// another optimizer_state_dtype converts it to that run's dtype.
+TEST_F(AmpTest, MastersFreeStateLoadsIntoEitherStateDtype) {
+  const Options bf16_state = o6(), fp32_state = o6([](Options& o) { o.optimizer_state_dtype = at::kFloat; });
+  const ClassifierRun widened = train_classifier(8, 4, bf16_state, 3, fp32_state);
+  const ClassifierRun narrowed = train_classifier(8, 4, fp32_state, 3, bf16_state);
+  EXPECT_EQ(widened.state[1].scalar_type(), at::kFloat);
+  EXPECT_EQ(narrowed.state[1].scalar_type(), at::kBFloat16);
+  EXPECT_EQ(widened.params[0].scalar_type(), at::kBFloat16);
+  EXPECT_EQ(narrowed.params[0].scalar_type(), at::kBFloat16);
 }
 
 TEST_F(AmpTest, MastersFreeStateDtypeAndBytesPerParameter) {

@@ -3,6 +3,7 @@
 #include <amp/cast_cache.h>
 #include <amp/hardware.h>
 
+#include "distributed/replicas.h"
 #include "interception/casting_scope_internal.h"
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/forward_watch.h"
@@ -63,7 +64,10 @@ Context::Context(const Properties& properties, const Options& options, const Reg
         [p = properties_](c10::DeviceType device) { return p.low_precision_dtype(device); });
   }
   if (properties.stochastic_rounding) {
-    rounding_ = std::make_unique<StochasticRounding>(at::detail::getDefaultCPUGenerator().current_seed());
+    uint64_t seed = at::detail::getDefaultCPUGenerator().current_seed();
+    const c10::intrusive_ptr<c10d::Backend>& group = options.data_parallel.group;
+    if (group) seed = rank0_seed(seed, *group);
+    rounding_ = std::make_unique<StochasticRounding>(seed, sharded_ ? group->getRank() : 0);
   }
   for (torch::optim::Optimizer* optimizer : optimizers) {
     steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));

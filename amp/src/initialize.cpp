@@ -133,10 +133,11 @@ void check_sharding(const Options& o, const Properties& p, const Optimizers& opt
   if (!dp.shard) return;
   TORCH_CHECK(dp.group, "amp: Options::data_parallel.shard needs data_parallel.group, the ranks' "
               "process group, to spread the float32 masters and optimizer state over.");
-  TORCH_CHECK(p.master_weights && p.cast_model_type && *p.cast_model_type != c10::kFloat,
-              "amp: Options::data_parallel.shard spreads the float32 master weights and optimizer "
-              "state of O2 and O5 over the ranks; opt_level ", to_string(p.opt_level), " keeps no "
-              "master weights. Use O2 or O5, or shard=false.");
+  TORCH_CHECK((p.master_weights || p.stochastic_rounding) && p.cast_model_type && *p.cast_model_type != c10::kFloat,
+              "amp: Options::data_parallel.shard spreads what the optimizer steps and its state "
+              "over the ranks: the float32 master weights of O2 and O5, or O6's bfloat16 weights; "
+              "opt_level ", to_string(p.opt_level), " steps the model's own weights, which every "
+              "rank holds whole. Use O2, O5 or O6, or shard=false.");
   TORCH_CHECK(!optimizers.empty(), "amp: Options::data_parallel.shard needs the optimizers whose "
               "state it spreads; pass them to amp::initialize.");
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -244,15 +245,17 @@ std::unique_ptr<detail::ShardedMasters> shard_masters(const Modules& models, con
   if (!options.data_parallel.shard) return nullptr;
   const auto lowered = lowered_set(models, p, options);
   const c10::ScalarType low = *p.cast_model_type;
-  auto sharded = std::make_unique<detail::ShardedMasters>(
-      optimizers, options.data_parallel,
-      [&](const at::Tensor& t) { return lowered.count(t.unsafeGetTensorImpl()) ? low : t.scalar_type(); });
+  detail::ShardDtypes dtypes;
+  dtypes.compute = [&](const at::Tensor& t) { return lowered.count(t.unsafeGetTensorImpl()) ? low : t.scalar_type(); };
+  dtypes.masters = p.master_weights;
+  dtypes.rounded_state = p.optimizer_state_dtype;
+  auto sharded = std::make_unique<detail::ShardedMasters>(optimizers, options.data_parallel, dtypes);
   for (const auto& s : sharded->optimizers()) {
     for (const detail::ReduceBucket& bucket : s->buckets()) {
       for (const detail::ReduceBucket::Piece& piece : bucket.pieces) {
         auto it = names.find(bucket.members[piece.member].unsafeGetTensorImpl());
         if (it == names.end()) continue;
-        names.emplace(piece.master.unsafeGetTensorImpl(),
+        names.emplace(piece.stepped.unsafeGetTensorImpl(),
                       it->second + "[" + std::to_string(piece.begin) + ":" +
                           std::to_string(piece.begin + piece.length) + "]");
       }

@@ -5,9 +5,9 @@
 // GELU MLP, tied head; width 256, context 256, batch 8) takes AdamW steps on
 // Debian's license texts under each configuration: plain LibTorch float32;
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
-// without masters, stochastic rounding) with recomputation; the O2/O5 ones
-// sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks started by this
-// program, bytes per rank); and Python's torch on the same model
+// without masters, stochastic rounding) with recomputation; the O2, O5 and
+// recomputed ones sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
+// started by this program, bytes per rank); and Python's torch on the same model
 // (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint.
 //
 // Table 1: one step at equal batch and depth: the allocator's peak bytes
@@ -84,6 +84,7 @@ std::vector<Config> configs() {
     out.push_back({"amp O2" + per, amp::O2, false, world});
     out.push_back({"amp O5" + per, amp::O5, false, world});
     out.push_back({"amp O5 + recompute" + per, amp::O5, true, world});
+    out.push_back({"amp O6 + recompute" + per, amp::O6, true, world});
   }
   return out;
 }

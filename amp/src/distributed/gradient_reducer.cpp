@@ -304,12 +304,12 @@ void GradientReducer::Reduction::install_replicated() {
 }
 
 void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
-  std::vector<at::Tensor> views, masters;
+  std::vector<at::Tensor> views, stepped;
   std::vector<size_t> members;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     for (const ReduceBucket::Piece& piece : buckets_[b]->pieces) {
       views.push_back(buckets_[b]->chunk.narrow(0, piece.chunk_offset, piece.length));
-      masters.push_back(piece.master);
+      stepped.push_back(piece.stepped);
       members.push_back(first_member_[b] + piece.member);
     }
   }
@@ -330,9 +330,12 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
   const bool predivided = c10::isReducedFloatingType(reducer_.config_.reduce_dtype);
   std::vector<at::Tensor> averages;
   if (!views.empty()) averages = at::_foreach_div(views, predivided ? 1 : reducer_.world_);
-  for (size_t i = 0; i < masters.size(); ++i) {
+  for (size_t i = 0; i < stepped.size(); ++i) {
     const bool keep = local[members[i]] || used_on_host.at(members[i]) > 0;
-    masters[i].mutable_grad() = keep ? std::move(averages[i]) : at::Tensor();
+    at::Tensor& average = averages[i];
+    // A piece without masters is stepped in its own dtype: so is its gradient.
+    if (keep && average.scalar_type() != stepped[i].scalar_type()) average = average.to(stepped[i].scalar_type());
+    stepped[i].mutable_grad() = keep ? std::move(average) : at::Tensor();
   }
   for (ReduceBucket* bucket : buckets_) {  // only the pieces' gradients stay
     bucket->flat = at::Tensor();

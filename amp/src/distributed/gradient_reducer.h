@@ -48,7 +48,7 @@ struct ReduceBucket {
     int64_t begin = 0;      // first element, in the member flattened
     int64_t length = 0;
     int64_t chunk_offset = 0;  // where it starts in this rank's chunk
-    at::Tensor master;      // float32, 1-D: the tensor the optimizer steps
+    at::Tensor stepped;     // 1-D: the tensor the optimizer steps (sharded_optimizer.h)
   };
   std::vector<at::Tensor> members;  // whose gradients fill it
   std::vector<size_t> ids;          // the members' indices in their owner's list

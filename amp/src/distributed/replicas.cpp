@@ -28,4 +28,14 @@ void broadcast_from_rank0(const std::vector<torch::nn::Module*>& models, c10d::B
   }
 }
 
+uint64_t rank0_seed(uint64_t seed, c10d::Backend& group) {
+  // NCCL moves only CUDA tensors.
+  const c10::Device device = group.getBackendName() == "nccl" ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  std::vector<at::Tensor> value{at::full({1}, static_cast<int64_t>(seed), at::TensorOptions(device).dtype(at::kLong))};
+  c10d::BroadcastOptions options;
+  options.rootRank = 0;
+  group.broadcast(value, options)->wait();
+  return static_cast<uint64_t>(value[0].item<int64_t>());
+}
+
 }  // namespace amp::detail

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace amp::detail {
@@ -13,5 +14,8 @@ namespace amp::detail {
 // one broadcast per dtype, of the tensors flattened together. A collective:
 // every rank calls it with the same models.
 void broadcast_from_rank0(const std::vector<torch::nn::Module*>& models, c10d::Backend& group);
+
+// Rank 0's `seed` (a collective), for what replicas draw alike.
+uint64_t rank0_seed(uint64_t seed, c10d::Backend& group);
 
 }  // namespace amp::detail

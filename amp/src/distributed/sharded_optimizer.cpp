@@ -28,9 +28,9 @@ std::vector<const char*> state_names(const torch::optim::OptimizerOptions& optio
 }  // namespace
 
 ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
-                                   const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype)
+                                   const ShardDtypes& dtypes)
     : optimizer_(&optimizer), group_(config.group), rank_(config.group->getRank()),
-      world_(config.group->getSize()) {
+      world_(config.group->getSize()), rounded_state_(dtypes.rounded_state) {
   for (const auto& group : optimizer.param_groups()) {
     group_members_.emplace_back();
     for (const at::Tensor& p : group.params()) {
@@ -40,7 +40,7 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
     }
   }
   std::vector<int> keys;
-  for (const at::Tensor& m : members_) keys.push_back(static_cast<int>(compute_dtype(m)));
+  for (const at::Tensor& m : members_) keys.push_back(static_cast<int>(dtypes.compute(m)));
   buckets_ = plan_buckets(members_, keys, config.bucket_bytes, c10::elementSize(config.reduce_dtype));
   piece_of_.assign(members_.size(), {kNoPiece, kNoPiece});
   at::NoGradGuard no_grad;
@@ -59,8 +59,9 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
       piece.begin = begin - bucket.offsets[j];
       piece.length = end - begin;
       piece.chunk_offset = begin - first;
-      piece.master = member.detach().to(at::kFloat).reshape(-1).narrow(0, piece.begin, piece.length).clone();
-      piece.master.requires_grad_(member.requires_grad());
+      const at::ScalarType dtype = dtypes.masters ? at::kFloat : bucket.dtype;  // rounds as lowering does
+      piece.stepped = member.detach().to(dtype).reshape(-1).narrow(0, piece.begin, piece.length).clone();
+      piece.stepped.requires_grad_(member.requires_grad());
       piece_of_[bucket.ids[j]] = {b, bucket.pieces.size()};
       bucket.pieces.push_back(std::move(piece));
     }
@@ -73,6 +74,11 @@ const ReduceBucket::Piece* ShardedOptimizer::piece(size_t member) const {
   return b == kNoPiece ? nullptr : &buckets_[b].pieces[p];
 }
 
+at::ScalarType ShardedOptimizer::state_dtype(const ReduceBucket::Piece& piece) const {
+  // As the fused optimizers create it (fused_stepping.h).
+  return piece.stepped.scalar_type() == at::kBFloat16 ? rounded_state_ : piece.stepped.scalar_type();
+}
+
 void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_member) {
   auto& groups = optimizer_->param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -81,7 +87,7 @@ void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_membe
       if (per_member) {
         params.push_back((*per_member)[m]);
       } else if (const ReduceBucket::Piece* p = piece(m)) {
-        params.push_back(p->master);
+        params.push_back(p->stepped);
       }
     }
     groups[g].params() = std::move(params);
@@ -111,7 +117,8 @@ void ShardedOptimizer::take_member_writes() {
       }
       take_values(member, fp32);
     } else if (member._version() != versions_[m]) {  // written in place
-      if (!warned_) {
+      const ReduceBucket::Piece* p = piece(m);
+      if (!warned_ && p != nullptr && p->stepped.scalar_type() != member.scalar_type()) {
         warned_ = true;
         warn("sharded_master_rebuilt", "a parameter was changed in place while its float32 master "
              "lives in another rank's shard (Options::data_parallel.shard); the master was rebuilt "
@@ -127,7 +134,7 @@ void ShardedOptimizer::take_values(const at::Tensor& member, const at::Tensor& f
   const size_t m = index_.at(member.unsafeGetTensorImpl());
   if (const ReduceBucket::Piece* p = piece(m)) {
     at::NoGradGuard no_grad;
-    p->master.detach().copy_(fp32.reshape(-1).narrow(0, p->begin, p->length));
+    p->stepped.detach().copy_(fp32.reshape(-1).narrow(0, p->begin, p->length));
   }
   versions_[m] = member._version();
   storages_[m] = member.storage().unsafeGetStorageImpl();
@@ -160,7 +167,7 @@ void ShardedOptimizer::gather() {
     std::vector<at::Tensor> dst, src;
     for (const ReduceBucket::Piece& p : bucket.pieces) {
       dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
-      src.push_back(p.master.detach());
+      src.push_back(p.stepped.detach());
     }
     if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
     wholes.push_back(at::empty({bucket.padded}, options));
@@ -205,7 +212,7 @@ std::vector<at::Tensor> ShardedOptimizer::gather_whole(
 }
 
 std::vector<at::Tensor> ShardedOptimizer::full_masters() {
-  return gather_whole([](const ReduceBucket::Piece& p) { return p.master.detach(); });
+  return gather_whole([](const ReduceBucket::Piece& p) { return p.stepped.detach(); });
 }
 
 ShardedOptimizer::StateMap ShardedOptimizer::whole_state(const std::vector<at::Tensor>& whole) {
@@ -217,7 +224,7 @@ ShardedOptimizer::StateMap ShardedOptimizer::whole_state(const std::vector<at::T
   const int64_t columns = 1 + static_cast<int64_t>(names.size());
   at::Tensor meta = at::full({static_cast<int64_t>(members_.size()), columns}, -1.0, at::kDouble);
   auto known = [&](const ReduceBucket::Piece& p) -> const torch::optim::OptimizerParamState* {
-    auto it = optimizer_->state().find(p.master.unsafeGetTensorImpl());
+    auto it = optimizer_->state().find(p.stepped.unsafeGetTensorImpl());
     return it == optimizer_->state().end() ? nullptr : it->second.get();
   };
   for (size_t m = 0; m < members_.size(); ++m) {
@@ -285,8 +292,11 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   optimizer_->state().clear();
   set_group_params(&whole);
   try {
+    // The whole state in float32, whatever dtype it was saved in.
+    const StateDtype float32 = [](const at::Tensor&) { return at::kFloat; };
     optimizer_->load(archive);
-    check_state_fits_params(*optimizer_);
+    convert_state(*optimizer_, float32);
+    check_state_fits_params(*optimizer_, float32);
   } catch (const std::exception& e) {
     optimizer_->state() = std::move(sharded);
     set_group_params(nullptr);
@@ -304,9 +314,9 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
       int64_t step = 0;
       std::vector<StateTensor> tensors = state_tensors(*it->second, step);
       for (StateTensor& t : tensors) {
-        if (t.value.defined()) t.value = t.value.reshape(-1).narrow(0, p->begin, p->length).clone();
+        if (t.value.defined()) t.value = t.value.reshape(-1).narrow(0, p->begin, p->length).to(state_dtype(*p), false, true);
       }
-      pieces[p->master.unsafeGetTensorImpl()] = make_state(groups[g].options(), tensors, step);
+      pieces[p->stepped.unsafeGetTensorImpl()] = make_state(groups[g].options(), tensors, step);
     }
   }
   optimizer_->state() = std::move(pieces);
@@ -317,7 +327,7 @@ bool ShardedOptimizer::optimizer_alive() const {
   // The pieces are held by the buckets and by the optimizer's param groups.
   for (const ReduceBucket& bucket : buckets_) {
     for (const ReduceBucket::Piece& p : bucket.pieces) {
-      if (p.master.use_count() < 2) return false;
+      if (p.stepped.use_count() < 2) return false;
     }
   }
   return true;
@@ -351,11 +361,10 @@ void ShardedOptimizer::restore() {
 }
 
 ShardedMasters::ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers,
-                               const DataParallel& config,
-                               const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype)
+                               const DataParallel& config, const ShardDtypes& dtypes)
     : group_(config.group) {
   for (torch::optim::Optimizer* optimizer : optimizers) {
-    optimizers_.push_back(std::make_unique<ShardedOptimizer>(*optimizer, config, compute_dtype));
+    optimizers_.push_back(std::make_unique<ShardedOptimizer>(*optimizer, config, dtypes));
   }
 }
 

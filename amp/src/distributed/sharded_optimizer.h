@@ -1,5 +1,5 @@
-// Private: sharded fp32 masters and optimizer state (DataParallel::shard,
-// ZeRO stage 2, or 1 with shard_gradients=false), one ShardedOptimizer per
+// Private: sharded masters and optimizer state (DataParallel::shard, ZeRO
+// stage 2, or 1 with shard_gradients=false), one ShardedOptimizer per
 // optimizer passed to initialize.
 //
 // Layout. The optimizer's parameters (the members) are grouped into buckets
@@ -12,8 +12,12 @@
 // Residences.
 //   member (the module's parameter)   the compute dtype, for good: the
 //                                     gathered weights forward reads
-//   piece master (float32, 1-D)       the optimizer's parameter in its param
-//                                     groups, so LibTorch's own state is 1/N
+//   piece (1-D)                       the optimizer's parameter in its param
+//                                     groups, so its state is 1/N: the
+//                                     float32 master (O2, O5), or without
+//                                     masters (O6) the compute dtype, which
+//                                     the fused optimizers step with
+//                                     stochastic rounding
 //   gradients                         backward's scratch on the members,
 //                                     released bucket by bucket as the
 //                                     bucket is reduce-scattered; the pieces'
@@ -44,13 +48,23 @@
 
 namespace amp::detail {
 
+// The dtypes of the sharded tensors.
+struct ShardDtypes {
+  // Each parameter's dtype while training (the model's, gathered).
+  std::function<at::ScalarType(const at::Tensor&)> compute;
+  // The pieces are float32 masters; false: they are the compute dtype.
+  bool masters = true;
+  // Without masters: the optimizer state's dtype of bfloat16 pieces
+  // (Properties::optimizer_state_dtype); other pieces' is their own.
+  at::ScalarType rounded_state = at::kFloat;
+};
+
 class ShardedOptimizer {
  public:
-  // Takes over `optimizer`'s parameters, whose float32 values are the masters
-  // (call before lowering them): its param groups then hold this rank's
-  // pieces. `compute_dtype` gives each parameter's dtype while training.
-  ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
-                   const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype);
+  // Takes over `optimizer`'s parameters, whose float32 values are the
+  // masters (call before lowering them): its param groups then hold this
+  // rank's pieces.
+  ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config, const ShardDtypes& dtypes);
 
   torch::optim::Optimizer& optimizer() const { return *optimizer_; }
   std::vector<ReduceBucket>& buckets() { return buckets_; }
@@ -74,7 +88,7 @@ class ShardedOptimizer {
   void gather();
   // A member was set to `fp32` (torch::load, a checkpoint): its piece takes the values.
   void take_values(const at::Tensor& member, const at::Tensor& fp32);
-  // Every member's float32 master, whole (collective).
+  // Every member's float32 master (or piece values), whole (collective).
   std::vector<at::Tensor> full_masters();
   // The optimizer's archive as one unsharded process would write it (its
   // params the whole masters, their state whole; collective), and back
@@ -98,11 +112,14 @@ class ShardedOptimizer {
   // Sets the param groups' parameters: the pieces, or one tensor per member.
   void set_group_params(const std::vector<at::Tensor>* per_member);
   const ReduceBucket::Piece* piece(size_t member) const;
+  // The dtype of the state the optimizer keeps for `piece`.
+  at::ScalarType state_dtype(const ReduceBucket::Piece& piece) const;
   bool optimizer_alive() const;
 
   torch::optim::Optimizer* optimizer_;
   c10::intrusive_ptr<c10d::Backend> group_;
   int rank_, world_;
+  at::ScalarType rounded_state_;
   std::vector<at::Tensor> members_;                  // in param group order
   std::vector<std::vector<size_t>> group_members_;  // per param group
   std::vector<ReduceBucket> buckets_;
@@ -118,7 +135,7 @@ class ShardedOptimizer {
 class ShardedMasters final : public ShardedWeights {
  public:
   ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers, const DataParallel& config,
-                 const std::function<at::ScalarType(const at::Tensor&)>& compute_dtype);
+                 const ShardDtypes& dtypes);
   ShardedOptimizer* of(const torch::optim::Optimizer& optimizer);
   const std::vector<std::unique_ptr<ShardedOptimizer>>& optimizers() const { return optimizers_; }
   const c10::intrusive_ptr<c10d::Backend>& group() const { return group_; }

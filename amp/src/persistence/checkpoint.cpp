@@ -5,6 +5,7 @@
 
 #include "context.h"
 #include "persistence/optimizer_state_load.h"
+#include "step/optimizer_kinds.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -43,6 +44,15 @@ at::Tensor fp32_value(const at::Tensor& t, const MasterValues& masters) {
   const auto context = detail::live_context();
   if (context) return context->weights().fp32_value(t);
   return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
+}
+
+// The dtype `optimizer` keeps its state in: with stochastic rounding (O6)
+// amp's fused optimizers keep a bfloat16 parameter's in
+// optimizer_state_dtype (fused_stepping.h); otherwise the parameter's own.
+detail::StateDtype state_dtype(const detail::Context& context, torch::optim::Optimizer& optimizer) {
+  if (context.rounding() == nullptr || detail::fused_optimizer(optimizer) == nullptr) return nullptr;
+  const at::ScalarType rounded = context.properties().optimizer_state_dtype;
+  return [rounded](const at::Tensor& p) { return p.scalar_type() == at::kBFloat16 ? rounded : p.scalar_type(); };
 }
 
 torch::nn::Module& model_of(const ModelRef& ref) {
@@ -178,7 +188,8 @@ void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const
       if (sharded) {
         sharded->load(optimizer_archives[loaded]);  // this rank's part of the whole state
       } else {
-        detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded], optimizers_before[loaded]);
+        detail::load_optimizer_state(*optimizers[loaded], optimizer_archives[loaded], optimizers_before[loaded],
+                                     state_dtype(*context, *optimizers[loaded]));
       }
     }
   } catch (...) {

@@ -13,7 +13,26 @@
 
 namespace amp::detail {
 
-void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
+void convert_state(torch::optim::Optimizer& optimizer, const StateDtype& dtype) {
+  if (!dtype) return;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      int64_t step = 0;
+      std::vector<StateTensor> tensors = state_tensors(*it->second, step);
+      bool converted = false;
+      for (StateTensor& t : tensors) {
+        if (!t.value.defined() || !t.value.is_floating_point() || t.value.scalar_type() == dtype(p)) continue;
+        t.value = t.value.to(dtype(p));
+        converted = true;
+      }
+      if (converted) it->second = make_state(group.options(), tensors, step);
+    }
+  }
+}
+
+void check_state_fits_params(const torch::optim::Optimizer& optimizer, const StateDtype& dtype) {
   size_t index = 0, group_index = 0;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& [name, value] : numeric_options(group.options())) {
@@ -28,11 +47,12 @@ void check_state_fits_params(const torch::optim::Optimizer& optimizer) {
         for (const StateTensor& t : state_tensors(*it->second, step)) {
           TORCH_CHECK(t.value.defined() || !t.required, "the state of parameter ", index, " has no '", t.name, "'");
           if (!t.value.defined()) continue;
-          TORCH_CHECK(t.value.sizes() == p.sizes() && t.value.scalar_type() == p.scalar_type() &&
+          const at::ScalarType expected = dtype ? dtype(p) : p.scalar_type();
+          TORCH_CHECK(t.value.sizes() == p.sizes() && t.value.scalar_type() == expected &&
                           t.value.device() == p.device(),
                       "the state '", t.name, "' of parameter ", index, " is ", t.value.scalar_type(), t.value.sizes(),
                       " on ", t.value.device(), " but the parameter is ", p.scalar_type(), p.sizes(), " on ",
-                      p.device());
+                      p.device(), expected == p.scalar_type() ? "" : " (its state " + std::string(c10::toString(expected)) + ")");
         }
         TORCH_CHECK(step >= 0, "the state of parameter ", index, " has step count ", step);
       }
@@ -63,10 +83,11 @@ void restore_state_bytes(torch::optim::Optimizer& optimizer, const std::string& 
 }
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
-                          const std::string& before) {
+                          const std::string& before, const StateDtype& dtype) {
   try {
     optimizer.load(archive);
-    check_state_fits_params(optimizer);
+    convert_state(optimizer, dtype);
+    check_state_fits_params(optimizer, dtype);
   } catch (const std::exception& e) {
     restore_state_bytes(optimizer, before);
     TORCH_CHECK(false, "amp: cannot load the optimizer's state; nothing was changed. Was it saved from "

@@ -65,7 +65,7 @@ void load_state(torch::serialize::InputArchive& archive) {
               "; initialize with num_losses=", num_losses, ".");
   for (const std::string& key : archive.keys()) {
     TORCH_CHECK(!detail::StochasticRounding::is_entry(key) || context->rounding() != nullptr, "amp: the "
-                "state holds the stochastic rounding generators of a run with stochastic_rounding (O6), but "
+                "state holds the stochastic rounding streams of a run with stochastic_rounding (O6), but "
                 "amp runs without it; initialize with the checkpoint's opt_level and overrides.");
     const bool known = key == "opt_level" || key == "num_losses" ||
                        (key.rfind("loss_scaler", 0) == 0 && key.size() > 11) ||

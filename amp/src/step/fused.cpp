@@ -107,6 +107,7 @@ FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::T
                                   const UpdateRounding* rounding) {
   at::NoGradGuard no_grad;
   FusedAttempt attempt;
+  if (rounding != nullptr) rounding->rounder->next_step();
   for (auto& group : optimizer.param_groups()) {
     switch (kind_) {
       case Kind::kAdam:

@@ -9,30 +9,45 @@
 namespace amp::detail {
 namespace {
 
-constexpr const char* kPrefix = "stochastic_rounding.";
+constexpr const char* kEntry = "stochastic_rounding";
 constexpr int32_t kKeptBits = static_cast<int32_t>(0xFFFF0000u);  // sign, exponent, bf16's 7 mantissa bits
+
+// SplitMix64's finalizer: neighbouring inputs give unrelated seeds.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
 
 std::string device_key(c10::Device device) {
   return device.is_cuda() ? "cuda:" + std::to_string(device.has_index() ? device.index() : 0) : "cpu";
 }
 
-c10::Device device_of(const std::string& key) { return c10::Device(key); }
-
 }  // namespace
+
+void StochasticRounding::next_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++steps_;
+}
 
 at::Generator StochasticRounding::generator(c10::Device device) {
   const std::string key = device_key(device);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = generators_.find(key);
-  if (it != generators_.end()) return it->second;
-  at::Generator g = device.is_cpu() ? at::make_generator<at::CPUGeneratorImpl>(seed_)
-                                    : at::globalContext().defaultGenerator(device_of(key)).clone();
-  if (!device.is_cpu()) {
-    std::lock_guard<std::mutex> g_lock(g.mutex());
-    g.set_current_seed(seed_);
-    g.set_offset(0);
+  if (it == generators_.end()) {
+    at::Generator g = device.is_cpu() ? at::make_generator<at::CPUGeneratorImpl>()
+                                      : at::globalContext().defaultGenerator(c10::Device(key)).clone();
+    it = generators_.emplace(key, std::make_pair(g, int64_t{-1})).first;
   }
-  return generators_.emplace(key, g).first->second;
+  auto& [g, seeded_for] = it->second;
+  if (seeded_for != steps_) {
+    std::lock_guard<std::mutex> g_lock(g.mutex());
+    g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(steps_)))));
+    if (!device.is_cpu()) g.set_offset(0);
+    seeded_for = steps_;
+  }
+  return g;
 }
 
 void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst) {
@@ -46,40 +61,20 @@ void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst
 
 void StochasticRounding::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [key, g] : generators_) {
-    at::Generator copy = g;
-    std::lock_guard<std::mutex> g_lock(copy.mutex());
-    archive.write(kPrefix + key, copy.get_state());
-  }
+  archive.write(kEntry, at::tensor({static_cast<int64_t>(seed_), steps_}, at::kLong));
 }
 
-bool StochasticRounding::is_entry(const std::string& key) { return key.rfind(kPrefix, 0) == 0; }
+bool StochasticRounding::is_entry(const std::string& key) { return key == kEntry; }
 
 void StochasticRounding::load(torch::serialize::InputArchive& archive) {
-  std::vector<std::pair<c10::Device, at::Tensor>> states;
-  for (const std::string& key : archive.keys()) {
-    if (!is_entry(key)) continue;
-    const std::string device = key.substr(std::string(kPrefix).size());
-    TORCH_CHECK(device == "cpu" || device.rfind("cuda:", 0) == 0, "amp: entry '", key, "' names no device "
-                "amp rounds on.");
-    at::Tensor state;
-    archive.read(key, state);
-    TORCH_CHECK(state.scalar_type() == at::kByte && state.dim() == 1, "amp: entry '", key, "' should hold a "
-                "generator's state (a 1-D uint8 tensor), got ", state.scalar_type(), " of shape ", state.sizes());
-    states.emplace_back(device_of(device), state);
-  }
-  // Checked on copies first: a state the generator refuses changes nothing.
-  std::vector<std::pair<at::Generator, at::Tensor>> checked;
-  for (const auto& [device, state] : states) {
-    at::Generator copy = generator(device).clone();
-    std::lock_guard<std::mutex> lock(copy.mutex());
-    copy.set_state(state);
-    checked.emplace_back(generator(device), state);
-  }
-  for (auto& [g, state] : checked) {
-    std::lock_guard<std::mutex> lock(g.mutex());
-    g.set_state(state);
-  }
+  at::Tensor state;
+  if (!archive.try_read(kEntry, state)) return;
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.numel() == 2 && state[1].item<int64_t>() >= 0,
+              "amp: entry '", kEntry, "' should hold the rounding's seed and step count (two int64 "
+              "values, the count >= 0), got ", state.scalar_type(), " of shape ", state.sizes());
+  std::lock_guard<std::mutex> lock(mutex_);
+  seed_ = static_cast<uint64_t>(state[0].item<int64_t>());
+  steps_ = state[1].item<int64_t>();
 }
 
 }  // namespace amp::detail
