@@ -56,6 +56,9 @@ ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
 ABSL_FLAG(std::string, only, "", "run only the configurations whose name contains this");
 ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: no peer rows)");
 ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
+ABSL_FLAG(double, bucket_mib, 4,
+          "sharded rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
+          "of float32 gradients at once)");
 // Set by the launcher for the ranks it starts.
 ABSL_FLAG(int, rank, -1, "internal: this process is one rank of a sharded configuration");
 ABSL_FLAG(int, world, 1, "internal: ranks of that configuration");
@@ -122,6 +125,7 @@ class Trainer {
       if (group_) {
         options.data_parallel.group = group_;
         options.data_parallel.shard = true;
+        options.data_parallel.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mib) * 1048576);
       }
       handle_.initialize(model_, *optimizer_, options);
     }
@@ -219,6 +223,7 @@ Figures run_ranks(const Config& config, int layers, int timed, int train_steps) 
                                      "--config=" + config.name, "--run_layers=" + std::to_string(layers),
                                      "--train_steps=" + std::to_string(train_steps),
                                      "--timed_steps=" + std::to_string(timed),
+                                     "--bucket_mib=" + std::to_string(absl::GetFlag(FLAGS_bucket_mib)),
                                      "--result=" + base + "." + std::to_string(rank)};
     std::vector<char*> raw;
     for (auto& a : args) raw.push_back(a.data());

@@ -42,17 +42,22 @@
 // exception in one rank's backward leaves the others waiting in theirs
 // until the process group's timeout.
 //
-// Sharded (data_parallel.shard = true, O2/O5; ZeRO stage 2): each rank keeps
-// 1/N of what O2 keeps beside the low-precision weights - the float32
-// masters, the optimizer's state, and the gradients - with the same loop:
+// Sharded (data_parallel.shard = true, O2/O5/O6; ZeRO stage 2): each rank
+// keeps 1/N of what O2 keeps beside the low-precision weights - the float32
+// masters, the optimizer's state, and the gradients - with the same loop.
+// O6 has no masters: its pieces are the bfloat16 weights themselves (with
+// BatchNorm's float32 ones), stepped by amp's fused optimizers with
+// stochastic rounding, each rank drawing its own stream; its state in
+// optimizer_state_dtype:
 //   - The model holds its low-precision weights (BatchNorm float32) for
 //     good. Each bucket is padded to a multiple of N and rank r owns its
 //     r-th chunk: the optimizer's param groups hold this rank's float32
-//     pieces (1-D; possibly none), so its own state is 1/N.
+//     pieces (1-D; possibly none; O6: bfloat16), so its own state is 1/N.
 //     amp::master_params returns them.
 //   - Backward's gradients are reduce-scattered bucket by bucket while
 //     backward runs and released; the guard installs each piece's average
-//     as its .grad, unscales it and agrees the overflow across ranks.
+//     as its .grad (in the piece's dtype), unscales it and agrees the
+//     overflow across ranks.
 //     Every guard reduces, delay_unscale ones too: the pieces accumulate
 //     (shard_gradients=false: the last micro-batch's guard reduces the whole
 //     sum, as without shard).
@@ -87,8 +92,9 @@
 // Errors (c10::Error, at initialize, nothing changed): both
 // data_parallel.group and reduce_overflow set; reduce_dtype not float32,
 // float16 or bfloat16; bucket_bytes < 1; sparse gradients (Embedding with
-// sparse=true) with a group. With shard: no group; a level without master
-// weights (not O2/O5); no optimizer; an optimizer other than SGD, Adam,
+// sparse=true) with a group. With shard: no group; a level that steps the
+// model's own weights (not O2, O5 or O6 with stochastic rounding); no
+// optimizer; an optimizer other than SGD, Adam,
 // AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups
 // or optimizers; an optimizer that already holds state (load it after
 // initialize with amp::load_checkpoint). At a guard's opening (shard): a
@@ -120,7 +126,8 @@ struct DataParallel {
   // Gradient bytes per bucket (in reduce_dtype); DDP's default.
   int64_t bucket_bytes = 25 * 1024 * 1024;
   // O2/O5: spread the float32 master weights, the optimizer state and the
-  // gradients over the ranks (ZeRO stage 2; see "Sharded" above).
+  // gradients over the ranks; O6: its bfloat16 weights' steps, state and
+  // gradients (ZeRO stage 2; see "Sharded" above).
   bool shard = false;
   // With shard, gradient accumulation (delay_unscale): true reduce-scatters
   // every micro-batch (ZeRO-2: no rank holds whole gradients); false keeps

@@ -227,8 +227,20 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
       bucket.work.reset();
     }
     bucket.flat = at::Tensor();  // the chunk holds this rank's part
+    narrow_chunk(bucket);
     ++released_;
   }
+}
+
+void GradientReducer::Reduction::narrow_chunk(ReduceBucket& bucket) {
+  bucket.averaged = false;
+  if (bucket.pieces.empty()) return;
+  const at::ScalarType stepped = bucket.pieces.front().stepped.scalar_type();
+  if (stepped == bucket.chunk.scalar_type()) return;
+  at::NoGradGuard no_grad;
+  if (!c10::isReducedFloatingType(reducer_.config_.reduce_dtype)) bucket.chunk.div_(reducer_.world_);
+  bucket.chunk = bucket.chunk.to(stepped);
+  bucket.averaged = true;
 }
 
 void GradientReducer::Reduction::finish() {
@@ -304,15 +316,6 @@ void GradientReducer::Reduction::install_replicated() {
 }
 
 void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
-  std::vector<at::Tensor> views, stepped;
-  std::vector<size_t> members;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    for (const ReduceBucket::Piece& piece : buckets_[b]->pieces) {
-      views.push_back(buckets_[b]->chunk.narrow(0, piece.chunk_offset, piece.length));
-      stepped.push_back(piece.stepped);
-      members.push_back(first_member_[b] + piece.member);
-    }
-  }
   // A member this rank had a gradient for: produced now, or summed earlier.
   std::vector<bool> local = produced_;
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -321,24 +324,33 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
     }
   }
   bool all_local = true;
-  for (size_t m : members) all_local = all_local && local[m];
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (const ReduceBucket::Piece& piece : buckets_[b]->pieces) all_local = all_local && local[first_member_[b] + piece.member];
+  }
   std::vector<double> used_on_host;
   if (!all_local) {  // a piece of a member this rank had no gradient for
     used_on_host = read_to_host({used});
   }
   at::NoGradGuard no_grad;
   const bool predivided = c10::isReducedFloatingType(reducer_.config_.reduce_dtype);
-  std::vector<at::Tensor> averages;
-  if (!views.empty()) averages = at::_foreach_div(views, predivided ? 1 : reducer_.world_);
-  for (size_t i = 0; i < stepped.size(); ++i) {
-    const bool keep = local[members[i]] || used_on_host.at(members[i]) > 0;
-    at::Tensor& average = averages[i];
-    // A piece without masters is stepped in its own dtype: so is its gradient.
-    if (keep && average.scalar_type() != stepped[i].scalar_type()) average = average.to(stepped[i].scalar_type());
-    stepped[i].mutable_grad() = keep ? std::move(average) : at::Tensor();
-  }
-  for (ReduceBucket* bucket : buckets_) {  // only the pieces' gradients stay
-    bucket->flat = at::Tensor();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    ReduceBucket* bucket = buckets_[b];
+    // Averaged in place; the pieces' gradients share the chunk's storage,
+    // so a rank holds its part of the gradients once. They alias it through
+    // set_, not as autograd views, which LibTorch's zero_grad (detach_)
+    // refuses.
+    const at::Tensor& chunk = bucket->chunk;
+    if (!bucket->averaged && !predivided && !bucket->pieces.empty()) chunk.div_(reducer_.world_);
+    for (const ReduceBucket::Piece& piece : bucket->pieces) {
+      const size_t member = first_member_[b] + piece.member;
+      at::Tensor grad;
+      if (local[member] || used_on_host.at(member) > 0) {
+        grad = at::empty({0}, chunk.options());
+        grad.set_(chunk.storage(), chunk.storage_offset() + piece.chunk_offset, {piece.length}, {1});
+      }
+      piece.stepped.mutable_grad() = std::move(grad);
+    }
+    bucket->flat = at::Tensor();  // only the pieces' gradients stay
     bucket->chunk = at::Tensor();
   }
 }

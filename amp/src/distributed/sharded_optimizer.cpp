@@ -159,21 +159,14 @@ void ShardedOptimizer::end_accumulation() {
 
 void ShardedOptimizer::gather() {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> wholes;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (const ReduceBucket& bucket : buckets_) {
-    const auto options = bucket.members.front().options().dtype(bucket.dtype);
-    at::Tensor mine = at::zeros({bucket.padded / world_}, options);
-    std::vector<at::Tensor> dst, src;
-    for (const ReduceBucket::Piece& p : bucket.pieces) {
-      dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
-      src.push_back(p.stepped.detach());
-    }
-    if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
-    wholes.push_back(at::empty({bucket.padded}, options));
-    works.push_back(group_->_allgather_base(wholes.back(), mine));
-  }
-  for (size_t b = 0; b < buckets_.size(); ++b) {
+  // A bucket's whole lives from its all-gather's start until its members
+  // take it; at most kInFlight at once, so the gather holds a few buckets
+  // beside the weights, not a second copy of them.
+  constexpr size_t kInFlight = 2;
+  std::vector<at::Tensor> wholes(buckets_.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
+  size_t taken = 0;
+  auto take = [&](size_t b) {
     wait(works[b]);
     const ReduceBucket& bucket = buckets_[b];
     std::vector<at::Tensor> dst, src;
@@ -183,7 +176,24 @@ void ShardedOptimizer::gather() {
       src.push_back(wholes[b].narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
     }
     at::_foreach_copy_(dst, src);
+    wholes[b] = at::Tensor();
+    works[b].reset();  // the work holds its tensors too
+  };
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const ReduceBucket& bucket = buckets_[b];
+    const auto options = bucket.members.front().options().dtype(bucket.dtype);
+    at::Tensor mine = at::zeros({bucket.padded / world_}, options);
+    std::vector<at::Tensor> dst, src;
+    for (const ReduceBucket::Piece& p : bucket.pieces) {
+      dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
+      src.push_back(p.stepped.detach());
+    }
+    if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
+    wholes[b] = at::empty({bucket.padded}, options);
+    works[b] = group_->_allgather_base(wholes[b], mine);
+    if (b + 1 - taken > kInFlight) take(taken++);
   }
+  while (taken < buckets_.size()) take(taken++);
   stale_ = false;
   record_members();
 }
