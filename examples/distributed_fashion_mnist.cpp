@@ -4,6 +4,7 @@
 //
 //   distributed_fashion_mnist --world_size=2 --opt_level=O2
 //   distributed_fashion_mnist --world_size=4 --opt_level=O2 --shard
+//   distributed_fashion_mnist --world_size=4 --opt_level=O6 --shard
 //   distributed_fashion_mnist --world_size=4 --opt_level=O2 --compare_steps=100
 //
 // Each rank trains on its own part of every batch. The loop is the one of a
@@ -32,6 +33,7 @@
 #include <array>
 #include <chrono>
 #include <iostream>
+#include <memory>
 #include <thread>
 
 extern char** environ;
@@ -42,7 +44,7 @@ ABSL_FLAG(std::string, store, "", "rendezvous file (default: a fresh file in /tm
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level");
 ABSL_FLAG(std::string, dtype, "", "fp16 or bf16");
 ABSL_FLAG(std::string, reduce_dtype, "fp32", "dtype gradients travel in: fp32, fp16 or bf16");
-ABSL_FLAG(bool, shard, false, "spread fp32 masters, optimizer state and gradients over the ranks (O2/O5)");
+ABSL_FLAG(bool, shard, false, "spread fp32 masters (O2/O5; O6: the bf16 weights' steps), optimizer state and gradients over the ranks");
 ABSL_FLAG(int, compare_steps, 0, "instead of training: time this many steps of each loop (replicated, "
           "sharded, hand-written all-reduce) and print a table");
 ABSL_FLAG(int, epochs, 1, "training epochs");
@@ -104,6 +106,14 @@ std::array<double, 3> bytes_per_parameter(torch::optim::Optimizer& optimizer, c1
   return {most[0][0].item<double>(), most[0][1].item<double>(), most[0][2].item<double>()};
 }
 
+// Adam; at O6 amp's fused Adam, which rounds its updates into the bfloat16
+// weights stochastically (the same options and state).
+std::unique_ptr<torch::optim::Adam> make_adam(examples::FashionNet& model) {
+  const torch::optim::AdamOptions options(absl::GetFlag(FLAGS_lr));
+  if (absl::GetFlag(FLAGS_opt_level) == "O6") return std::make_unique<amp::optim::FusedAdam>(model->parameters(), options);
+  return std::make_unique<torch::optim::Adam>(model->parameters(), options);
+}
+
 int train(int rank, int world, const std::string& store_path) {
   // The ranks share this machine's cores: more threads than cores only wait.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
@@ -118,7 +128,8 @@ int train(int rank, int world, const std::string& store_path) {
                                                       absl::GetFlag(FLAGS_train_limit));
   torch::manual_seed(0);  // identical replicas
   examples::FashionNet model;
-  torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+  const auto adam = make_adam(model);
+  torch::optim::Adam& optimizer = *adam;
   amp::initialize(model, optimizer, options);
 
   const int64_t n = train_set.images.size(0), batch = absl::GetFlag(FLAGS_batch_size);
@@ -184,7 +195,8 @@ int compare_loops(int rank, int world, const std::string& store_path) {
       }
       torch::manual_seed(0);
       examples::FashionNet model;
-      torch::optim::Adam optimizer(model->parameters(), absl::GetFlag(FLAGS_lr));
+      const auto adam = make_adam(model);
+      torch::optim::Adam& optimizer = *adam;
       amp::Handle handle;
       handle.initialize(model, optimizer, options);
       const auto order = torch::randperm(train_set.images.size(0));
