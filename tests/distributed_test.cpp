@@ -266,8 +266,9 @@ INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
 // hooks through the recompute node: the same bits as without it, with
 // accumulation too.
 TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
-  for (const std::string level : {"O2", "O5"}) {
-    const std::string args = "level=" + level + " optimizer=adam shard=1 micro_batches=2";
+  for (const std::string level : {"O2", "O5", "O6"}) {
+    const std::string optimizer = level == "O6" ? "fused_adamw" : "adam";
+    const std::string args = "level=" + level + " optimizer=" + optimizer + " shard=1 micro_batches=2";
     expect_same_bits(run_ranks(2, args + " recompute=1"), run_ranks(2, args), level);
   }
 }
@@ -310,6 +311,10 @@ TEST_F(RanksAsProcesses, ShardedOverGlooWithCudaTensors) {
   EXPECT_LE(max_distance(sharded, run_ranks(2, args)), 1e-6);  // fused kernels over pieces, not whole tensors
   expect_same_bits({sharded[1]}, {sharded[0]}, "rank 1");
   EXPECT_EQ(sharded[0].skipped, 1);
+  // O6: the bfloat16 pieces rounded on the device by each rank's stream.
+  const auto masters_free = run_ranks(2, args + " level=O6 shard=1");
+  expect_same_bits({masters_free[1]}, {masters_free[0]}, "O6 rank 1");
+  EXPECT_EQ(masters_free[0].skipped, 1);
 }
 
 TEST_F(RanksAsProcesses, ShardedAccumulationAtStagesOneAndTwo) {
