@@ -167,6 +167,10 @@ TEST_F(RanksAsProcesses, DataParallelReducesInLowPrecision) {
   // O2 computes in bfloat16 on the CPU; bfloat16 traffic adds one rounding
   // of each rank's mean gradient and of their sum (2^-8 relative each).
   expect_trained_together(run_ranks(4, "reduce_dtype=bfloat16"), 3 * one_process_error("O2") + 2e-3);
+  // Sharded, the float32 pieces take their averages in float32.
+  const auto sharded = run_ranks(4, "reduce_dtype=bfloat16 shard=1");
+  expect_trained_together(sharded, 3 * one_process_error("O2") + 2e-3);
+  for (size_t r = 1; r < sharded.size(); ++r) EXPECT_TRUE(BitEqual(sharded[r].steps.back(), sharded[0].steps.back())) << r;
 }
 
 TEST_F(RanksAsProcesses, DataParallelStartsFromRankZerosWeights) {

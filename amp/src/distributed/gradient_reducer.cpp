@@ -227,12 +227,12 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
       bucket.work.reset();
     }
     bucket.flat = at::Tensor();  // the chunk holds this rank's part
-    narrow_chunk(bucket);
+    convert_chunk(bucket);
     ++released_;
   }
 }
 
-void GradientReducer::Reduction::narrow_chunk(ReduceBucket& bucket) {
+void GradientReducer::Reduction::convert_chunk(ReduceBucket& bucket) {
   bucket.averaged = false;
   if (bucket.pieces.empty()) return;
   const at::ScalarType stepped = bucket.pieces.front().stepped.scalar_type();
