@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <optional>
+#include <sstream>
 
 namespace amp::testing {
 namespace {
@@ -257,6 +258,57 @@ TEST_F(AmpTest, MastersFreeStateDtypeAndBytesPerParameter) {
   EXPECT_EQ(bf16_state.bytes.masters + bf16_state.bytes.gradients + bf16_state.bytes.optimizer_state,
             8 * low + 16 * kept);
   EXPECT_EQ(fp32_state.bytes.optimizer_state, 8 * low + 8 * kept);
+}
+
+// amp's state carries the rounding's seed and count; a run without
+// stochastic rounding, or an entry that is not two counts, refuses it and
+// keeps its own state.
+TEST_F(AmpTest, MastersFreeStateEntryIsChecked) {
+  Classifier model;
+  amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  std::stringstream saved;
+  {
+    Handle handle;
+    handle.initialize(model, optimizer, o6());
+    torch::serialize::OutputArchive archive;
+    save_state(archive);
+    archive.save_to(saved);
+  }
+  auto load = [&](const Options& options) {
+    Handle handle;
+    handle.initialize(model, optimizer, options);
+    saved.clear();
+    saved.seekg(0);
+    torch::serialize::InputArchive archive;
+    archive.load_from(saved);
+    const double scale = loss_scale();
+    std::string error;
+    try {
+      load_state(archive);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    EXPECT_EQ(loss_scale(), scale);
+    return error;
+  };
+  EXPECT_EQ(load(o6()), "");
+  EXPECT_THAT(load(o6([](Options& o) { o.stochastic_rounding = false; })),
+              ::testing::HasSubstr("stochastic rounding streams"));
+  // An archive as save_state writes it, its rounding entry of the wrong shape.
+  std::stringstream malformed;
+  {
+    Handle handle;
+    handle.initialize(model, optimizer, o6());
+    torch::serialize::OutputArchive archive, scaler(archive.compilation_unit());
+    archive.write("opt_level", c10::IValue(std::string("O6")));
+    archive.write("num_losses", at::scalar_tensor(int64_t{1}, at::kLong));
+    loss_scaler(0)->save(scaler);
+    archive.write("loss_scaler0", scaler);
+    archive.write("stochastic_rounding", at::zeros({3}, at::kLong));
+    archive.save_to(malformed);
+  }
+  saved.str(malformed.str());
+  EXPECT_THAT(load(o6()), ::testing::HasSubstr("seed and step count"));
 }
 
 TEST_F(AmpTest, MastersFreeLevelRefusesLibTorchsOwnOptimizers) {

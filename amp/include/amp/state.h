@@ -1,8 +1,10 @@
 // Saving and restoring amp's own state with LibTorch serialization.
 //
 // amp's state is every loss scaler (scale, growth tracker, hysteresis
-// tracker) plus the opt level and num_losses it was made with. Master weights
-// (O2/O5) travel with the optimizer: torch::save(*optimizer) includes them.
+// tracker) plus the opt level and num_losses it was made with, and with
+// stochastic rounding (O6) the rounding's seed and step count, so a resumed
+// run draws what the uninterrupted one would. Master weights (O2/O5) travel
+// with the optimizer: torch::save(*optimizer) includes them.
 //
 // Resume recipe (as in Apex): initialize with the same options, then load the
 // model, the optimizer and amp's state.
@@ -18,7 +20,9 @@
 //
 // Errors (c10::Error; on error nothing is changed): amp is not initialized; a
 // missing or mistyped entry; a different num_losses or opt level than the
-// live initialization; static/dynamic scaling mismatch.
+// live initialization; static/dynamic scaling mismatch; a rounding entry
+// when amp runs without stochastic rounding, or one that is not a seed and
+// a step count >= 0.
 #pragma once
 
 #include <torch/serialize/archive.h>
