@@ -79,7 +79,12 @@ Trace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Dev
   Net model;
   model->to(device);
   model->mode = mode;
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  // O6 rounds its updates stochastically in amp's fused SGD (the same step).
+  const torch::optim::SGDOptions sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  std::unique_ptr<torch::optim::SGD> made =
+      options.opt_level == amp::OptLevel::O6 ? std::make_unique<amp::optim::FusedSGD>(model->parameters(), sgd)
+                                             : std::make_unique<torch::optim::SGD>(model->parameters(), sgd);
+  torch::optim::SGD& optimizer = *made;
   amp::Options o = options;
   o.verbosity = 0;
   amp::Handle handle;
@@ -139,6 +144,7 @@ INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest,
                                            LevelCase{"O3", amp::O3, std::nullopt},
                                            LevelCase{"O4", amp::O4, std::nullopt},
                                            LevelCase{"O5", amp::O5, std::nullopt},
+                                           LevelCase{"O6", amp::O6, std::nullopt},
                                            LevelCase{"O1_fp16", amp::O1, c10::kHalf},
                                            LevelCase{"O2_fp16", amp::O2, c10::kHalf},
                                            LevelCase{"O3_fp16", amp::O3, c10::kHalf}),
