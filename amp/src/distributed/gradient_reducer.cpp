@@ -227,20 +227,18 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
       bucket.work.reset();
     }
     bucket.flat = at::Tensor();  // the chunk holds this rank's part
-    convert_chunk(bucket);
+    average_chunk(bucket);
     ++released_;
   }
 }
 
-void GradientReducer::Reduction::convert_chunk(ReduceBucket& bucket) {
-  bucket.averaged = false;
+void GradientReducer::Reduction::average_chunk(ReduceBucket& bucket) {
   if (bucket.pieces.empty()) return;
-  const at::ScalarType stepped = bucket.pieces.front().stepped.scalar_type();
-  if (stepped == bucket.chunk.scalar_type()) return;
   at::NoGradGuard no_grad;
+  // A low-precision bucket was divided before its reduction (fill).
   if (!c10::isReducedFloatingType(reducer_.config_.reduce_dtype)) bucket.chunk.div_(reducer_.world_);
-  bucket.chunk = bucket.chunk.to(stepped);
-  bucket.averaged = true;
+  const at::ScalarType stepped = bucket.pieces.front().stepped.scalar_type();
+  if (stepped != bucket.chunk.scalar_type()) bucket.chunk = bucket.chunk.to(stepped);
 }
 
 void GradientReducer::Reduction::finish() {
@@ -332,15 +330,12 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
     used_on_host = read_to_host({used});
   }
   at::NoGradGuard no_grad;
-  const bool predivided = c10::isReducedFloatingType(reducer_.config_.reduce_dtype);
   for (size_t b = 0; b < buckets_.size(); ++b) {
     ReduceBucket* bucket = buckets_[b];
-    // Averaged in place; the pieces' gradients share the chunk's storage,
-    // so a rank holds its part of the gradients once. They alias it through
-    // set_, not as autograd views, which LibTorch's zero_grad (detach_)
-    // refuses.
+    // The pieces' gradients share the averaged chunk's storage, so a rank
+    // holds its part of the gradients once. They alias it through set_, not
+    // as autograd views, which LibTorch's zero_grad (detach_) refuses.
     const at::Tensor& chunk = bucket->chunk;
-    if (!bucket->averaged && !predivided && !bucket->pieces.empty()) chunk.div_(reducer_.world_);
     for (const ReduceBucket::Piece& piece : bucket->pieces) {
       const size_t member = first_member_[b] + piece.member;
       at::Tensor grad;

@@ -18,8 +18,8 @@
 // order, so the ranks' collectives match. Sharded, a bucket's full buffer
 // (the whole bucket in the reduce dtype) goes as soon as its reduce-scatter
 // is done; at most two wait at once, so no rank holds every gradient in
-// float32 at the end of backward; a chunk whose pieces are stepped in
-// another dtype (O6's bfloat16) is averaged and converted then. finish()
+// float32 at the end of backward; the chunk is averaged then, in its
+// pieces' dtype. finish()
 // starts what backward left (members without a gradient count zero), waits,
 // and installs the averages: new tensors as the parameters' .grad
 // (replicated), or the chunks' views as the pieces' .grad (sharded).
@@ -63,7 +63,6 @@ struct ReduceBucket {
   std::vector<at::Tensor> asides;
   at::Tensor flat;                  // replicated: kept; sharded: only while reducing
   at::Tensor chunk;                 // sharded: this rank's reduced part, while reducing
-  bool averaged = false;            // sharded: chunk divided already, converted to the pieces' dtype
   c10::intrusive_ptr<c10d::Work> work;  // started and not yet waited for
 };
 
@@ -122,10 +121,10 @@ class GradientReducer::Reduction {
   // Sharded: frees the full buffers of buckets whose reduce-scatter is done,
   // waiting for the oldest while more than `in_flight` hold theirs.
   void release_reduced(size_t in_flight);
-  // Sharded, its reduce-scatter done: a chunk whose pieces are stepped in
-  // another dtype (O6's bfloat16; float32 masters reduced in a low dtype)
-  // is averaged and converted now, before the next bucket's.
-  void convert_chunk(ReduceBucket& bucket);
+  // Sharded, its reduce-scatter done: the chunk becomes the average, in
+  // the dtype its pieces are stepped in (O6's bfloat16; float32 masters
+  // reduced in a low dtype), before the next bucket's reduction.
+  void average_chunk(ReduceBucket& bucket);
   void install_replicated();
   void install_sharded(const at::Tensor& used);
   void unhook() noexcept;

@@ -75,8 +75,7 @@ const ReduceBucket::Piece* ShardedOptimizer::piece(size_t member) const {
 }
 
 at::ScalarType ShardedOptimizer::state_dtype(const ReduceBucket::Piece& piece) const {
-  // As the fused optimizers create it (fused_stepping.h).
-  return piece.stepped.scalar_type() == at::kBFloat16 ? rounded_state_ : piece.stepped.scalar_type();
+  return kept_state_dtype(piece.stepped.scalar_type(), rounded_state_);
 }
 
 void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_member) {

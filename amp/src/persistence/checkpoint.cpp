@@ -47,12 +47,11 @@ at::Tensor fp32_value(const at::Tensor& t, const MasterValues& masters) {
 }
 
 // The dtype `optimizer` keeps its state in: with stochastic rounding (O6)
-// amp's fused optimizers keep a bfloat16 parameter's in
-// optimizer_state_dtype (fused_stepping.h); otherwise the parameter's own.
+// amp's fused optimizers' kept_state_dtype; otherwise the parameter's own.
 detail::StateDtype state_dtype(const detail::Context& context, torch::optim::Optimizer& optimizer) {
   if (context.rounding() == nullptr || detail::fused_optimizer(optimizer) == nullptr) return nullptr;
   const at::ScalarType rounded = context.properties().optimizer_state_dtype;
-  return [rounded](const at::Tensor& p) { return p.scalar_type() == at::kBFloat16 ? rounded : p.scalar_type(); };
+  return [rounded](const at::Tensor& p) { return detail::kept_state_dtype(p.scalar_type(), rounded); };
 }
 
 torch::nn::Module& model_of(const ModelRef& ref) {

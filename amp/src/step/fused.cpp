@@ -76,6 +76,11 @@ bool amsgrad(Fused::Kind kind, const torch::optim::OptimizerOptions& options) {
 
 // ---- FusedStepping ------------------------------------------------------------
 
+// The dtype of the state a step creates for `p`.
+c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* rounding) {
+  return detail::kept_state_dtype(p.scalar_type(), rounding ? std::optional(rounding->state_dtype) : std::nullopt);
+}
+
 bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const {
   std::optional<c10::Device> device;
   for (const auto& group : optimizer.param_groups()) {
@@ -93,7 +98,7 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
       int64_t step = 0;
       const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
       if (tensors.empty()) return false;  // state of another kind
-      const c10::ScalarType state_dtype = rounded ? rounding->state_dtype : p.scalar_type();
+      const c10::ScalarType state_dtype = state_dtype_of(p, rounding);
       for (size_t i = 0; i < tensors.size(); ++i) {
         const bool needed = kind_ == Kind::kSgd || i < 2 || needs_max;  // Adam's third: amsgrad only
         if (needed && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
@@ -124,11 +129,6 @@ FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::T
     }
   }
   return attempt;
-}
-
-// The dtype of the state a step creates for `p`.
-c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* rounding) {
-  return rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounding->state_dtype : p.scalar_type();
 }
 
 // LibTorch's Adam / AdamW step with the state it would create, as one fused

@@ -36,6 +36,13 @@ void set_step_count(torch::optim::OptimizerParamState& state, int64_t steps);
 // Counts one more step taken in a state that keeps a step count.
 void count_step(torch::optim::OptimizerParamState& state);
 
+// The dtype of the state amp's fused optimizers keep for a parameter of
+// dtype `param`: with stochastic rounding (O6) a bfloat16 one's is
+// `rounded` (Properties::optimizer_state_dtype), any other its own.
+inline at::ScalarType kept_state_dtype(at::ScalarType param, std::optional<at::ScalarType> rounded) {
+  return rounded && param == at::kBFloat16 ? *rounded : param;
+}
+
 // The numeric options of a known optimizer (empty for others).
 std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options);
 
