@@ -79,6 +79,9 @@ TEST_F(CudaTest, TrainingStepsAtO1AndO2WithFp16AndBf16) {
       optimizer->zero_grad();
       const auto out = model->forward(torch::randn({16, 8}, torch::kCUDA));
       EXPECT_EQ(out.scalar_type(), low);
+      const bool masters = level == O2 || level == O5;
+      // With masters the weights compute in the low dtype and rest in float32.
+      if (masters) EXPECT_EQ(model->fc1->weight.scalar_type(), low);
       const auto loss = torch::mse_loss(out, torch::zeros_like(out));
       EXPECT_EQ(loss.scalar_type(), at::kFloat);
       {
@@ -86,11 +89,14 @@ TEST_F(CudaTest, TrainingStepsAtO1AndO2WithFp16AndBf16) {
         scaled.backward();
       }
       optimizer->step();
-      EXPECT_TRUE(loss_scaler()->device().is_cuda());
+      if (masters) EXPECT_EQ(model->fc1->weight.scalar_type(), at::kFloat);
+      // O4 (bfloat16 autocast over float32 weights) scales nothing, so its
+      // scale never moves; every other level's lives on the gradients' device.
+      if (level != O4) EXPECT_TRUE(loss_scaler()->device().is_cuda());
+      if (level == O4) EXPECT_TRUE(loss_scaler()->device().is_cpu());
     }
     if (level == O2 || level == O5) {
       for (const auto& m : master_params(*optimizer)) EXPECT_EQ(m.scalar_type(), at::kFloat);
-      EXPECT_EQ(model->fc1->weight.scalar_type(), low);
     }
   }
 }
@@ -117,12 +123,14 @@ TEST_F(CudaTest, OverflowInFp16GradientsSkipsTheStep) {
 
 // The fused step on the GPU: the host never waits while training, the
 // outcome arrives without blocking, a skipped step changes nothing, and the
-// values follow LibTorch's own step within the documented tolerance.
+// values follow LibTorch's own step within the documented tolerance, step
+// by step.
 TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
   for (OptLevel level : {O1, O2}) {
     SCOPED_TRACE(to_string(level));
-    std::vector<std::vector<at::Tensor>> runs;
+    std::vector<std::vector<std::vector<at::Tensor>>> traces;  // [run][step]: parameters after it
     for (bool fused : {true, false}) {
+      traces.emplace_back();
       torch::manual_seed(0);
       auto model = TinyNet();
       model->to(torch::kCUDA);
@@ -147,6 +155,8 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
           for (const auto& p : master_params(*optimizer)) before_skip.push_back(p.detach().clone());
         }
         optimizer->step();
+        traces.back().push_back({});
+        for (const auto& p : master_params(*optimizer)) traces.back().back().push_back(p.detach().clone());
         if (step == 3) {
           const auto after = master_params(*optimizer);
           for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(BitEqual(after[i], before_skip[i]));
@@ -154,12 +164,22 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
       }
       EXPECT_EQ(host_syncs() - syncs, fused ? 0 : 6);
       EXPECT_EQ(skipped_steps(*optimizer), 1);  // waits for the last outcome if needed
-      std::vector<at::Tensor> params;
-      for (const auto& p : master_params(*optimizer)) params.push_back(p.detach().cpu().clone());
-      runs.push_back(params);
     }
-    for (size_t i = 0; i < runs[0].size(); ++i) {
-      EXPECT_TRUE(torch::allclose(runs[0][i], runs[1][i], 1e-5, 1e-6)) << "parameter " << i;
+    // The first two steps agree within float32 roundings (CUDA's fused
+    // kernel computes Adam's bias corrections in float32, LibTorch's step in
+    // double). From then on the float16 forward turns those last-bit
+    // differences in the weights into float16 ulps of the next gradients, so
+    // the runs drift apart slowly (6.6e-6 at most after six steps on an
+    // H100); a wrongly counted or applied step would differ by about lr.
+    for (size_t step = 0; step < traces[0].size(); ++step) {
+      const double rtol = step < 2 ? 1e-5 : 1e-4, atol = step < 2 ? 1e-6 : 1e-5;
+      for (size_t i = 0; i < traces[0][step].size(); ++i) {
+        const auto& a = traces[0][step][i];
+        const auto& b = traces[1][step][i];
+        EXPECT_TRUE(torch::allclose(a, b, rtol, atol))
+            << "step " << step << " parameter " << i << ": largest difference "
+            << (a - b).abs().max().item<double>() << " of largest magnitude " << b.abs().max().item<double>();
+      }
     }
   }
 }

@@ -2,6 +2,10 @@
 // independently from the rules (Apex/GradScaler, Megatron hysteresis).
 #include "test_util.h"
 
+#include "step/non_finite_check.h"
+
+#include <torch/cuda.h>
+
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -364,6 +368,48 @@ TEST_F(ScaleSequenceTest, OneHostSyncPerStep) {
     optimizer->step();
     EXPECT_EQ(host_syncs() - before, 1);
   }
+}
+
+// ATen's CUDA kernel for the inf/NaN check and unscale takes no bfloat16
+// gradients (O5, O6, bfloat16 shards); amp's replacement must find every inf
+// and NaN and write, bit for bit, what ATen's kernel writes on the CPU - with
+// a factor bfloat16 cannot hold (1/1000), and a 0-dim gradient among them.
+void ExpectBFloat16FallbackMatchesATen(c10::Device device) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  torch::manual_seed(0);
+  const std::vector<at::Tensor> reference = {torch::randn({37, 5}) * 1e3, torch::randn({}) * 7,
+                                             torch::randn({300}) * 1e-3};
+  const at::Tensor inv_scale = torch::full({1}, 1.0 / 1000.0);
+  for (const float poison : {0.0f, kInf, -kInf, std::nanf("")}) {
+    SCOPED_TRACE("poison " + std::to_string(poison));
+    std::vector<at::Tensor> aten, ours;
+    for (const auto& g : reference) {
+      aten.push_back(g.to(at::kBFloat16));
+      ours.push_back(g.to(device, at::kBFloat16));
+    }
+    if (poison != 0.0f) {
+      aten[2][17] = poison;
+      ours[2][17] = poison;
+    }
+    at::Tensor aten_found = torch::zeros({1}), ours_found = torch::zeros({1}, device);
+    at::_amp_foreach_non_finite_check_and_unscale_(aten, aten_found, inv_scale);
+    detail::check_and_unscale_by_max(ours, ours_found, inv_scale.to(device));
+    EXPECT_EQ(ours_found.item<float>(), poison == 0.0f ? 0.0f : 1.0f);
+    EXPECT_TRUE(BitEqual(ours_found.cpu(), aten_found));
+    for (size_t i = 0; i < aten.size(); ++i) {
+      // NaN times anything is NaN, whose sign and payload the device chooses.
+      const at::Tensor mine = ours[i].cpu();
+      EXPECT_TRUE(torch::equal(mine.isnan(), aten[i].isnan())) << "gradient " << i;
+      EXPECT_TRUE(BitEqual(mine.nan_to_num(0), aten[i].nan_to_num(0))) << "gradient " << i;
+    }
+  }
+}
+
+TEST(BFloat16UnscaleFallback, MatchesATensKernelOnTheCpu) { ExpectBFloat16FallbackMatchesATen(torch::kCPU); }
+
+TEST(CudaBFloat16Unscale, MatchesATensCpuKernelOnTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  ExpectBFloat16FallbackMatchesATen(torch::kCUDA);
 }
 
 }  // namespace

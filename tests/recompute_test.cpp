@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/cuda.h>
 
+#include <cstdio>
 #include <limits>
 
 namespace amp::testing {
@@ -451,19 +452,22 @@ TEST_F(AmpTest, RecomputeRefusesWhatItCannotRerunFaithfully) {
 
 // Bytes held during backward: without recomputation every block's
 // activations wait for it; with it only the blocks' inputs, plus one
-// block's activations at a time.
+// block's activations at a time. The CPU kernels' own buffers during a
+// block's backward differ between processors (about 1 MB here, 4 MB on an
+// H100 host's CPU, where 6 blocks gave a ratio of 0.62): 12 blocks let the
+// saved activations outweigh them on both.
 TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
   amp::track_allocations();
   auto peak_of_step = [](bool recompute) {
     torch::manual_seed(0);
     torch::nn::ModuleList blocks;
-    for (int i = 0; i < 6; ++i) blocks->push_back(Block(64));
+    for (int i = 0; i < 12; ++i) blocks->push_back(Block(64));
     torch::optim::SGD optimizer(blocks->parameters(), 0.1);
     Options options = O1;
     options.verbosity = 0;
     Handle handle;
     handle.initialize(blocks, optimizer, options);
-    const at::Tensor x = torch::randn({256, 64});
+    const at::Tensor x = torch::randn({1024, 64});
     optimizer.zero_grad();
     reset_peak_allocated();
     const int64_t before = allocated_bytes().current;
@@ -480,7 +484,9 @@ TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
     return allocated_bytes().peak - before;
   };
   const int64_t plain = peak_of_step(false), recomputed = peak_of_step(true);
-  EXPECT_LT(recomputed, plain * 6 / 10) << "peak bytes: " << plain << " without, " << recomputed << " with";
+  std::printf("peak bytes above the step's start: %lld without recomputation, %lld with\n",
+              static_cast<long long>(plain), static_cast<long long>(recomputed));
+  EXPECT_LT(recomputed, plain * 6 / 10);
 }
 
 }  // namespace

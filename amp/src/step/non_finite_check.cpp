@@ -4,10 +4,40 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <map>
 #include <tuple>
 
 namespace amp::detail {
+
+void check_and_unscale_by_max(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                              const at::Tensor& inv_scale) {
+  // The largest magnitude of a gradient is inf or NaN exactly when one of its
+  // values is (max propagates NaN, and cannot overflow as a sum would); the
+  // float32 maxima go through ATen's check. The multiply is float32 times
+  // float32, rounded once, as ATen's kernel does: a 0-dim factor would be
+  // rounded to bfloat16 first, so it is expanded to take part in promotion.
+  const std::vector<at::Tensor> maxima = at::_foreach_norm(grads, INFINITY, at::kFloat);
+  std::vector<at::Tensor> stacked{at::stack(maxima)};
+  at::_amp_foreach_non_finite_check_and_unscale_(stacked, found_inf, inv_scale);
+  const at::Tensor factor = inv_scale.reshape({});
+  for (const at::Tensor& g : grads) g.mul_(factor.expand(g.sizes()));
+}
+
+namespace {
+
+// ATen's CUDA kernel covers float32 and float16 only (AmpKernels.cu), while
+// O5/O6 and bfloat16 shards hand it bfloat16 gradients.
+void check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  const at::Tensor& first = grads.front();
+  if (first.is_cuda() && first.scalar_type() == at::kBFloat16) {
+    check_and_unscale_by_max(grads, found_inf, inv_scale);
+  } else {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+  }
+}
+
+}  // namespace
 
 void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
                                   const at::Tensor& inv_scale) {
@@ -32,10 +62,10 @@ void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tens
   for (auto& [key, group] : groups) {
     const c10::Device device = group.front().device();
     if (device == home) {
-      at::_amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale);
+      check_and_unscale(group, found_inf, inv_scale);
     } else {  // model parallel: check on the gradients' device, fold into found_inf
       at::Tensor found_here = at::zeros({1}, found_inf.options().device(device));
-      at::_amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device));
+      check_and_unscale(group, found_here, inv_scale.to(device));
       found_inf.add_(found_here.to(home));
       // Into a CPU flag (the loss was on the CPU) the copy waits for the
       // device: a host sync like any other.

@@ -16,4 +16,10 @@ namespace amp::detail {
 void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
                                   const at::Tensor& inv_scale);
 
+// The same for gradients of one device and dtype that ATen's kernel does not
+// cover there (bfloat16 on CUDA): the check from each gradient's largest
+// magnitude, the unscale as one multiply. Bit-identical to ATen's kernel.
+void check_and_unscale_by_max(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                              const at::Tensor& inv_scale);
+
 }  // namespace amp::detail
