@@ -184,6 +184,52 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
   }
 }
 
+// O3 on the GPU: float16 weights stepped by the fused kernels (state in
+// float16), skipping on the device without a host read, within float16
+// roundings of LibTorch's own step.
+TEST_F(CudaTest, FusedStepStepsFloat16WeightsAtO3) {
+  for (bool adam : {true, false}) {
+    SCOPED_TRACE(adam ? "AdamW" : "SGD with momentum");
+    std::vector<std::vector<at::Tensor>> finals;
+    for (bool fused : {true, false}) {
+      torch::manual_seed(0);
+      auto model = TinyNet();
+      model->to(torch::kCUDA);
+      const auto adamw = torch::optim::AdamWOptions(1e-2).eps(1e-4);
+      const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+      OptimizerPtr optimizer;
+      if (adam && fused) optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), adamw);
+      if (adam && !fused) optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), adamw);
+      if (!adam && fused) optimizer = std::make_shared<amp::optim::FusedSGD>(model->parameters(), sgd);
+      if (!adam && !fused) optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), sgd);
+      Options options = quiet(O3);
+      options.loss_scale = LossScale::Dynamic();
+      Handle handle;
+      std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+      torch::manual_seed(1);
+      const int64_t syncs = host_syncs();
+      for (int step = 0; step < 4; ++step) {
+        optimizer->zero_grad();
+        {
+          scale_loss scaled(model->forward(torch::randn({16, 8}, torch::kCUDA)).to(at::kFloat).pow(2).mean(),
+                            optimizer);
+          scaled.backward();
+        }
+        optimizer->step();
+      }
+      EXPECT_EQ(host_syncs() - syncs, fused ? 0 : 4);
+      EXPECT_EQ(model->fc1->weight.scalar_type(), at::kHalf);
+      std::vector<at::Tensor> params;
+      for (const auto& p : model->parameters()) params.push_back(p.detach().to(at::kFloat).cpu());
+      finals.push_back(params);
+    }
+    for (size_t i = 0; i < finals[0].size(); ++i) {
+      EXPECT_TRUE(torch::allclose(finals[0][i], finals[1][i], 4e-3, 2e-3))
+          << "parameter " << i << ": largest difference " << (finals[0][i] - finals[1][i]).abs().max().item<double>();
+    }
+  }
+}
+
 // Model parallel: gradients on two devices are checked where they live and
 // folded into the one flag on the scale's device; an inf on either skips.
 TEST_F(CudaTest, GradientsOnTwoDevicesFoldIntoOneVerdict) {

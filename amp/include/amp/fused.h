@@ -21,10 +21,14 @@
 // date when the outcome reaches the host; checkpoints and
 // amp::last_step_skipped wait for it.
 //
-// The kernels need every gradient dense and of its parameter's dtype
-// (float32 or float64) and parameters on one CPU or CUDA device; otherwise
-// step() runs LibTorch's own step (after one host read of a pending
-// overflow flag).
+// The kernels need every gradient dense and of its parameter's dtype and
+// parameters on one CPU or CUDA device; otherwise step() runs LibTorch's
+// own step (after one host read of a pending overflow flag). float16 and
+// bfloat16 parameters (O3) are stepped too, with their state in their own
+// dtype as LibTorch creates it, computed in float32 and rounded once (within
+// a few low-precision roundings of LibTorch's step, which rounds after
+// every op) - except FusedSGD's on the CPU, where ATen's kernel does not
+// update them and LibTorch's step runs.
 //
 // A whole step (forward, scale_loss, step) can be captured in a CUDA graph
 // after warm-up steps; replays skip on the device and are counted there

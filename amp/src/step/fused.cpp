@@ -9,7 +9,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <map>
 #include <optional>
+#include <tuple>
 
 namespace amp::optim {
 namespace {
@@ -88,8 +90,17 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
     for (const at::Tensor& p : group.params()) {
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
-      const bool rounded = rounding != nullptr && p.scalar_type() == at::kBFloat16;
-      if (p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble && !rounded) return false;
+      // ATen's fused kernels take the four floating dtypes; float16 and
+      // bfloat16 parameters (O3) keep their state in their own dtype, as
+      // LibTorch's step creates it. But ATen 2.11's CPU _fused_sgd_ leaves
+      // float16/bfloat16 parameters of 64 or more elements unchanged (its
+      // vectorized loop), so on the CPU those take LibTorch's SGD step;
+      // O6's are stepped widened to float32 and are unaffected.
+      const c10::ScalarType dtype = p.scalar_type();
+      const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+      const bool rounded = rounding != nullptr && dtype == at::kBFloat16;
+      if (dtype != at::kFloat && dtype != at::kDouble && !reduced) return false;
+      if (reduced && !rounded && kind_ == Kind::kSgd && p.is_cpu()) return false;
       if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
       if (device && *device != p.device()) return false;
       device = p.device();
@@ -140,7 +151,12 @@ void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap
   const auto& options = static_cast<const Options&>(group.options());
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
-  } direct, rounded;
+  };
+  // ATen's kernels take one dtype per call: direct parameters by dtype
+  // (float32 with float16 at O3's kept-float32 batch norms), and the
+  // rounded ones (O6), stepped in float32 a chunk at a time.
+  std::map<c10::ScalarType, Lists> direct;
+  Lists rounded;
   for (const at::Tensor& p : group.params()) {
     if (!p.grad().defined()) continue;
     void* key = p.unsafeGetTensorImpl();
@@ -157,7 +173,7 @@ void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap
     auto& s = static_cast<ParamState&>(*it->second);
     at::Tensor& step = device_steps_[key];
     if (!step.defined()) step = at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));
-    Lists& lists = rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct;
+    Lists& lists = rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct[p.scalar_type()];
     lists.params.push_back(p);
     lists.grads.push_back(p.grad());
     lists.exp_avgs.push_back(s.exp_avg());
@@ -166,13 +182,15 @@ void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap
     lists.steps.push_back(step);
     attempt.stepped.push_back(key);
   }
-  if (direct.params.empty() && rounded.params.empty()) return;
-  const c10::Device device = (direct.params.empty() ? rounded : direct).params.front().device();
+  std::vector<Lists*> all;
+  for (auto& [dtype, lists] : direct) all.push_back(&lists);
+  if (!rounded.params.empty()) all.push_back(&rounded);
+  if (all.empty()) return;
+  const c10::Device device = all.front()->params.front().device();
   std::optional<at::Tensor> flag;
-  for (Lists* lists : {&direct, &rounded}) {
-    if (lists->steps.empty()) continue;
-    if (found_inf.defined()) {
-      flag = found_inf.to(device);
+  if (found_inf.defined()) flag = found_inf.to(device);
+  for (Lists* lists : all) {
+    if (flag) {
       at::_foreach_add_(lists->steps, (1 - *flag).reshape({}));  // step counts move only if taken
     } else {
       at::_foreach_add_(lists->steps, 1);
@@ -191,9 +209,7 @@ void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap
                        /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
     }
   };
-  if (!direct.params.empty()) {
-    kernel(direct.params, direct.grads, direct.exp_avgs, direct.exp_avg_sqs, direct.max_exp_avg_sqs, direct.steps);
-  }
+  for (auto& [dtype, l] : direct) kernel(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps);
   if (!rounded.params.empty()) {
     step_widened({&rounded.params, &rounded.grads, &rounded.exp_avgs, &rounded.exp_avg_sqs,
                   &rounded.max_exp_avg_sqs, &rounded.steps},
@@ -213,13 +229,15 @@ void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap&
     std::vector<at::Tensor> params, grads, buffers;
     bool first = false, rounded = false;
   };
-  Batch batches[4];  // (continuing, first step) x (direct, rounded)
-  for (int b = 0; b < 4; ++b) batches[b].first = b % 2 == 1, batches[b].rounded = b >= 2;
+  // One kernel call per (dtype, rounded, first step): ATen's kernels take
+  // one dtype per call.
+  std::map<std::tuple<c10::ScalarType, bool, bool>, Batch> batches;
   for (const at::Tensor& p : group.params()) {
     if (!p.grad().defined()) continue;
     void* key = p.unsafeGetTensorImpl();
     const bool rounded = rounding != nullptr && p.scalar_type() == at::kBFloat16;
-    Batch* batch = &batches[rounded ? 2 : 0];
+    bool first = false;
+    at::Tensor buffer;
     if (momentum) {
       auto it = state.find(key);
       if (it == state.end()) {
@@ -228,15 +246,19 @@ void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap&
                                               at::MemoryFormat::Preserve));
         it = state.emplace(key, std::move(fresh)).first;
         attempt.created.push_back(key);
-        batch = &batches[rounded ? 3 : 1];
+        first = true;
       }
-      batch->buffers.push_back(static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer());
+      buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
     }
-    batch->params.push_back(p);
-    batch->grads.push_back(p.grad());
+    Batch& batch = batches[{p.scalar_type(), rounded, first}];
+    batch.first = first;
+    batch.rounded = rounded;
+    if (buffer.defined()) batch.buffers.push_back(buffer);
+    batch.params.push_back(p);
+    batch.grads.push_back(p.grad());
   }
-  for (const Batch& batch : batches) {
-    if (batch.params.empty()) continue;
+  for (const auto& entry : batches) {
+    const Batch& batch = entry.second;
     std::optional<at::Tensor> flag;
     if (found_inf.defined()) flag = found_inf.to(batch.params.front().device());
     auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
