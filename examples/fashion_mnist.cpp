@@ -10,6 +10,7 @@
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
 #include "common/diagnostics.h"
+#include "common/step_trace.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -40,6 +41,7 @@ ABSL_FLAG(int64_t, test_limit, 0, "use only the first N test images (0: all 1000
 ABSL_FLAG(std::string, checkpoint, "", "write a checkpoint (model, optimizer, amp) here after training");
 ABSL_FLAG(std::string, resume, "", "resume from this checkpoint before training");
 ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
+ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
@@ -89,6 +91,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
   int64_t step = 0;
   double seconds = 0;
   examples::Progress progress(50, epochs * ((n + batch_size - 1) / batch_size));
+  examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
   for (int epoch = 0; epoch < epochs; ++epoch) {
     const auto start = std::chrono::steady_clock::now();
     const auto order = torch::randperm(n);
@@ -97,6 +100,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
       const auto images = train_set.images.index_select(0, index).to(device);
       const auto labels = train_set.labels.index_select(0, index).to(device);
 
+      trace.at_step(step + 1);
       const auto injected = injection.inject(step + 1, *model);
       optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(images), labels);

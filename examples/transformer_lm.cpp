@@ -7,6 +7,7 @@
 
 #include "common/char_transformer.h"
 #include "common/diagnostics.h"
+#include "common/step_trace.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -32,6 +33,7 @@ ABSL_FLAG(int, seed, 0, "random seed");
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
+ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
           "what amp's overflow provenance says of it");
@@ -66,6 +68,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   amp::initialize(model, optimizer, options);
 
   examples::Progress progress(50, steps);
+  examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
   double last_loss = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < steps; ++step) {
@@ -74,6 +77,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
     const auto windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);
     const auto inputs = windows.narrow(1, 0, config.context), targets = windows.narrow(1, 1, config.context);
 
+    trace.at_step(step + 1);
     const auto injected = injection.inject(step + 1, *model);
     optimizer.zero_grad();
     const auto logits = model->forward(inputs);

@@ -17,6 +17,8 @@
 // gradients, two backward passes, errors.
 #include "test_util.h"
 
+#include "profiled.h"
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdio>
@@ -504,6 +506,30 @@ Options fake_sharded(Options options) {
 // average copied out of every chunk at the end; and a gather that holds a
 // few buckets at a time, not a second copy of the weights. 32 layers, a
 // bucket each, activations of one row.
+// A traced sharded step shows the bucket reductions and the weights'
+// all-gather under amp's names.
+TEST_F(AmpTest, ShardedStepShowsItsCollectivesInATrace) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Linear(8, 4));
+  amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  Handle handle;
+  handle.initialize(model, optimizer, fake_sharded(O2));
+  const at::Tensor x = torch::randn({4, 8});
+  auto step = [&] {
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model->forward(x).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  };
+  step();
+  const auto ranges = amp_ranges(profiled(step));  // its forward gathers the weights the first step made
+  EXPECT_EQ(ranges.count("amp::all-gather of the weights"), 1u);
+  EXPECT_GE(ranges.count("amp::reduce-scatter (bucket)"), 2u) << "64-byte buckets: several";
+  EXPECT_EQ(ranges.count("amp::fused step"), 1u);
+}
+
 TEST_F(AmpTest, ShardedStepHoldsItsPartOnce) {
   amp::track_allocations();
   for (const Options& level : {O2, O6}) {

@@ -8,6 +8,7 @@
 // dtype lose of this layer's gradient?" and "where do my bytes go?".
 //
 //   precision_report --model=transformer --opt_level=O1
+#include <amp/alignment.h>
 #include <amp/amp.h>
 
 #include "common/char_transformer.h"
@@ -81,6 +82,7 @@ int run() {
   amp::Handle handle;
   amp::OptimizerPtr optimizer;
   std::function<at::Tensor()> loss_of_forward;
+  std::vector<std::shared_ptr<torch::nn::Module>> models;  // for the shapes check
   // LibTorch's own optimizers, but at O6, which needs amp's fused ones.
   const bool fused = examples::use_fused_optimizer("", options);
   if (name == "cnn") {
@@ -89,6 +91,7 @@ int run() {
     optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdam>(model->parameters(), 1e-3))
                       : std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
     std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+    models.push_back(model.ptr());
     loss_of_forward = [=]() mutable {
       return torch::cross_entropy_loss(model->forward(torch::randn({batch, 1, 28, 28}, device)),
                                        torch::randint(0, 10, {batch}, longs));
@@ -101,6 +104,7 @@ int run() {
     optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdam>(generator->parameters(), 1e-3))
                       : std::make_shared<torch::optim::Adam>(generator->parameters(), 1e-3);
     handle.initialize({generator, discriminator}, {optimizer}, options);
+    models = {generator.ptr(), discriminator.ptr()};
     loss_of_forward = [=]() mutable {
       const auto fake = generator->forward(torch::randn({batch, examples::kLatent}, device));
       return torch::binary_cross_entropy_with_logits(discriminator->forward(fake), torch::ones({batch}, device));
@@ -111,6 +115,7 @@ int run() {
     optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdamW>(model->parameters(), 1e-3))
                       : std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-3);
     std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+    models.push_back(model.ptr());
     loss_of_forward = [=]() mutable {
       const auto tokens = torch::randint(0, 256, {batch, 65}, longs);
       const auto logits = model->forward(tokens.narrow(1, 0, 64));
@@ -132,6 +137,13 @@ int run() {
   std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n\n";
   if (telemetry) examples::print_telemetry(std::cout, *telemetry);
   print_memory(std::cout, optimizer, loss_of_forward, device);
+  // Shapes that fit the hardware: the layers to pad for the low dtype here.
+  const c10::ScalarType low = amp::properties().low_precision_dtype(device.type());
+  const int64_t multiple = amp::preferred_multiple(low, device);
+  std::cout << "\nLayers whose GEMM dimensions miss " << device << "'s preferred multiple for " << low << "\n";
+  for (const auto& model : models) {
+    std::cout << amp::format_misaligned_layers(amp::misaligned_layers(*model, low, device), multiple);
+  }
   return 0;
 }
 

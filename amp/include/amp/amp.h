@@ -32,7 +32,9 @@
 // overflow.h (where a skipped step's inf/NaN came from), recompute.h
 // (activation recomputation under amp's casts).
 // Not included here: testing.h (host_syncs and test hooks, for benchmarks
-// and tests); internal/ holds what the headers need but programs do not.
+// and tests), alignment.h (layers whose GEMM shapes miss the hardware's
+// multiples, a diagnostic); internal/ holds what the headers need but
+// programs do not.
 #pragma once
 
 #include <amp/cast_cache.h>

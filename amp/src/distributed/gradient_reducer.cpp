@@ -1,4 +1,5 @@
 #include "distributed/gradient_reducer.h"
+#include "trace_range.h"
 
 #include "step/host_read.h"
 
@@ -206,6 +207,7 @@ void GradientReducer::Reduction::fill(size_t b) {
 void GradientReducer::Reduction::start_ready_buckets() {
   while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
     ReduceBucket& bucket = *buckets_[next_bucket_];
+    AMP_TRACE_RANGE(sharded() ? "amp::reduce-scatter (bucket)" : "amp::all-reduce (bucket)");
     fill(next_bucket_++);
     if (sharded()) {
       bucket.work = reducer_.config_.group->_reduce_scatter_base(bucket.chunk, bucket.flat);
@@ -223,6 +225,7 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
     const bool done = bucket.work == nullptr || bucket.work->isCompleted();
     if (!done && next_bucket_ - released_ <= in_flight) return;
     if (bucket.work) {
+      AMP_TRACE_RANGE("amp::wait for a reduction");
       bucket.work->wait();
       bucket.work.reset();
     }

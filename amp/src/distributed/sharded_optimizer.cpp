@@ -1,4 +1,5 @@
 #include "distributed/sharded_optimizer.h"
+#include "trace_range.h"
 
 #include "log.h"
 #include "persistence/optimizer_state_load.h"
@@ -157,6 +158,7 @@ void ShardedOptimizer::end_accumulation() {
 }
 
 void ShardedOptimizer::gather() {
+  AMP_TRACE_RANGE("amp::all-gather of the weights");
   at::NoGradGuard no_grad;
   // A bucket's whole lives from its all-gather's start until its members
   // take it; at most kInFlight at once, so the gather holds a few buckets

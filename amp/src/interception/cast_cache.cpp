@@ -5,6 +5,7 @@
 
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
+#include "trace_range.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
@@ -150,7 +151,11 @@ class CastCache {
         return it->second.copy;
       }
     }
-    at::Tensor copy = t.to(to);  // outside the lock: casts of other weights run in parallel
+    at::Tensor copy;
+    {
+      AMP_TRACE_RANGE("amp::cast (cached weight)", t);
+      copy = t.to(to);  // outside the lock: casts of other weights run in parallel
+    }
     count(&ThreadCounts::casts);
     CallRecord::note_cast(copy);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -240,7 +245,12 @@ at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
 
 at::Tensor cast_uncached_or_cached(const at::Tensor& t, at::ScalarType to) {
   if (is_cacheable(t, to)) return cached_cast(t, to);
-  at::Tensor copy = t.to(to);
+  at::Tensor copy;
+  {
+    std::optional<TraceRange> range;
+    if (C10_UNLIKELY(tracing())) range.emplace("amp::cast", t);
+    copy = t.to(to);
+  }
   count(&ThreadCounts::casts);
   CallRecord::note_cast(copy);
   return copy;

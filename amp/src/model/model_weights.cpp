@@ -1,4 +1,5 @@
 #include "model/model_weights.h"
+#include "trace_range.h"
 
 #include "log.h"
 
@@ -75,6 +76,7 @@ void ModelWeights::enter_compute(const std::vector<bool>& models) {
                 "Something converted it after amp::initialize (model->to(", e.tensor.scalar_type(),
                 ")?); keep the model in float32 and let amp lower it.");
   }
+  AMP_TRACE_RANGE("amp::weights to the low dtype");
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> dst, src;
   for (Entry& e : entries_) {
@@ -100,6 +102,7 @@ void ModelWeights::enter_compute(const std::vector<bool>& models) {
 void ModelWeights::finish_backward() noexcept {
   if (mode_ == Mode::kConverted) pending_.store(true);  // check again before the next forward
   if (mode_ != Mode::kMasters) return;
+  AMP_TRACE_RANGE("amp::weights to float32 masters");
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     at::NoGradGuard no_grad;

@@ -10,6 +10,7 @@
 #include <amp/recompute.h>
 
 #include "context.h"
+#include "trace_range.h"
 #include "recompute/block_boundary.h"
 #include "recompute/forward_replay.h"
 #include "recompute/stand_ins.h"
@@ -158,6 +159,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
               "earlier backward already freed. Pass retain_graph=true to the earlier backward "
               "(scaled.backward(true)) to backpropagate through the graph twice.");
   check_arguments();
+  AMP_TRACE_RANGE("amp::recompute (forward rerun and backward)");
   const bool create_graph = at::GradMode::is_enabled();  // the engine's mode: create_graph
 
   // The rerun, in the forward's state, meeting stand-ins of the cast

@@ -5,6 +5,7 @@
 #include "step/optimizer_kinds.h"
 #include "step/optimizer_step.h"
 #include "step/overflow_verdict.h"
+#include "trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -121,6 +122,7 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
 
 FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
                                   const UpdateRounding* rounding) {
+  AMP_TRACE_RANGE("amp::fused step");
   at::NoGradGuard no_grad;
   FusedAttempt attempt;
   if (rounding != nullptr) rounding->rounder->next_step();

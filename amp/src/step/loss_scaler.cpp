@@ -1,6 +1,7 @@
 #include <amp/internal/loss_scaling.h>
 
 #include "step/non_finite_check.h"
+#include "trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -41,6 +42,7 @@ double LossScaler::floor() const {
 
 void LossScaling::unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf) {
   if (grads.empty()) return;
+  AMP_TRACE_RANGE("amp::unscale and inf/NaN check", grads);
   // GradScaler computes 1/scale in double, then rounds once to float.
   const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   detail::non_finite_check_and_unscale(grads, found_inf, inv_scale);
@@ -57,6 +59,7 @@ void LossScaling::restore(const State& state) {
 }
 
 at::Tensor LossScaling::update(const at::Tensor& found_inf) {
+  AMP_TRACE_RANGE("amp::scale update");
   const at::Tensor before = at::cat({found_inf, scale_});
   if (dynamic_) {
     if (options_.hysteresis == 1) {
