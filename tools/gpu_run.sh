@@ -16,7 +16,7 @@
 # to stdout and to <out_dir>/summary.md; logs go to <out_dir>/log.txt, the
 # suite's output to tests.txt, tables to benchmarks.md and peer.md as they
 # are measured (a run killed at its limit still returns what it had).
-# Six files in all. Each stage has a time limit. A session's device time is
+# Seven files in all (with the examples' trace.json). Each stage has a time limit. A session's device time is
 # about 15 minutes, machine starts included, so the run is two calls, the
 # second while the machine is still warm (its build is kept):
 #   tools/gpu_run.sh "$OUT" configure build suite sanitizer benchmarks peer   # about 8 minutes
@@ -195,6 +195,11 @@ if device_stage examples; then
   say "    O6 fashion_mnist: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O6)"
   say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
   say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
+  # One CUDA step's profiler trace: amp's ranges beside the kernels.
+  say "    O1 transformer_lm --trace: $(example_result 120 transformer_lm --steps=6 --opt_level=O1 --trace="$out/trace.json")"
+  [ -f "$out/trace.json" ] && say "    amp's ranges in the trace: $("$python" -c 'import collections, json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+print(dict(collections.Counter(e["name"] for e in events if e.get("name", "").startswith("amp::"))))' "$out/trace.json")"
   say "gpu_run: examples --device=cuda done ($((SECONDS - start)) s)"
 fi
 
