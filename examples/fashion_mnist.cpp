@@ -6,6 +6,7 @@
 // write them (the optimizer held by value); amp adds two things: the
 // amp::initialize call and the amp::scale_loss guard around backward.
 #include <amp/amp.h>
+#include <amp/measured_policy.h>
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
@@ -42,6 +43,8 @@ ABSL_FLAG(std::string, checkpoint, "", "write a checkpoint (model, optimizer, am
 ABSL_FLAG(std::string, resume, "", "resume from this checkpoint before training");
 ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
+ABSL_FLAG(bool, measured_policy, false,
+          "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
@@ -129,6 +132,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
               epochs > 0 ? seconds / epochs : 0.0, step > 0 ? 1000 * seconds / step : 0.0,
               static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib(),
               examples::peak_allocated_mib(device));
+  if (options.measured_policy) examples::print_measured_policy(std::cout);
   return 0;
 }
 
@@ -136,6 +140,7 @@ int run() {
   const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
   amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  options.measured_policy = absl::GetFlag(FLAGS_measured_policy);
   if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
   if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);

@@ -4,6 +4,7 @@
 //
 //   transformer_lm --opt_level=O2 --steps=500
 #include <amp/amp.h>
+#include <amp/measured_policy.h>
 
 #include "common/char_transformer.h"
 #include "common/diagnostics.h"
@@ -34,6 +35,8 @@ ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of t
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
+ABSL_FLAG(bool, measured_policy, false,
+          "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
           "what amp's overflow provenance says of it");
@@ -100,6 +103,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
               steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib(), examples::peak_allocated_mib(device));
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
+  if (options.measured_policy) examples::print_measured_policy(std::cout);
   return 0;
 }
 
@@ -107,6 +111,7 @@ int run() {
   const c10::Device device = examples::parse_device(absl::GetFlag(FLAGS_device));
   amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
+  options.measured_policy = absl::GetFlag(FLAGS_measured_policy);
   examples::TransformerConfig config;
   config.context = absl::GetFlag(FLAGS_context);
   config.layers = absl::GetFlag(FLAGS_layers);

@@ -82,6 +82,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     owner_casting_ = std::make_unique<ThreadCasting>(casting_);
   }
   if (forward_log_) g_observers.fetch_or(kForwardWatch);
+  if (options.measured_policy) g_observers.fetch_or(kMeasuredPolicy);
   if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
   reduce_overflow_ = options.reduce_overflow;
   if (sharded_) reduce_overflow_ = overflow_all_reduce(sharded_->group());
@@ -99,6 +100,7 @@ Context::~Context() {
 }
 
 void Context::teardown() {
+  g_observers.fetch_and(~kMeasuredPolicy);
   if (forward_log_) {
     g_observers.fetch_and(~kForwardWatch);
     forward_log_->clear();

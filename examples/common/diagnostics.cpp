@@ -1,5 +1,7 @@
 #include "common/diagnostics.h"
 
+#include <amp/measured_policy.h>
+
 #include <amp/optimizer.h>
 
 #include <ATen/ATen.h>
@@ -112,6 +114,15 @@ void print_telemetry(std::ostream& out, const amp::PrecisionTelemetry& telemetry
                   group.amax);
     out << line;
   }
+}
+
+void print_measured_policy(std::ostream& out) {
+  const std::vector<amp::MeasuredChoice> choices = amp::measured_policy();
+  size_t kept = 0;
+  for (const auto& c : choices) kept += c.keeps_fp32 ? 1 : 0;
+  out << "measured policy: " << kept << " of " << choices.size()
+      << " GEMM/convolution shapes run in float32 (measured faster here)\n"
+      << amp::format_measured_policy(choices);
 }
 
 }  // namespace examples

@@ -40,6 +40,9 @@ void print_overflow(std::ostream& out, const amp::OverflowReport& report);
 // After the injected step: the report of the overflow it caused, or why
 // there is none (a static scale never skips).
 void print_injection_outcome(std::ostream& out, amp::OptimizerRef optimizer);
+// --measured_policy: how many GEMM/convolution shapes run in float32, and
+// the policy's table (amp/measured_policy.h).
+void print_measured_policy(std::ostream& out);
 // Per parameter: elements, underflow, zeros, amax; with group totals.
 void print_telemetry(std::ostream& out, const amp::PrecisionTelemetry& telemetry);
 

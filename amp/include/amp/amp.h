@@ -33,7 +33,8 @@
 // (activation recomputation under amp's casts).
 // Not included here: testing.h (host_syncs and test hooks, for benchmarks
 // and tests), alignment.h (layers whose GEMM shapes miss the hardware's
-// multiples, a diagnostic); internal/ holds what the headers need but
+// multiples, a diagnostic), measured_policy.h (the table behind
+// Options::measured_policy); internal/ holds what the headers need but
 // programs do not.
 #pragma once
 

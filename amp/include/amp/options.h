@@ -71,6 +71,10 @@ struct Options : PropertyOverrides {
   // (amp::precision_telemetry, telemetry.h). No host sync on healthy steps;
   // a few kernels per parameter group per guard.
   bool precision_telemetry = false;
+  // Run a GEMM or convolution in float32 where its low-precision kernel is
+  // measured slower at that shape on this device (measured_policy.h): O1
+  // that never costs more than it gives. Off: op for op native autocast.
+  bool measured_policy = false;
 };
 
 }  // namespace amp

@@ -25,10 +25,12 @@ struct OpBinding;
 enum Observer : int {
   kOpStats = 1,       // an OpStatsRecorder lives: kernels report every call
   kForwardWatch = 2,  // a context with overflow provenance lives (forward_watch.h)
+  kMeasuredPolicy = 4,  // a context with Options::measured_policy lives (measured_policy.h)
 };
 extern std::atomic<int> g_observers;
 inline bool observing() { return g_observers.load(std::memory_order_relaxed) != 0; }
 inline bool recording() { return (g_observers.load(std::memory_order_relaxed) & kOpStats) != 0; }
+inline bool measuring() { return (g_observers.load(std::memory_order_relaxed) & kMeasuredPolicy) != 0; }
 // Adds one call's row to the recorder's table (dropped when none records).
 void add_op_stats(const OpStats& row);
 
@@ -74,6 +76,18 @@ template <class View>
 std::string describe_tensors(const View& view) {
   std::string out;
   view.for_each_tensor([&](const at::Tensor& t, bool) { describe(out, t); });
+  return out;
+}
+// "[64, 256] Float, [256] Float": the floating tensor arguments' shapes and
+// dtypes (the measured policy's key).
+template <class View>
+std::string describe_shapes(const View& view) {
+  std::string out;
+  view.for_each_tensor([&](const at::Tensor& t, bool) {
+    if (!t.defined() || !t.is_floating_point()) return;
+    if (!out.empty()) out += ", ";
+    out += c10::str(t.sizes(), " ", t.scalar_type());
+  });
   return out;
 }
 template <class... Ts>

@@ -1,4 +1,5 @@
 #include "interception/dispatch/interceptor.h"
+#include "interception/measured_policy.h"
 
 #include "interception/dispatch/forward_watch.h"
 
@@ -191,6 +192,7 @@ void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, Cast
   }
   auto binding = std::make_unique<OpBinding>();
   binding->display_name = display;
+  binding->measured = is_measured_op(display);
   binding->casting = &casting;
   binding->reentry_keys = c10::DispatchKeySet(casting.autocast_key);
   binding->banned_because.store(banned_because);

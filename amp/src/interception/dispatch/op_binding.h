@@ -40,6 +40,7 @@ struct DeviceCasting {
 // lifetime of the kernel registered with it.
 struct OpBinding {
   std::string display_name;  // "aten::softmax.int"
+  bool measured = false;     // Options::measured_policy times it (measured_policy.h)
   const DeviceCasting* casting;
   // {casting->autocast_key}, which the kernel excludes while it runs; built
   // once here, as building a key set from a key costs tens of instructions.

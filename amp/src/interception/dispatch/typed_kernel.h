@@ -14,6 +14,7 @@
 #include "interception/dispatch/cast_decision.h"
 #include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/op_binding.h"
+#include "interception/measured_policy.h"
 
 #include <ATen/ops/_cudnn_rnn_ops.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -71,6 +72,21 @@ struct CastCall<at::_ops::_cudnn_rnn> {
       bool bidirectional, c10::SymIntArrayRef batch_sizes, const std::optional<at::Tensor>& dropout_state);
 };
 
+// The measured policy's timing runs (measured_policy.h): the argument as a
+// leaf of its own graph, requiring a gradient where it does, so a timed run
+// can backpropagate without touching the program's graph.
+inline at::Tensor as_timing_leaf(const at::Tensor& t) {
+  return t.defined() && t.requires_grad() ? t.detach().requires_grad_(true) : t;
+}
+inline std::optional<at::Tensor> as_timing_leaf(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return as_timing_leaf(*t);
+}
+template <class T>
+const T& as_timing_leaf(const T& arg) {
+  return arg;
+}
+
 // AppendTarget: for kFp32AppendDtype, the overload taking a trailing dtype.
 template <class Op, class AppendTarget = void, class Signature = typename Op::schema>
 class TypedKernel;
@@ -98,10 +114,26 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     if (watch.active()) watch.read(tensors_of(view));
     std::optional<CallRecord> record;
     if (recording()) record.emplace(*binding_, policy, describe_tensors(view));
-    Ret result = apply(decide(record ? record->policy() : policy, *binding_->casting, view), args...);
+    CastDecision decision = decide(record ? record->policy() : policy, *binding_->casting, view);
+    if (measuring() && binding_->measured && decision.action == CastDecision::Action::kCastTo &&
+        decision.to != at::kFloat && view.first_tensor() != nullptr && !in_backward()) {
+      decision.to = measured_dtype(binding_->display_name, view.first_tensor()->device(), describe_shapes(view),
+                                   decision.to, [&](at::ScalarType to) { timing_run(to, args...); });
+    }
+    Ret result = apply(decision, args...);
     if (record) record->finish(describe_result(result));
     if (watch.active()) watch.returned(result_tensors(result));
     return result;
+  }
+
+  // One timed run of the op in `to`: forward, and backward where an
+  // argument requires a gradient (what training pays for the choice).
+  void timing_run(at::ScalarType to, Args... args) const {
+    at::AutoGradMode grad(true);
+    Ret out = CastCall<Op>::call(to, binding_->casting->device, as_timing_leaf(args)...);
+    if constexpr (std::is_same_v<Ret, at::Tensor>) {
+      if (out.requires_grad()) out.backward(at::ones_like(out));
+    }
   }
 
   Ret apply(const CastDecision& decision, Args... args) const {

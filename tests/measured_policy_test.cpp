@@ -1,0 +1,151 @@
+// Options::measured_policy (amp/measured_policy.h): GEMMs and convolutions
+// run in float32 where that was measured faster at their shape, with O0's
+// values; the choice is kept, saved and loaded; off, nothing is measured.
+#include "test_util.h"
+
+#include <amp/measured_policy.h>
+
+#include <ATen/autocast_mode.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace amp::testing {
+namespace {
+
+class MeasuredPolicyTest : public AmpTest {
+ protected:
+  void SetUp() override { clear_measured_policy(); }
+  void TearDown() override { clear_measured_policy(); }
+  static Options measured() {
+    Options options = quiet(O1);
+    options.measured_policy = true;
+    return options;
+  }
+};
+
+// The first call of each shape is timed both ways and the choice applied;
+// the same shape then gets the same choice without timing again.
+TEST_F(MeasuredPolicyTest, MeasuresEachShapeOnceAndAppliesTheChoice) {
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+  const at::Tensor a = torch::randn({32, 48}), b = torch::randn({48, 16}), c = torch::randn({8, 48});
+  const at::Tensor first = at::mm(a, b);
+  ASSERT_EQ(measured_policy().size(), 1u);
+  const MeasuredChoice choice = measured_policy().front();
+  EXPECT_EQ(choice.op, "aten::mm");
+  EXPECT_EQ(choice.shapes, "[32, 48] Float, [48, 16] Float");
+  EXPECT_EQ(choice.low, "BFloat16");
+  EXPECT_GT(choice.low_ms, 0.0);
+  EXPECT_GT(choice.fp32_ms, 0.0);
+  EXPECT_EQ(choice.keeps_fp32, choice.fp32_ms < 0.95 * choice.low_ms);
+  EXPECT_EQ(first.scalar_type(), choice.keeps_fp32 ? at::kFloat : at::kBFloat16);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(at::mm(a, b).scalar_type(), first.scalar_type());
+  EXPECT_EQ(measured_policy().size(), 1u) << "one shape, one measurement";
+  at::mm(c, b);
+  EXPECT_EQ(measured_policy().size(), 2u) << "a new shape is measured";
+  at::relu(a);
+  EXPECT_EQ(measured_policy().size(), 2u) << "only GEMMs and convolutions";
+}
+
+// Where float32 is kept, the op gives O0's values bit for bit and
+// autograd runs through it in float32; where the low dtype is kept, native
+// autocast's.
+TEST_F(MeasuredPolicyTest, KeptOpsGiveO0sValuesAndOthersAutocasts) {
+  const at::Tensor x = torch::randn({16, 24}, torch::requires_grad()), w = torch::randn({12, 24});
+  const at::Tensor plain = at::linear(x, w);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  const at::Tensor native = at::linear(x, w);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  const std::string path = ::testing::TempDir() + "amp_measured_policy.txt";
+  for (bool keep : {true, false}) {
+    SCOPED_TRACE(keep ? "float32 kept" : "low dtype kept");
+    {
+      std::ofstream file(path);
+      file << "aten::linear\t0\t[16, 24] Float, [12, 24] Float\tBFloat16\t2\t1\t" << (keep ? 1 : 0) << "\n";
+    }
+    load_measured_policy(path);
+    Handle handle;
+    handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+    const at::Tensor y = at::linear(x, w);
+    EXPECT_TRUE(BitEqual(y, keep ? plain : native));
+    y.sum().backward();
+    EXPECT_EQ(x.grad().scalar_type(), at::kFloat);
+    x.mutable_grad() = at::Tensor();
+    EXPECT_EQ(measured_policy().size(), 1u) << "loaded, not measured again; backward is never measured";
+  }
+  std::remove(path.c_str());
+}
+
+// The timing runs draw no random numbers and leave the program's graph
+// alone: attention with dropout gives the same values and the same next
+// draws whether its shape was just measured or already decided.
+TEST_F(MeasuredPolicyTest, TimingRunsLeaveRandomStreamsAndGraphsAlone) {
+  const at::Tensor q = torch::randn({2, 2, 8, 4}, torch::requires_grad());
+  auto call = [&] {
+    torch::manual_seed(7);
+    const at::Tensor y = at::scaled_dot_product_attention(q, q, q, {}, /*dropout_p=*/0.5);
+    return std::make_pair(y, torch::rand({4}));
+  };
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+  const auto [measuring, next_draw] = call();
+  ASSERT_EQ(measured_policy().size(), 1u);
+  const auto [decided, decided_next_draw] = call();
+  EXPECT_TRUE(BitEqual(measuring, decided));
+  EXPECT_TRUE(BitEqual(next_draw, decided_next_draw));
+  measuring.sum().backward();
+  const at::Tensor first_grad = q.grad().clone();
+  q.mutable_grad() = at::Tensor();
+  decided.sum().backward();
+  EXPECT_TRUE(BitEqual(first_grad, q.grad())) << "the measured call's graph is the program's own";
+}
+
+// The table saves and loads: the same choices, no new measurement.
+TEST_F(MeasuredPolicyTest, SavedChoicesLoadAndDecideAlike) {
+  const std::string path = ::testing::TempDir() + "amp_measured_policy_round_trip.txt";
+  std::vector<at::ScalarType> dtypes;
+  {
+    Handle handle;
+    handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+    for (int64_t n : {8, 64, 256}) dtypes.push_back(at::mm(torch::randn({n, n}), torch::randn({n, n})).scalar_type());
+    save_measured_policy(path);
+  }
+  const std::vector<MeasuredChoice> saved = measured_policy();
+  clear_measured_policy();
+  load_measured_policy(path);
+  ASSERT_EQ(measured_policy().size(), saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_EQ(measured_policy()[i].shapes, saved[i].shapes);
+    EXPECT_EQ(measured_policy()[i].keeps_fp32, saved[i].keeps_fp32);
+  }
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+  size_t i = 0;
+  for (int64_t n : {8, 64, 256}) EXPECT_EQ(at::mm(torch::randn({n, n}), torch::randn({n, n})).scalar_type(), dtypes[i++]);
+  EXPECT_EQ(measured_policy().size(), saved.size());
+  EXPECT_NE(format_measured_policy(measured_policy()).find("aten::mm"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST_F(MeasuredPolicyTest, OffMeasuresNothingAndBadFilesLoadNothing) {
+  {
+    Handle handle;
+    handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
+    EXPECT_EQ(at::mm(torch::randn({8, 8}), torch::randn({8, 8})).scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(measured_policy().empty());
+  }
+  const std::string path = ::testing::TempDir() + "amp_measured_policy_bad.txt";
+  {
+    std::ofstream file(path);
+    file << "aten::mm\t0\t[8, 8] Float, [8, 8] Float\tBFloat16\t1\t2\t0\nnot a line\n";
+  }
+  EXPECT_AMP_ERROR(load_measured_policy(path), "line 2");
+  EXPECT_TRUE(measured_policy().empty()) << "nothing loaded";
+  EXPECT_AMP_ERROR(load_measured_policy(path + ".missing"), "cannot read");
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace amp::testing
