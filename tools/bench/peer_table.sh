@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # amp side by side with Python's torch.amp on this machine, in one run: the
-# Fashion-MNIST CNN and the character transformer at amp O0/O1/O2/O5, and the
+# Fashion-MNIST CNN and the character transformer at amp O0/O1/O2/O5 and O1
+# with Options::measured_policy, and the
 # same models and loops in Python (tools/bench/peer_examples.py) in fp32,
 # with autocast bf16, and with autocast bf16 + GradScaler. Prints a Markdown
 # table (time per step, peak RSS, accuracy or final loss) and the CPU.
@@ -34,6 +35,7 @@ table() {
   for level in O0 O1 O2 O5; do
     row "$1" "amp $level" "$($2 --opt_level=$level --verbosity=0 | grep "$4")"
   done
+  row "$1" "amp O1, measured policy" "$($2 --opt_level=O1 --measured_policy --verbosity=0 | grep "$4")"
   for mode in fp32 autocast autocast_scaler; do
     row "$1" "torch.amp $mode" "$($python "$1" $mode $3)"
   done
