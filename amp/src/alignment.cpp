@@ -18,25 +18,22 @@ std::string kind_of(const torch::nn::Module& m) {
   return name;
 }
 
-// The GEMM dimensions a convolution of `options` multiplies over: input
-// channels per group (K, with the kernel's volume) and output channels (N).
+// The GEMM dimensions a convolution multiplies over: the input channels
+// per group (K, with the kernel's volume) and the output channels (N); a
+// transposed one groups its outputs instead. ConvTransposeNdImpl derives
+// from ConvNdImpl, whose options say which it is.
 template <size_t D, class Derived>
 bool add_conv(const torch::nn::Module& m, std::vector<std::pair<std::string, int64_t>>& dims) {
   const auto* conv = dynamic_cast<const torch::nn::ConvNdImpl<D, Derived>*>(&m);
   if (conv == nullptr) return false;
   const auto& o = conv->options;
-  dims.emplace_back("in_channels per group", o.in_channels() / o.groups());
-  dims.emplace_back("out_channels", o.out_channels());
-  return true;
-}
-
-template <size_t D, class Derived>
-bool add_conv_transpose(const torch::nn::Module& m, std::vector<std::pair<std::string, int64_t>>& dims) {
-  const auto* conv = dynamic_cast<const torch::nn::ConvTransposeNdImpl<D, Derived>*>(&m);
-  if (conv == nullptr) return false;
-  const auto& o = conv->options;
-  dims.emplace_back("in_channels", o.in_channels());
-  dims.emplace_back("out_channels per group", o.out_channels() / o.groups());
+  if (o.transposed()) {
+    dims.emplace_back("in_channels", o.in_channels());
+    dims.emplace_back("out_channels per group", o.out_channels() / o.groups());
+  } else {
+    dims.emplace_back("in_channels per group", o.in_channels() / o.groups());
+    dims.emplace_back("out_channels", o.out_channels());
+  }
   return true;
 }
 
@@ -50,8 +47,8 @@ std::vector<std::pair<std::string, int64_t>> gemm_dimensions(const torch::nn::Mo
   }
   using namespace torch::nn;
   add_conv<1, Conv1dImpl>(m, dims) || add_conv<2, Conv2dImpl>(m, dims) || add_conv<3, Conv3dImpl>(m, dims) ||
-      add_conv_transpose<1, ConvTranspose1dImpl>(m, dims) || add_conv_transpose<2, ConvTranspose2dImpl>(m, dims) ||
-      add_conv_transpose<3, ConvTranspose3dImpl>(m, dims);
+      add_conv<1, ConvTranspose1dImpl>(m, dims) || add_conv<2, ConvTranspose2dImpl>(m, dims) ||
+      add_conv<3, ConvTranspose3dImpl>(m, dims);
   return dims;
 }
 

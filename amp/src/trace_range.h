@@ -24,8 +24,8 @@
 
 namespace amp::detail {
 
-// Whether a profiler was on when amp last looked (at each guard's opening
-// and end, and at each weight's cast per iteration): per-call casts open a
+// Whether a profiler was on when amp last looked (at each guard's end, and
+// at each weight's cast per iteration): per-call casts open a
 // range only then, so an op's cast costs one load when none is on.
 extern std::atomic<bool> g_tracing;
 inline bool tracing() { return g_tracing.load(std::memory_order_relaxed); }

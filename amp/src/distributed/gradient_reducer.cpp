@@ -1,7 +1,7 @@
 #include "distributed/gradient_reducer.h"
-#include "trace_range.h"
 
 #include "step/host_read.h"
+#include "trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

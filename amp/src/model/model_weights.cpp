@@ -1,7 +1,7 @@
 #include "model/model_weights.h"
-#include "trace_range.h"
 
 #include "log.h"
+#include "trace_range.h"
 
 #include <amp/opt_levels.h>
 

@@ -10,10 +10,10 @@
 #include <amp/recompute.h>
 
 #include "context.h"
-#include "trace_range.h"
 #include "recompute/block_boundary.h"
 #include "recompute/forward_replay.h"
 #include "recompute/stand_ins.h"
+#include "trace_range.h"
 #include "step/graph_capture.h"
 #include "step/overflow_provenance.h"
 

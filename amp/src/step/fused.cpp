@@ -229,7 +229,6 @@ void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap&
   const bool momentum = options.momentum() != 0;
   struct Batch {
     std::vector<at::Tensor> params, grads, buffers;
-    bool first = false, rounded = false;
   };
   // One kernel call per (dtype, rounded, first step): ATen's kernels take
   // one dtype per call.
@@ -253,22 +252,21 @@ void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap&
       buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
     }
     Batch& batch = batches[{p.scalar_type(), rounded, first}];
-    batch.first = first;
-    batch.rounded = rounded;
     if (buffer.defined()) batch.buffers.push_back(buffer);
     batch.params.push_back(p);
     batch.grads.push_back(p.grad());
   }
   for (const auto& entry : batches) {
+    const bool rounded = std::get<1>(entry.first), first = std::get<2>(entry.first);
     const Batch& batch = entry.second;
     std::optional<at::Tensor> flag;
     if (found_inf.defined()) flag = found_inf.to(batch.params.front().device());
     auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
       at::_fused_sgd_(params, grads, buffers, options.weight_decay(), options.momentum(), options.lr(),
-                      options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/batch.first,
+                      options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/first,
                       /*grad_scale=*/std::nullopt, flag);
     };
-    if (!batch.rounded) {
+    if (!rounded) {
       kernel(batch.params, batch.grads, batch.buffers);
     } else {
       step_widened({&batch.params, &batch.grads, &batch.buffers}, {true, false, true}, *rounding->rounder,

@@ -5,9 +5,9 @@
 
 #include "context.h"
 #include "step/graph_capture.h"
-#include "trace_range.h"
 #include "step/non_finite_check.h"
 #include "step/unscale_plan.h"
+#include "trace_range.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -58,7 +58,6 @@ scale_loss::State::State(const at::Tensor& loss, const std::vector<OptimizerRef>
                          ScaleLossOptions guard_options)
     : context(detail::require_live_context("amp::scale_loss")), options(guard_options) {
   context->rethrow_deferred_error();
-  detail::refresh_tracing();  // once an iteration: whether the next ops' casts open profiler ranges
   TORCH_CHECK(loss.defined(), "amp: scale_loss got an undefined loss tensor.");
   TORCH_CHECK(loss.is_floating_point(), "amp: scale_loss needs a floating-point loss, got ",
               loss.scalar_type());
@@ -263,7 +262,7 @@ scale_loss::scale_loss(const at::Tensor& loss, std::vector<OptimizerRef> optimiz
     : state_(std::make_unique<State>(loss, optimizers, options)) {}
 
 scale_loss::~scale_loss() {
-  detail::refresh_tracing();
+  detail::refresh_tracing();  // once an iteration: whether the next forward's casts open profiler ranges
   if (state_->stage == State::Stage::kFinished) return;
   if (std::uncaught_exceptions() > state_->uncaught_at_entry) {
     state_->unwind();

@@ -1,7 +1,7 @@
 #include "interception/dispatch/interceptor.h"
-#include "interception/measured_policy.h"
 
 #include "interception/dispatch/forward_watch.h"
+#include "interception/measured_policy.h"
 
 #include "model/model_weights.h"
 
