@@ -27,6 +27,12 @@
 //                             every rank from seed 3)
 //     recompute=0|1           1: forward through amp::recompute_sequential,
 //                             each layer but the last recomputed (0)
+//     alone_forward=0|1       1: after the steps rank 0 alone runs a forward
+//                             under no_grad while the others wait 2.5 s, and
+//                             writes to <output_file>.alone "same" (its
+//                             weights are the masters rounded), "stale", or
+//                             "error <seconds>: <message>" (0)
+//     gather_timeout_ms=N     data_parallel.gather_timeout (60000)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -36,8 +42,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
+#include <thread>
 
 namespace {
 
@@ -93,7 +103,8 @@ int main(int argc, char** argv) {
                                            {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
                                            {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
-                                           {"shard_gradients", "1"}, {"recompute", "0"}};
+                                           {"shard_gradients", "1"}, {"recompute", "0"},
+                                           {"alone_forward", "0"}, {"gather_timeout_ms", "60000"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -139,6 +150,7 @@ int main(int argc, char** argv) {
     options.data_parallel.bucket_bytes = std::stoll(flags["bucket_bytes"]);
     options.data_parallel.shard = flags["shard"] == "1";
     options.data_parallel.shard_gradients = flags["shard_gradients"] == "1";
+    options.data_parallel.gather_timeout = std::chrono::milliseconds(std::stoll(flags["gather_timeout_ms"]));
   } else if (reduce != "none") {
     options.reduce_overflow = amp::overflow_all_reduce(group);
   }
@@ -178,6 +190,45 @@ int main(int argc, char** argv) {
     optimizer->step();
     trace.push_back(shard ? masters_of(model, scratch, *group) : flat_params(*model));
     if (step == save_after && flags["resume"] != "1") amp::save_checkpoint(checkpoint, {model}, {optimizer});
+  }
+  if (flags["alone_forward"] == "1") {
+    // One more step, then rank 0 alone runs a forward.
+    optimizer->zero_grad();
+    {
+      amp::scale_loss scaled(forward(torch::randn({rows, 6}).to(device)).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+    std::string outcome;
+    at::Tensor read;
+    if (rank == 0) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        torch::NoGradGuard no_grad;
+        model->forward(torch::randn({4, 6}).to(device));
+        read = flat_params(*model);
+      } catch (const c10::Error& e) {
+        std::ostringstream error;
+        error << "error " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+              << ": " << e.what_without_backtrace();
+        outcome = error.str();
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // busy elsewhere, not in a forward
+    }
+    const at::Tensor masters = masters_of(model, scratch, *group);  // every rank: the gather completes
+    if (rank == 0) {
+      if (read.defined()) {  // the weights forward read: the step's masters, rounded
+        std::vector<at::Tensor> rounded;
+        int64_t offset = 0;
+        for (const auto& p : model->parameters()) {
+          rounded.push_back(masters.narrow(0, offset, p.numel()).to(p.scalar_type()).to(at::kFloat));
+          offset += p.numel();
+        }
+        outcome = torch::equal(read, torch::cat(rounded)) ? "same" : "stale";
+      }
+      std::ofstream(std::string(argv[4]) + ".alone") << outcome;
+    }
   }
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scale()));

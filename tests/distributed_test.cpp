@@ -22,7 +22,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <thread>
 
 namespace amp::testing {
 namespace {
@@ -365,6 +368,41 @@ TEST_F(RanksAsProcesses, ShardedCheckpointResumesAtAnyWorldSize) {
   std::remove(file.c_str());
 }
 
+// A forward on rank 0 alone (evaluation, sampling) while the others are
+// elsewhere: after amp's fused step the weights are already gathered, so it
+// needs no collective and reads the stepped weights; after LibTorch's own
+// step it would wait in the weights' all-gather for ranks that never come,
+// and stops within gather_timeout with an error that says what to do.
+TEST_F(RanksAsProcesses, ShardedForwardOnOneRankWorksOrFailsFast) {
+  for (const std::string level : {"O2", "O5"}) {
+    for (const std::string optimizer : {"fused_adamw", "adam"}) {
+      const std::string args = "level=" + level + " optimizer=" + optimizer +
+                               " shard=1 alone_forward=1 gather_timeout_ms=1500";  // the others come after 2.5 s
+      run_ranks(2, args);
+      // run_ranks names rank 0's output after its run counter: find it.
+      std::string found;
+      for (const auto& entry : std::filesystem::directory_iterator(::testing::TempDir())) {
+        const std::string name = entry.path().string();
+        if (name.size() > 6 && name.compare(name.size() - 6, 6, ".alone") == 0 &&
+            name.find("amp_dist_out_" + std::to_string(::getpid())) != std::string::npos) {
+          std::ifstream in(name);
+          found.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+          std::remove(name.c_str());
+        }
+      }
+      SCOPED_TRACE(level + " " + optimizer + ": " + found);
+      if (optimizer == "fused_adamw") {
+        EXPECT_EQ(found, "same");
+      } else {
+        ASSERT_EQ(found.rfind("error ", 0), 0u);
+        EXPECT_LT(std::stod(found.substr(6)), 2.5) << "fails within seconds, before the others come";
+        EXPECT_THAT(found, ::testing::HasSubstr("Every rank must run that forward"));
+        EXPECT_THAT(found, ::testing::HasSubstr("FusedAdamW"));
+      }
+    }
+  }
+}
+
 // ---- In one process: a process group of one rank ----------------------------
 
 struct DoneWork : c10d::Work {
@@ -528,6 +566,69 @@ TEST_F(AmpTest, ShardedStepShowsItsCollectivesInATrace) {
   EXPECT_EQ(ranges.count("amp::all-gather of the weights"), 1u);
   EXPECT_GE(ranges.count("amp::reduce-scatter (bucket)"), 2u) << "64-byte buckets: several";
   EXPECT_EQ(ranges.count("amp::fused step"), 1u);
+}
+
+// A world of one whose all-gathers complete late, on another thread: the
+// weights' gather of a forward must be waited for by the op that reads them.
+struct LateWork : c10d::Work {
+  LateWork(at::Tensor out, at::Tensor in)
+      : future(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    copier = std::thread([this, out, in]() mutable {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      out.copy_(in);
+      future->markCompleted(c10::IValue(std::vector<at::Tensor>{out}));
+      finish();
+    });
+  }
+  ~LateWork() override { copier.join(); }
+  bool wait(std::chrono::milliseconds) override {
+    future->wait();
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future; }
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::thread copier;
+};
+
+struct WorldOfOneWithLateGathers : WorldOfOne {
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions&) override {
+    ++gathers;
+    return c10::make_intrusive<LateWork>(out, in);
+  }
+  std::atomic<int> gathers{0};
+};
+
+TEST_F(AmpTest, ShardedForwardOpsWaitForTheirOwnBucketsGather) {
+  // After LibTorch's step the next forward gathers bucket by bucket: each
+  // op waits for its bucket's late all-gather, so its output is the one the
+  // gathered weights give (a second forward), not the stale weights'.
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 8),
+                              torch::nn::ReLU(), torch::nn::Linear(8, 4));
+  torch::optim::Adam optimizer(model->parameters(), 1e-1);
+  auto group = c10::make_intrusive<WorldOfOneWithLateGathers>();
+  Options options = fake_data_parallel(O2, group);  // 64-byte buckets: one per layer
+  options.data_parallel.shard = true;
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  const at::Tensor x = torch::randn({4, 8});
+  optimizer.zero_grad();
+  at::Tensor before_step;
+  {
+    const at::Tensor out = model->forward(x);
+    before_step = out.detach().clone();
+    scale_loss scaled(out.to(at::kFloat).pow(2).mean(), optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  const int gathers = group->gathers.load();
+  const at::Tensor first = model->forward(x);  // gathers, late, while it runs
+  EXPECT_EQ(group->gathers.load() - gathers, 3) << "one all-gather per bucket";
+  const at::Tensor second = model->forward(x);  // every weight gathered
+  EXPECT_EQ(group->gathers.load() - gathers, 3);
+  EXPECT_TRUE(BitEqual(first, second));
+  EXPECT_FALSE(BitEqual(first, before_step)) << "the step moved the weights";
 }
 
 TEST_F(AmpTest, ShardedStepHoldsItsPartOnce) {

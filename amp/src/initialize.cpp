@@ -187,6 +187,8 @@ void check_data_parallel(const Options& o, const Modules& models) {
               dp.reduce_dtype, ".");
   TORCH_CHECK(dp.bucket_bytes >= 1, "amp: Options::data_parallel.bucket_bytes must be >= 1, got ",
               dp.bucket_bytes, " (DDP's default is 25 MiB).");
+  TORCH_CHECK(dp.gather_timeout.count() >= 1, "amp: Options::data_parallel.gather_timeout must be at "
+              "least 1 ms, got ", dp.gather_timeout.count(), " ms.");
   const auto [module, name] = sparse_gradient_module(models);
   TORCH_CHECK(module == nullptr, "amp: module '", name, "' (", module->name(), " with sparse=true) "
               "produces sparse gradients, which Options::data_parallel cannot average in "

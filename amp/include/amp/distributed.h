@@ -61,10 +61,18 @@
 //     Every guard reduces, delay_unscale ones too: the pieces accumulate
 //     (shard_gradients=false: the last micro-batch's guard reduces the whole
 //     sum, as without shard).
-//   - step() updates the pieces. The next intercepted op over the model
-//     (the next forward, evaluation under no_grad too) all-gathers them into
-//     the weights: every rank must run that forward. Until then the model's
-//     weights are the ones before the step.
+//   - step() updates the pieces, and the weights are all-gathered from them:
+//     amp's fused optimizers (FusedAdam, FusedAdamW, FusedSGD) do it at the
+//     end of their step, on every rank, so a forward on one rank alone
+//     (evaluation, sampling, torch::save on rank 0) needs no collective.
+//     After LibTorch's own optimizers it runs in the next forward, bucket by
+//     bucket in forward order, each intercepted op waiting only for its own
+//     bucket while the next ones travel (prefetch): every rank must run that
+//     forward (evaluation under no_grad too); a rank that waits longer than
+//     gather_timeout for the others there gets an error, not a hang. Until
+//     then the model's weights are the ones before the step, and an op
+//     outside amp's tables that reads a weight directly (x + pos_embedding)
+//     before any intercepted op over its bucket reads those.
 //   - Clip with amp::clip_grad_norm(optimizer, max_norm) (optimizer.h):
 //     the norm spans every shard. LibTorch's clip_grad_norm_ over
 //     model->parameters() sees no gradients (the pieces hold them).
@@ -91,18 +99,21 @@
 //
 // Errors (c10::Error, at initialize, nothing changed): both
 // data_parallel.group and reduce_overflow set; reduce_dtype not float32,
-// float16 or bfloat16; bucket_bytes < 1; sparse gradients (Embedding with
-// sparse=true) with a group. With shard: no group; a level that steps the
-// model's own weights (not O2, O5 or O6 with stochastic rounding); no
-// optimizer; an optimizer other than SGD, Adam,
+// float16 or bfloat16; bucket_bytes < 1; gather_timeout < 1 ms; sparse
+// gradients (Embedding with sparse=true) with a group. With shard: no group;
+// a level that steps the model's own weights (not O2, O5 or O6 with
+// stochastic rounding); no optimizer; an optimizer other than SGD, Adam,
 // AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups
 // or optimizers; an optimizer that already holds state (load it after
 // initialize with amp::load_checkpoint). At a guard's opening (shard): a
 // model parameter with a gradient (a backward outside scale_loss). At the
 // guard's end: a parameter whose gradient was accumulated twice in one
 // guard (two backward passes through it; run them in separate guards, or
-// with delay_unscale); a sparse gradient; the process group's own errors. A data-parallel guard inside a
-// CUDA graph capture (scale_loss.h).
+// with delay_unscale); a sparse gradient; the process group's own errors. A
+// data-parallel guard inside a CUDA graph capture (scale_loss.h). At an op
+// of a forward (shard, after LibTorch's own step): the other ranks did not
+// join the weights' all-gather within gather_timeout (the gather stays
+// started; the next op over the weights waits for it again).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -110,6 +121,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/optim/optimizer.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 
@@ -135,6 +147,13 @@ struct DataParallel {
   // once (ZeRO-1: 1/k of the traffic for k micro-batches, whole gradients
   // held in between).
   bool shard_gradients = true;
+  // With shard and LibTorch's own optimizers, the weights a step changed are
+  // all-gathered in the next forward, which every rank must run: a rank that
+  // waits this long for the others there stops with an error saying so (a
+  // forward on one rank alone) instead of hanging. Bounds the host's waits
+  // (CPU tensors); on a CUDA device the wait is the stream's. amp's fused
+  // optimizers gather at the end of their step and never wait in a forward.
+  std::chrono::milliseconds gather_timeout{std::chrono::seconds(60)};
 };
 
 // What this rank holds for `optimizer` (passed to amp::initialize), in

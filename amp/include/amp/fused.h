@@ -64,6 +64,9 @@ class Fused {
   // Steps `optimizer` (whose class this mixin belongs to) with the kernels;
   // false when they do not apply and the base class's step must run.
   bool fused_step(torch::optim::Optimizer& optimizer);
+  // After either step: with Options::data_parallel.shard, all-gathers the
+  // weights it changed now, on every rank (no forward needs a collective).
+  static void stepped(const torch::optim::Optimizer& optimizer);
 
  private:
   std::unique_ptr<FusedStepping> stepping_;

@@ -8,7 +8,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
 #include <limits>
+#include <mutex>
+#include <string>
 #include <utility>
 
 namespace amp::detail {
@@ -17,6 +20,38 @@ namespace {
 constexpr size_t kNoPiece = std::numeric_limits<size_t>::max();
 
 void wait(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
+
+// Waits for `work` at most `timeout`; false if it has not finished by then.
+// Bounded only where the host waits for the collective anyway (CPU
+// tensors): on a device, wait() orders the stream after it and the host
+// goes on, so bounding it would add a host sync per bucket.
+bool wait_at_most(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& output,
+                  std::chrono::milliseconds timeout) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  if (output.is_cpu() && !work->isCompleted()) {
+    try {
+      future = work->getFuture();
+    } catch (const c10::Error&) {  // a backend without futures: no bound
+    }
+  }
+  if (future) {
+    struct Signal {
+      std::mutex mutex;
+      std::condition_variable done;
+      bool completed = false;
+    };
+    auto signal = std::make_shared<Signal>();
+    future->addCallback([signal](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(signal->mutex);
+      signal->completed = true;
+      signal->done.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(signal->mutex);
+    if (!signal->done.wait_for(lock, timeout, [&] { return signal->completed; })) return false;
+  }
+  work->wait();  // the collective's own error, if any
+  return true;
+}
 
 // The names of the state tensors an optimizer with `options` keeps.
 std::vector<const char*> state_names(const torch::optim::OptimizerOptions& options) {
@@ -31,7 +66,7 @@ std::vector<const char*> state_names(const torch::optim::OptimizerOptions& optio
 ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
                                    const ShardDtypes& dtypes)
     : optimizer_(&optimizer), group_(config.group), rank_(config.group->getRank()),
-      world_(config.group->getSize()), rounded_state_(dtypes.rounded_state) {
+      world_(config.group->getSize()), rounded_state_(dtypes.rounded_state), gather_timeout_(config.gather_timeout) {
   for (const auto& group : optimizer.param_groups()) {
     group_members_.emplace_back();
     for (const at::Tensor& p : group.params()) {
@@ -66,6 +101,12 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
       piece_of_[bucket.ids[j]] = {b, bucket.pieces.size()};
       bucket.pieces.push_back(std::move(piece));
     }
+  }
+  for (size_t b = buckets_.size(); b-- > 0;) forward_order_.push_back(b);
+  in_flight_.resize(buckets_.size());
+  position_of_.assign(members_.size(), kNoPiece);
+  for (size_t place = 0; place < forward_order_.size(); ++place) {
+    for (size_t id : buckets_[forward_order_[place]].ids) position_of_[id] = place;
   }
   set_group_params(nullptr);
 }
@@ -157,46 +198,72 @@ void ShardedOptimizer::end_accumulation() {
   for (ReduceBucket& bucket : buckets_) bucket.asides.clear();
 }
 
-void ShardedOptimizer::gather() {
+void ShardedOptimizer::gather_for(const at::Tensor& member) {
+  auto it = index_.find(member.unsafeGetTensorImpl());
+  if (it == index_.end() || position_of_[it->second] == kNoPiece) return;
+  gather_through(position_of_[it->second] + 1);
+}
+
+void ShardedOptimizer::gather_through(size_t count) {
+  if (!stale_ || taken_ >= count) return;
   AMP_TRACE_RANGE("amp::all-gather of the weights");
   at::NoGradGuard no_grad;
-  // A bucket's whole lives from its all-gather's start until its members
-  // take it; at most kInFlight at once, so the gather holds a few buckets
-  // beside the weights, not a second copy of them.
-  constexpr size_t kInFlight = 2;
-  std::vector<at::Tensor> wholes(buckets_.size());
-  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
-  size_t taken = 0;
-  auto take = [&](size_t b) {
-    wait(works[b]);
-    const ReduceBucket& bucket = buckets_[b];
-    std::vector<at::Tensor> dst, src;
-    for (size_t j = 0; j < bucket.members.size(); ++j) {
-      const at::Tensor& member = members_[bucket.ids[j]];
-      dst.push_back(member.detach());
-      src.push_back(wholes[b].narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
-    }
-    at::_foreach_copy_(dst, src);
-    wholes[b] = at::Tensor();
-    works[b].reset();  // the work holds its tensors too
-  };
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const ReduceBucket& bucket = buckets_[b];
-    const auto options = bucket.members.front().options().dtype(bucket.dtype);
-    at::Tensor mine = at::zeros({bucket.padded / world_}, options);
-    std::vector<at::Tensor> dst, src;
-    for (const ReduceBucket::Piece& p : bucket.pieces) {
-      dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
-      src.push_back(p.stepped.detach());
-    }
-    if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
-    wholes[b] = at::empty({bucket.padded}, options);
-    works[b] = group_->_allgather_base(wholes[b], mine);
-    if (b + 1 - taken > kInFlight) take(taken++);
+  while (taken_ < count) {
+    while (launched_ < std::min(buckets_.size(), taken_ + 1 + kAhead)) launch(launched_++);
+    take(taken_++);
   }
-  while (taken < buckets_.size()) take(taken++);
-  stale_ = false;
-  record_members();
+  // Prefetch: the next buckets travel while this op computes.
+  while (launched_ < std::min(buckets_.size(), taken_ + kAhead)) launch(launched_++);
+  if (taken_ == buckets_.size()) {
+    stale_ = false;
+    launched_ = taken_ = 0;
+  }
+}
+
+// Starts the all-gather of the bucket at `place` in forward order: this
+// rank's chunk rounded to the compute dtype, into the bucket's whole.
+void ShardedOptimizer::launch(size_t place) {
+  const ReduceBucket& bucket = buckets_[forward_order_[place]];
+  const auto options = bucket.members.front().options().dtype(bucket.dtype);
+  at::Tensor mine = at::zeros({bucket.padded / world_}, options);
+  std::vector<at::Tensor> dst, src;
+  for (const ReduceBucket::Piece& p : bucket.pieces) {
+    dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
+    src.push_back(p.stepped.detach());
+  }
+  if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
+  InFlight& flight = in_flight_[place];
+  flight.whole = at::empty({bucket.padded}, options);
+  flight.work = group_->_allgather_base(flight.whole, mine);
+}
+
+// Waits for the bucket at `place` and copies its whole into the members.
+void ShardedOptimizer::take(size_t place) {
+  InFlight& flight = in_flight_[place];
+  if (!wait_at_most(flight.work, flight.whole, gather_timeout_)) {
+    TORCH_CHECK(false, "amp: rank ", rank_, " waited ", gather_timeout_.count(), " ms for the other ranks at "
+                "the all-gather of the sharded weights (Options::data_parallel.shard), which runs at the "
+                "first op of the forward after a step of LibTorch's own optimizer. Every rank must run "
+                "that forward: a forward on one rank alone (evaluation or sampling on rank 0) waits for "
+                "ranks that never come. Run it on every rank, or step with amp::optim::FusedAdam, "
+                "FusedAdamW or FusedSGD, which gather at the end of their step so that no forward needs a "
+                "collective; if ranks legitimately reach the forward further apart, raise "
+                "data_parallel.gather_timeout. The gather stays started: the next op over the weights "
+                "waits for it again.");
+  }
+  const ReduceBucket& bucket = buckets_[forward_order_[place]];
+  std::vector<at::Tensor> dst, src;
+  for (size_t j = 0; j < bucket.members.size(); ++j) {
+    const at::Tensor& member = members_[bucket.ids[j]];
+    dst.push_back(member.detach());
+    src.push_back(flight.whole.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
+  }
+  at::_foreach_copy_(dst, src);
+  flight = InFlight();  // the work holds its tensors too
+  for (size_t id : bucket.ids) {
+    versions_[id] = members_[id]._version();
+    storages_[id] = members_[id].storage().unsafeGetStorageImpl();
+  }
 }
 
 std::vector<at::Tensor> ShardedOptimizer::gather_whole(
@@ -405,10 +472,25 @@ bool ShardedMasters::owns(const at::Tensor& t) const {
 }
 
 void ShardedMasters::sync() {
-  for (auto& s : optimizers_) s->take_member_writes();
   for (auto& s : optimizers_) {
-    if (s->stale()) s->gather();
+    if (!s->gathering()) s->take_member_writes();
   }
+  for (auto& s : optimizers_) s->gather();
+}
+
+void ShardedMasters::sync_for(const at::Tensor& t) {
+  for (auto& s : optimizers_) {
+    if (!s->owns(t) || !s->stale()) continue;
+    if (!s->gathering()) s->take_member_writes();  // before the gather overwrites the members
+    s->gather_for(t);
+  }
+}
+
+void ShardedMasters::gather_after_step(const torch::optim::Optimizer& optimizer) {
+  ShardedOptimizer* s = of(optimizer);
+  if (s == nullptr || !s->stale()) return;
+  if (!s->gathering()) s->take_member_writes();
+  s->gather();
 }
 
 void ShardedMasters::check_no_member_gradients() const {

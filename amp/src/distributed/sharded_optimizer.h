@@ -25,10 +25,17 @@
 //
 // After a guard ends, the optimizer steps the pieces; the members are stale
 // until the next gather (an all-gather per bucket of the pieces in the
-// compute dtype), which runs at the first intercepted op over a member (the
-// next forward: the same point on every rank), at the next guard, or before
-// a checkpoint. A write to a member behind amp's back (torch::load, an edit)
-// is taken into the pieces before that.
+// compute dtype). amp's fused optimizers gather at the end of their step, on
+// every rank, so a forward needs no collective (a forward on rank 0 alone
+// works). After LibTorch's own step the gather runs in the next forward,
+// bucket by bucket in forward order: the first intercepted op over a member
+// starts it, each op waits only for its own bucket (and the ones before it),
+// and the next kAhead buckets travel while the op computes (prefetch, as
+// DeepSpeed and FSDP do). The next guard and checkpoints finish it. A rank
+// that waits longer than DataParallel::gather_timeout for the others there
+// gets an error (a forward the other ranks never run) instead of a hang. A
+// write to a member behind amp's back (torch::load, an edit) is taken into
+// the pieces before a gather starts.
 //
 // Every function here that communicates is a collective: every rank calls
 // it, in the same order.
@@ -41,6 +48,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <unordered_map>
@@ -76,7 +84,10 @@ class ShardedOptimizer {
   void record_members();
   // The optimizer may have stepped the pieces (a guard over it ended).
   void mark_stale() { stale_ = true; }
+  // Some member awaits its bucket's gather.
   bool stale() const { return stale_; }
+  // Whether a gather has started and not finished.
+  bool gathering() const { return stale_ && (launched_ > 0 || taken_ > 0); }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
   // shard_gradients=false, a delay_unscale guard ended: the members'
@@ -84,8 +95,11 @@ class ShardedOptimizer {
   void hold_micro_batch();
   // The accumulation's last guard ended: the sums are reduced.
   void end_accumulation();
-  // All-gathers the pieces into the members (collective).
-  void gather();
+  // All-gathers the pieces into the members, every bucket (collective).
+  void gather() { gather_through(buckets_.size()); }
+  // Gathers `member`'s bucket and those before it in forward order, and
+  // starts the next kAhead (collective). Nothing for a tensor it does not own.
+  void gather_for(const at::Tensor& member);
   // A member was set to `fp32` (torch::load, a checkpoint): its piece takes the values.
   void take_values(const at::Tensor& member, const at::Tensor& fp32);
   // Every member's float32 master (or piece values), whole (collective).
@@ -115,6 +129,18 @@ class ShardedOptimizer {
   // The dtype of the state the optimizer keeps for `piece`.
   at::ScalarType state_dtype(const ReduceBucket::Piece& piece) const;
   bool optimizer_alive() const;
+  // Gathers the first `count` buckets in forward order.
+  void gather_through(size_t count);
+  void launch(size_t position);
+  void take(size_t position);
+
+  // Buckets gathered ahead of the one an op waits for: with it, their wholes
+  // (one bucket each, in the compute dtype) are the gather's extra memory.
+  static constexpr size_t kAhead = 2;
+  struct InFlight {
+    at::Tensor whole;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
 
   torch::optim::Optimizer* optimizer_;
   c10::intrusive_ptr<c10d::Backend> group_;
@@ -124,6 +150,11 @@ class ShardedOptimizer {
   std::vector<std::vector<size_t>> group_members_;  // per param group
   std::vector<ReduceBucket> buckets_;
   std::vector<std::pair<size_t, size_t>> piece_of_;  // per member: (bucket, piece) or (npos, npos)
+  std::vector<size_t> position_of_;  // per member: its bucket's place in forward order (npos: none)
+  std::vector<size_t> forward_order_;  // bucket indices, forward order (buckets are in reverse)
+  std::vector<InFlight> in_flight_;    // per place in forward order
+  size_t launched_ = 0, taken_ = 0;    // places in forward order
+  std::chrono::milliseconds gather_timeout_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_;
   std::vector<int64_t> versions_;
   std::vector<const void*> storages_;
@@ -144,6 +175,10 @@ class ShardedMasters final : public ShardedWeights {
   bool stale() const override;
   bool owns(const at::Tensor& t) const override;
   void sync() override;
+  void sync_for(const at::Tensor& t) override;
+  // After `optimizer` stepped (amp's fused optimizers): gathers its weights
+  // now, on every rank, so the next forward needs no collective.
+  void gather_after_step(const torch::optim::Optimizer& optimizer);
   void check_no_member_gradients() const override;
   bool take_values(const at::Tensor& member, const at::Tensor& fp32) override;
   // Drops gradients backward left on members (losses through another

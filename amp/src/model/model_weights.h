@@ -79,6 +79,9 @@ class ShardedWeights {
   // Takes writes to the weights behind amp's back into the masters, then
   // gathers stale weights (a collective).
   virtual void sync() = 0;
+  // Before an op over weight `t`: gathers the weights up to `t`'s (a
+  // collective; sharded_optimizer.h), taking writes first if a gather starts.
+  virtual void sync_for(const at::Tensor& t) = 0;
   // Errors: a weight carries a gradient (a backward outside scale_loss).
   virtual void check_no_member_gradients() const = 0;
   // `member` was set to the values `fp32` (torch::load): its master takes
@@ -173,11 +176,14 @@ class ModelWeights {
 template <class Args>
 void ModelWeights::on_op(const Args& args) {
   if (mode_ == Mode::kConverted) {
-    if (sharded_ != nullptr) {  // gather at the first op over a weight, the same op on every rank
-      bool touches = false;
-      args.for_each_tensor([&](const at::Tensor& t, bool) { touches = touches || (t.defined() && sharded_->owns(t)); });
-      if (!touches && sharded_->stale()) return;
-      sharded_->sync();
+    if (sharded_ != nullptr) {  // gather at ops over the weights, the same ops on every rank
+      args.for_each_tensor([&](const at::Tensor& t, bool) {
+        if (!t.defined() || !sharded_->stale()) return;
+        const at::Tensor weight = t.is_view() ? at::Tensor(t._base()) : t;  // weight.t() counts as the weight
+        if (sharded_->owns(weight)) sharded_->sync_for(weight);
+      });
+      if (sharded_->stale()) return;  // buckets still to gather: check again at the next op
+      sharded_->sync();               // takes writes behind amp's back
     }
     check_converted();
     return;

@@ -1,6 +1,7 @@
 #include <amp/fused.h>
 
 #include "context.h"
+#include "distributed/sharded_optimizer.h"
 #include "step/fused_stepping.h"
 #include "step/optimizer_kinds.h"
 #include "step/optimizer_step.h"
@@ -348,6 +349,11 @@ bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
   return true;
 }
 
+void Fused::stepped(const torch::optim::Optimizer& optimizer) {
+  const std::shared_ptr<detail::Context> context = detail::live_context();
+  if (context && context->sharded()) context->sharded()->gather_after_step(optimizer);
+}
+
 namespace {
 
 at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
@@ -361,16 +367,19 @@ at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
 at::Tensor FusedAdam::step(LossClosure closure) {
   at::Tensor loss = run_closure(closure);
   if (!fused_step(*this)) Adam::step();
+  stepped(*this);
   return loss;
 }
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::Tensor loss = run_closure(closure);
   if (!fused_step(*this)) AdamW::step();
+  stepped(*this);
   return loss;
 }
 at::Tensor FusedSGD::step(LossClosure closure) {
   at::Tensor loss = run_closure(closure);
   if (!fused_step(*this)) SGD::step();
+  stepped(*this);
   return loss;
 }
 
