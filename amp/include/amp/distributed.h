@@ -57,7 +57,11 @@
 //   - Backward's gradients are reduce-scattered bucket by bucket while
 //     backward runs and released; the guard installs each piece's average
 //     as its .grad (in the piece's dtype), unscales it and agrees the
-//     overflow across ranks.
+//     overflow across ranks. Over Gloo, whose reduce-scatter all-reduces
+//     the whole bucket and keeps a chunk, amp all-reduces it itself and
+//     reads the overflow (float32 pieces) and which parameters had
+//     gradients from the whole sums: two collectives a step fewer, the same
+//     bytes.
 //     Every guard reduces, delay_unscale ones too: the pieces accumulate
 //     (shard_gradients=false: the last micro-batch's guard reduces the whole
 //     sum, as without shard).

@@ -1,6 +1,7 @@
 #include "distributed/gradient_reducer.h"
 
 #include "step/host_read.h"
+#include "step/non_finite_check.h"
 #include "trace_range.h"
 
 #include <ATen/ATen.h>
@@ -41,7 +42,7 @@ struct GradientReducer::Layout {
 };
 
 GradientReducer::GradientReducer(DataParallel config)
-    : config_(std::move(config)), world_(config_.group->getSize()) {}
+    : config_(std::move(config)), rank_(config_.group->getRank()), world_(config_.group->getSize()) {}
 
 GradientReducer::~GradientReducer() = default;
 
@@ -105,6 +106,12 @@ std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(
 GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets,
                                       std::vector<GradSlot>* slots)
     : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots) {
+  // Gloo reduce-scatters by all-reducing the whole buffer and keeping the
+  // chunk: all-reducing it here costs the same and leaves every rank the
+  // whole sums, so the members' "used" flags ride in the bucket and the
+  // overflow is read from the sums, without two more collectives a guard.
+  whole_sums_ = reducer_.config_.group->getBackendName() == "gloo";
+  if (whole_sums_) used_.resize(buckets_.size());
   for (const ReduceBucket* bucket : buckets_) {
     first_member_.push_back(produced_.size());
     missing_.push_back(static_cast<int64_t>(bucket->members.size()));
@@ -159,10 +166,14 @@ void GradientReducer::Reduction::fill(size_t b) {
   at::NoGradGuard no_grad;
   const int64_t members = static_cast<int64_t>(bucket.members.size());
   if (sharded()) {
-    bucket.flat = at::zeros({bucket.padded}, bucket.members.front().options().dtype(reducer_.config_.reduce_dtype));
+    const int64_t flag_count = whole_sums() ? members : 0;
+    bucket.flat = at::zeros({bucket.padded + flag_count},
+                            bucket.members.front().options().dtype(reducer_.config_.reduce_dtype));
     bucket.chunk = at::empty({bucket.padded / reducer_.world_}, bucket.flat.options());
   }
-  at::Tensor flags = sharded() ? at::Tensor() : bucket.flat.narrow(0, bucket.numel, members);
+  at::Tensor flags = !sharded()     ? bucket.flat.narrow(0, bucket.numel, members)
+                     : whole_sums() ? bucket.flat.narrow(0, bucket.padded, members)
+                                    : at::Tensor();
   if (flags.defined()) flags.fill_(1);
   std::vector<at::Tensor> dst, src, aside_dst, asides;
   for (int64_t j = 0; j < members; ++j) {
@@ -204,12 +215,29 @@ void GradientReducer::Reduction::fill(size_t b) {
   }
 }
 
+// The bucket's whole sums are in: keeps this rank's chunk and the members'
+// flags, and adds the sums' inf/NaN to the guard's.
+void GradientReducer::Reduction::keep_chunk(size_t b) {
+  ReduceBucket& bucket = *buckets_[b];
+  at::NoGradGuard no_grad;
+  const int64_t chunk = bucket.padded / reducer_.world_;
+  bucket.chunk.copy_(bucket.flat.narrow(0, reducer_.rank_ * chunk, chunk));
+  used_[b] = bucket.flat.narrow(0, bucket.padded, static_cast<int64_t>(bucket.members.size())).to(at::kFloat);
+  if (!agreed_non_finite_.defined()) agreed_non_finite_ = at::zeros({1}, bucket.flat.options().dtype(at::kFloat));
+  std::vector<at::Tensor> sums{bucket.flat.narrow(0, 0, bucket.numel)};
+  non_finite_check_and_unscale(sums, agreed_non_finite_, at::ones({1}, agreed_non_finite_.options()));  // x * 1: a check
+}
+
 void GradientReducer::Reduction::start_ready_buckets() {
   while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
     ReduceBucket& bucket = *buckets_[next_bucket_];
     AMP_TRACE_RANGE(sharded() ? "amp::reduce-scatter (bucket)" : "amp::all-reduce (bucket)");
     fill(next_bucket_++);
-    if (sharded()) {
+    if (whole_sums()) {
+      std::vector<at::Tensor> tensors{bucket.flat};
+      bucket.work = reducer_.config_.group->allreduce(tensors);
+      release_reduced(/*in_flight=*/2);
+    } else if (sharded()) {
       bucket.work = reducer_.config_.group->_reduce_scatter_base(bucket.chunk, bucket.flat);
       release_reduced(/*in_flight=*/2);
     } else {
@@ -229,6 +257,7 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
       bucket.work->wait();
       bucket.work.reset();
     }
+    if (whole_sums()) keep_chunk(released_);
     bucket.flat = at::Tensor();  // the chunk holds this rank's part
     average_chunk(bucket);
     ++released_;
@@ -253,7 +282,7 @@ void GradientReducer::Reduction::finish() {
   // buckets are scattered), one flag per member.
   at::Tensor used;
   c10::intrusive_ptr<c10d::Work> used_work;
-  if (sharded() && !produced_.empty()) {
+  if (sharded() && !whole_sums() && !produced_.empty()) {
     std::vector<float> flags(produced_.begin(), produced_.end());
     for (size_t b = 0; b < buckets_.size(); ++b) {
       for (size_t j = 0; j < buckets_[b]->asides.size(); ++j) {
@@ -273,6 +302,10 @@ void GradientReducer::Reduction::finish() {
     }
   }
   if (used_work) used_work->wait();
+  if (whole_sums() && !buckets_.empty()) used = at::cat(used_);
+  for (const ReduceBucket* bucket : buckets_) {
+    if (bucket->stepped_dtype != at::kFloat) agreed_non_finite_ = at::Tensor();  // rounding may overflow
+  }
   TORCH_CHECK(error_.empty(), error_);
   if (sharded()) {
     install_sharded(used);

@@ -8,8 +8,9 @@
 // all-reduced; layouts are kept per set of parameters, so a GAN's
 // alternating guards reuse theirs. Sharded (shard=true,
 // sharded_optimizer.h): the model's parameters are the members, the bucket
-// is padded to a multiple of the world size and reduce-scattered, and each
-// rank keeps the chunk its optimizer's pieces cover.
+// is padded to a multiple of the world size and reduce-scattered (over
+// Gloo all-reduced, with the members' flags, as Gloo's reduce-scatter does
+// inside), and each rank keeps the chunk its optimizer's pieces cover.
 //
 // One guard's reduction (Reduction) hooks the members' gradient
 // accumulators. When backward has produced every gradient of a bucket, the
@@ -57,6 +58,7 @@ struct ReduceBucket {
   int64_t numel = 0;                // gradient elements
   int64_t padded = 0;               // sharded: numel rounded up to a multiple of the world size
   at::ScalarType dtype = at::kFloat;  // sharded: the members' dtype (one per bucket)
+  at::ScalarType stepped_dtype = at::kFloat;  // sharded: the pieces' (every rank's)
   std::vector<Piece> pieces;        // sharded: this rank's
   // Sharded, shard_gradients=false: per member, the whole float32 sum of an
   // accumulation's earlier micro-batches (scaled), reduced with the last.
@@ -94,7 +96,7 @@ class GradientReducer {
  private:
   struct Layout;
   DataParallel config_;
-  int world_;
+  int rank_, world_;
   std::map<std::vector<const void*>, std::unique_ptr<Layout>> layouts_;
 };
 
@@ -112,12 +114,21 @@ class GradientReducer::Reduction {
   // micro-batches) have it reduced with their fresh gradient and marked
   // aside_reduced. Errors: see distributed.h.
   void finish();
+  // Sharded over a backend whose reduce-scatter is an all-reduce (Gloo):
+  // whether any averaged gradient of the guard is inf or NaN (a float32
+  // tensor of one element), the same bytes on every rank, or undefined
+  // where the ranks must agree it with a collective (another backend, or
+  // pieces narrower than float32, whose rounding can overflow).
+  const at::Tensor& agreed_non_finite() const { return agreed_non_finite_; }
 
  private:
   bool sharded() const { return slots_ == nullptr; }
+  // Sharded: reduced by an all-reduce whose chunk is kept (see the .cpp).
+  bool whole_sums() const { return sharded() && whole_sums_; }
   void on_gradient(size_t member);
   void fill(size_t bucket);
   void start_ready_buckets();
+  void keep_chunk(size_t bucket);
   // Sharded: frees the full buffers of buckets whose reduce-scatter is done,
   // waiting for the oldest while more than `in_flight` hold theirs.
   void release_reduced(size_t in_flight);
@@ -140,6 +151,9 @@ class GradientReducer::Reduction {
   std::mutex mutex_;  // hooks run on autograd's threads
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::string error_;                   // met inside a hook, raised by finish()
+  bool whole_sums_ = false;
+  std::vector<at::Tensor> used_;        // whole_sums: per bucket, its members' summed flags
+  at::Tensor agreed_non_finite_;
 };
 
 }  // namespace amp::detail

@@ -83,6 +83,7 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
   for (size_t b = 0; b < buckets_.size(); ++b) {
     ReduceBucket& bucket = buckets_[b];
     bucket.dtype = static_cast<at::ScalarType>(keys[bucket.ids.front()]);
+    bucket.stepped_dtype = dtypes.masters ? at::kFloat : bucket.dtype;
     bucket.padded = (bucket.numel + world_ - 1) / world_ * world_;
     const int64_t chunk = bucket.padded / world_, first = rank_ * chunk, last = first + chunk;
     for (size_t j = 0; j < bucket.members.size(); ++j) {

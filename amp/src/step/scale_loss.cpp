@@ -153,8 +153,10 @@ void scale_loss::State::check_capturable(c10::Device device) const {
 }
 
 void scale_loss::State::unscale_gradients() {
+  at::Tensor agreed;  // the ranks' overflow, known without a collective
   if (reduction) {
     reduction->finish();
+    agreed = reduction->agreed_non_finite();
     reduction.reset();
   }
   detail::UnscalePlan plan(slots);
@@ -169,7 +171,11 @@ void scale_loss::State::unscale_gradients() {
     telemetry->record(options.loss_id, scaler.scale_tensor(scaled_loss.device()), optimizers);
   }
   if (!unscaling || !scaler.dynamic()) return;  // a static scale never skips
-  context->reduce_overflow(found_inf);
+  if (agreed.defined()) {
+    found_inf.copy_(at::maximum(found_inf, agreed));  // this rank's pieces are a part of the sums
+  } else {
+    context->reduce_overflow(found_inf);
+  }
   verdict = std::make_shared<detail::OverflowVerdict>();
   verdict->snapshot = scaler.update(found_inf);
   verdict->loss_id = options.loss_id;
