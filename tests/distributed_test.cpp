@@ -424,6 +424,7 @@ struct WorldOfOne : c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions&) override {
+    ++reduce_scatters;
     out.copy_(in);
     return c10::make_intrusive<DoneWork>();
   }
@@ -434,7 +435,7 @@ struct WorldOfOne : c10d::Backend {
     work->held = {out, in};
     return work;
   }
-  std::atomic<int> allreduces{0};
+  std::atomic<int> allreduces{0}, reduce_scatters{0};
 };
 
 Options fake_data_parallel(Options options, c10::intrusive_ptr<WorldOfOne> group = c10::make_intrusive<WorldOfOne>()) {
@@ -470,6 +471,57 @@ TEST_F(AmpTest, DataParallelLeavesParametersWithoutGradientsWithout) {
   EXPECT_FALSE(unused.grad().defined());
   EXPECT_TRUE(model->fc1->weight.grad().defined());
   EXPECT_EQ(model->fc1->weight.grad().scalar_type(), torch::kFloat);
+}
+
+// Named as Gloo, a world of one takes the sharded path that all-reduces
+// whole buckets (gradient_reducer.cpp): flags and overflow from the sums.
+struct GlooNamedWorldOfOne : WorldOfOne {
+  const std::string getBackendName() const override { return "gloo"; }
+};
+
+TEST_F(AmpTest, ShardedWholeSumsKeepUnusedParametersWithoutGradientsAndSeeOverflows) {
+  int buckets = 0;
+  for (const bool gloo : {false, true}) {
+    SCOPED_TRACE(gloo ? "all-reduced buckets" : "reduce-scattered buckets");
+    torch::manual_seed(0);
+    TinyNet model;
+    auto unused = model->register_parameter("unused", torch::ones({3}));
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    c10::intrusive_ptr<WorldOfOne> group = c10::make_intrusive<WorldOfOne>();
+    if (gloo) group = c10::make_intrusive<GlooNamedWorldOfOne>();
+    Options options = fake_data_parallel(O2, group);
+    options.data_parallel.shard = true;
+    Handle handle;
+    handle.initialize(model, optimizer, options);
+    const int allreduces = group->allreduces.load();
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model->forward(torch::randn({4, 8})).to(at::kFloat).sum(), optimizer);
+      scaled.backward();
+    }
+    // Reduce-scattered: a reduce-scatter per bucket, then the used flags'
+    // and the overflow's all-reduces. All-reduced: one per bucket, nothing else.
+    if (!gloo) buckets = group->reduce_scatters.load();
+    EXPECT_GE(buckets, 2);
+    EXPECT_EQ(group->allreduces.load() - allreduces, gloo ? buckets : 2);
+    EXPECT_EQ(group->reduce_scatters.load(), gloo ? 0 : buckets);
+    const auto pieces = amp::master_params(optimizer);
+    int with_gradient = 0, without = 0;
+    for (const auto& p : pieces) (p.grad().defined() ? with_gradient : without)++;
+    EXPECT_EQ(without, 1) << "the unused parameter's piece";
+    EXPECT_EQ(with_gradient, static_cast<int>(pieces.size()) - 1);
+    optimizer.step();
+    // An inf in the sums skips the step on every rank.
+    const auto before = amp::master_params(optimizer)[0].detach().clone();
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model->forward(torch::randn({4, 8})).to(at::kFloat).sum() * INFINITY, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+    EXPECT_TRUE(BitEqual(amp::master_params(optimizer)[0], before));
+    EXPECT_EQ(amp::skipped_steps(optimizer), 1);
+  }
 }
 
 TEST_F(AmpTest, DataParallelBucketsStartWhileBackwardRuns) {
