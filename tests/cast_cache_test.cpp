@@ -137,9 +137,14 @@ TEST_F(CastCacheTest, ViewOfACachedWeightGivesTheSameValuesAndGradients) {
 }
 
 TEST_F(CastCacheTest, InferenceModeCastsAreNotCached) {
-  c10::InferenceMode inference;
-  torch::linear(torch::randn({3, 4}), weight);
-  EXPECT_EQ(cast_cache_size(), 0u);
+  {
+    c10::InferenceMode inference;
+    const auto y = torch::linear(torch::randn({3, 4}), weight);
+    EXPECT_TRUE(is_low_precision(y.scalar_type())) << "the weight was cast";
+    EXPECT_EQ(cast_cache_size(), 0u);
+  }
+  torch::linear(torch::randn({3, 4}), weight);  // the same cast outside inference mode
+  EXPECT_EQ(cast_cache_size(), 1u);
 }
 
 TEST_F(CastCacheTest, ClearedWhenScaleLossExitsAndOnDeinitialize) {

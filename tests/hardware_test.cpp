@@ -7,6 +7,11 @@
 
 #include <ATen/cpu/Utils.h>
 
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <sstream>
+
 namespace amp::testing {
 namespace {
 
@@ -79,11 +84,31 @@ TEST_F(HardwareTest, DecidesFromTheCapabilitiesOfKnownCpus) {
   }
 }
 
-TEST_F(HardwareTest, ReportsThisMachine) {
+// The kernel's own account of this CPU: the flags of its first processor in
+// /proc/cpuinfo (empty where there is none).
+std::set<std::string> proc_cpuinfo_flags() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+  }
+  return {};
+}
+
+TEST_F(HardwareTest, ReportsThisMachineAsItsKernelDoes) {
   const CpuPrecision cpu = cpu_precision();
-  EXPECT_TRUE(describe(cpu, at::kFloat).empty());
   std::cout << "[ cpu      ] " << cpu.name << ": bf16 arithmetic " << cpu.bf16_arithmetic << ", fp16 arithmetic "
             << cpu.fp16_arithmetic << ", oneDNN bf16 " << cpu.onednn_bf16 << ", oneDNN fp16 " << cpu.onednn_fp16 << "\n";
+  EXPECT_TRUE(describe(cpu, at::kFloat).empty());
+  const std::set<std::string> flags = proc_cpuinfo_flags();
+  if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this machine to compare with";
+  auto has = [&](const char* flag) { return flags.count(flag) != 0; };
+  EXPECT_EQ(cpu.bf16_arithmetic, has("avx512_bf16") || has("amx_bf16"));
+  EXPECT_EQ(cpu.fp16_arithmetic, has("avx512_fp16") || has("amx_fp16"));
+  EXPECT_EQ(cpu.onednn_bf16, (has("avx512bw") && has("avx512vl") && has("avx512dq")) || has("avx_ne_convert"));
+  EXPECT_EQ(describe(cpu, at::kBFloat16).empty(), cpu.bf16_arithmetic) << "a note exactly where bf16 is emulated";
 }
 
 TEST_F(HardwareTest, InitializeSaysOnceWhenTheCpuEmulatesTheLowDtype) {
