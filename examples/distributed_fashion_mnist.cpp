@@ -153,7 +153,9 @@ int train(int rank, int world, const std::string& store_path) {
       else ++step;
     }
   }
-  // Every rank evaluates: with --shard the first forward gathers the weights.
+  // Every rank evaluates: with --shard after LibTorch's Adam the first
+  // forward gathers the weights (a collective); after amp's fused Adam (O6)
+  // the step gathered them and rank 0 could evaluate alone.
   const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false, absl::GetFlag(FLAGS_test_limit));
   torch::NoGradGuard no_grad;
   model->eval();

@@ -67,43 +67,63 @@ class Fused {
   // After either step: with Options::data_parallel.shard, all-gathers the
   // weights it changed now, on every rank (no forward needs a collective).
   static void stepped(const torch::optim::Optimizer& optimizer);
+  // A step's closure, run first with gradients on, as LibTorch's step runs it.
+  static at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure);
+  // Loaded state: the device step counts start again from its host ones.
+  void reset_stepping();
 
  private:
   std::unique_ptr<FusedStepping> stepping_;
 };
 
-class FusedAdam final : public torch::optim::Adam, public Fused {
+namespace internal {
+// LibTorch's optimizer classes amp fuses, with their options and kernel.
+template <class Base>
+struct Fusable;
+template <>
+struct Fusable<torch::optim::Adam> {
+  using Options = torch::optim::AdamOptions;
+  static constexpr Fused::Kind kKind = Fused::Kind::kAdam;
+};
+template <>
+struct Fusable<torch::optim::AdamW> {
+  using Options = torch::optim::AdamWOptions;
+  static constexpr Fused::Kind kKind = Fused::Kind::kAdamW;
+};
+template <>
+struct Fusable<torch::optim::SGD> {
+  using Options = torch::optim::SGDOptions;  // no default: SGD needs a learning rate
+  static constexpr Fused::Kind kKind = Fused::Kind::kSgd;
+};
+}  // namespace internal
+
+// LibTorch's `Base` (Adam, AdamW, SGD) stepped by ATen's fused kernel: the
+// same constructors, options, state and checkpoints; step(closure) runs the
+// closure first, as LibTorch's does.
+template <class Base>
+class FusedOptimizer final : public Base, public Fused {
  public:
-  explicit FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                     torch::optim::AdamOptions defaults = {})
-      : Adam(param_groups, defaults), Fused(Kind::kAdam) {}
-  explicit FusedAdam(std::vector<at::Tensor> params, torch::optim::AdamOptions defaults = {})
-      : Adam(std::move(params), defaults), Fused(Kind::kAdam) {}
-  // step(closure): the closure runs first, as in LibTorch's Adam.
-  at::Tensor step(LossClosure closure = nullptr) override;
-  void load(torch::serialize::InputArchive& archive) override;
+  using Options = typename internal::Fusable<Base>::Options;
+  explicit FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                          Options defaults = {})
+      : Base(param_groups, defaults), Fused(internal::Fusable<Base>::kKind) {}
+  explicit FusedOptimizer(std::vector<at::Tensor> params, Options defaults = {})
+      : Base(std::move(params), defaults), Fused(internal::Fusable<Base>::kKind) {}
+
+  at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    at::Tensor loss = run_closure(closure);
+    if (!fused_step(*this)) Base::step();
+    stepped(*this);
+    return loss;
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    Base::load(archive);
+    reset_stepping();
+  }
 };
 
-class FusedAdamW final : public torch::optim::AdamW, public Fused {
- public:
-  explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                      torch::optim::AdamWOptions defaults = {})
-      : AdamW(param_groups, defaults), Fused(Kind::kAdamW) {}
-  explicit FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {})
-      : AdamW(std::move(params), defaults), Fused(Kind::kAdamW) {}
-  at::Tensor step(LossClosure closure = nullptr) override;
-  void load(torch::serialize::InputArchive& archive) override;
-};
-
-class FusedSGD final : public torch::optim::SGD, public Fused {
- public:
-  explicit FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                    torch::optim::SGDOptions defaults)
-      : SGD(param_groups, defaults), Fused(Kind::kSgd) {}
-  explicit FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults)
-      : SGD(std::move(params), defaults), Fused(Kind::kSgd) {}
-  at::Tensor step(LossClosure closure = nullptr) override;
-  void load(torch::serialize::InputArchive& archive) override;
-};
+using FusedAdam = FusedOptimizer<torch::optim::Adam>;
+using FusedAdamW = FusedOptimizer<torch::optim::AdamW>;
+using FusedSGD = FusedOptimizer<torch::optim::SGD>;
 
 }  // namespace amp::optim

@@ -354,46 +354,16 @@ void Fused::stepped(const torch::optim::Optimizer& optimizer) {
   if (context && context->sharded()) context->sharded()->gather_after_step(optimizer);
 }
 
-namespace {
-
-at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+at::Tensor Fused::run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};
   at::AutoGradMode grad(true);
   return closure();
 }
 
-}  // namespace
+void Fused::reset_stepping() { stepping_->reset(); }
 
-at::Tensor FusedAdam::step(LossClosure closure) {
-  at::Tensor loss = run_closure(closure);
-  if (!fused_step(*this)) Adam::step();
-  stepped(*this);
-  return loss;
-}
-at::Tensor FusedAdamW::step(LossClosure closure) {
-  at::Tensor loss = run_closure(closure);
-  if (!fused_step(*this)) AdamW::step();
-  stepped(*this);
-  return loss;
-}
-at::Tensor FusedSGD::step(LossClosure closure) {
-  at::Tensor loss = run_closure(closure);
-  if (!fused_step(*this)) SGD::step();
-  stepped(*this);
-  return loss;
-}
-
-void FusedAdam::load(torch::serialize::InputArchive& archive) {
-  Adam::load(archive);
-  stepping().reset();
-}
-void FusedAdamW::load(torch::serialize::InputArchive& archive) {
-  AdamW::load(archive);
-  stepping().reset();
-}
-void FusedSGD::load(torch::serialize::InputArchive& archive) {
-  SGD::load(archive);
-  stepping().reset();
-}
+template class FusedOptimizer<torch::optim::Adam>;
+template class FusedOptimizer<torch::optim::AdamW>;
+template class FusedOptimizer<torch::optim::SGD>;
 
 }  // namespace amp::optim
