@@ -61,7 +61,9 @@
 //     the whole bucket and keeps a chunk, amp all-reduces it itself and
 //     reads the overflow (float32 pieces) and which parameters had
 //     gradients from the whole sums: two collectives a step fewer, the same
-//     bytes.
+//     bytes; buckets ready together (BatchNorm's float32 beside bfloat16)
+//     go in one all-reduce, as small neighbouring buckets share one
+//     all-gather.
 //     Every guard reduces, delay_unscale ones too: the pieces accumulate
 //     (shard_gradients=false: the last micro-batch's guard reduces the whole
 //     sum, as without shard).

@@ -229,15 +229,30 @@ void GradientReducer::Reduction::keep_chunk(size_t b) {
 }
 
 void GradientReducer::Reduction::start_ready_buckets() {
+  if (whole_sums()) {
+    // Buckets ready together (the last ones of backward; dtypes the model
+    // computes in apart, as BatchNorm's float32 beside bfloat16) travel in
+    // one collective: on Gloo each costs about as much as a small one's bytes.
+    std::vector<at::Tensor> flats;
+    std::vector<ReduceBucket*> started;
+    while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
+      AMP_TRACE_RANGE("amp::reduce-scatter (bucket)");
+      started.push_back(buckets_[next_bucket_]);
+      fill(next_bucket_++);
+      flats.push_back(started.back()->flat);
+    }
+    if (started.empty()) return;
+    c10::intrusive_ptr<c10d::Work> work = flats.size() == 1 ? reducer_.config_.group->allreduce(flats)
+                                                            : reducer_.config_.group->allreduce_coalesced(flats);
+    for (ReduceBucket* bucket : started) bucket->work = work;
+    release_reduced(/*in_flight=*/2);
+    return;
+  }
   while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
     ReduceBucket& bucket = *buckets_[next_bucket_];
     AMP_TRACE_RANGE(sharded() ? "amp::reduce-scatter (bucket)" : "amp::all-reduce (bucket)");
     fill(next_bucket_++);
-    if (whole_sums()) {
-      std::vector<at::Tensor> tensors{bucket.flat};
-      bucket.work = reducer_.config_.group->allreduce(tensors);
-      release_reduced(/*in_flight=*/2);
-    } else if (sharded()) {
+    if (sharded()) {
       bucket.work = reducer_.config_.group->_reduce_scatter_base(bucket.chunk, bucket.flat);
       release_reduced(/*in_flight=*/2);
     } else {

@@ -103,12 +103,18 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
       bucket.pieces.push_back(std::move(piece));
     }
   }
-  for (size_t b = buckets_.size(); b-- > 0;) forward_order_.push_back(b);
-  in_flight_.resize(buckets_.size());
-  position_of_.assign(members_.size(), kNoPiece);
-  for (size_t place = 0; place < forward_order_.size(); ++place) {
-    for (size_t id : buckets_[forward_order_[place]].ids) position_of_[id] = place;
+  gather_of_.assign(members_.size(), kNoPiece);
+  for (size_t b = buckets_.size(); b-- > 0;) {
+    const ReduceBucket& bucket = buckets_[b];
+    if (gathers_.empty() || gathers_.back().bytes * world_ >= config.bucket_bytes) gathers_.emplace_back();
+    Gather& gather = gathers_.back();
+    gather.buckets.push_back(b);
+    gather.offsets.push_back(gather.bytes);
+    const int64_t chunk_bytes = bucket.padded / world_ * static_cast<int64_t>(c10::elementSize(bucket.dtype));
+    gather.bytes += (chunk_bytes + 7) / 8 * 8;
+    for (size_t id : bucket.ids) gather_of_[id] = gathers_.size() - 1;
   }
+  in_flight_.resize(gathers_.size());
   set_group_params(nullptr);
 }
 
@@ -201,8 +207,8 @@ void ShardedOptimizer::end_accumulation() {
 
 void ShardedOptimizer::gather_for(const at::Tensor& member) {
   auto it = index_.find(member.unsafeGetTensorImpl());
-  if (it == index_.end() || position_of_[it->second] == kNoPiece) return;
-  gather_through(position_of_[it->second] + 1);
+  if (it == index_.end() || gather_of_[it->second] == kNoPiece) return;
+  gather_through(gather_of_[it->second] + 1);
 }
 
 void ShardedOptimizer::gather_through(size_t count) {
@@ -210,37 +216,42 @@ void ShardedOptimizer::gather_through(size_t count) {
   AMP_TRACE_RANGE("amp::all-gather of the weights");
   at::NoGradGuard no_grad;
   while (taken_ < count) {
-    while (launched_ < std::min(buckets_.size(), taken_ + 1 + kAhead)) launch(launched_++);
+    while (launched_ < std::min(gathers_.size(), taken_ + 1 + kAhead)) launch(launched_++);
     take(taken_++);
   }
   // Prefetch: the next buckets travel while this op computes.
-  while (launched_ < std::min(buckets_.size(), taken_ + kAhead)) launch(launched_++);
-  if (taken_ == buckets_.size()) {
+  while (launched_ < std::min(gathers_.size(), taken_ + kAhead)) launch(launched_++);
+  if (taken_ == gathers_.size()) {
     stale_ = false;
     launched_ = taken_ = 0;
   }
 }
 
-// Starts the all-gather of the bucket at `place` in forward order: this
-// rank's chunk rounded to the compute dtype, into the bucket's whole.
-void ShardedOptimizer::launch(size_t place) {
-  const ReduceBucket& bucket = buckets_[forward_order_[place]];
-  const auto options = bucket.members.front().options().dtype(bucket.dtype);
-  at::Tensor mine = at::zeros({bucket.padded / world_}, options);
+// Starts gather `g`: this rank's chunk of each of its buckets, rounded to
+// the bucket's compute dtype, into the bytes of one all-gather.
+void ShardedOptimizer::launch(size_t g) {
+  const Gather& gather = gathers_[g];
+  const auto bytes = buckets_[gather.buckets.front()].members.front().options().dtype(at::kByte);
+  at::Tensor mine = at::zeros({gather.bytes}, bytes);
   std::vector<at::Tensor> dst, src;
-  for (const ReduceBucket::Piece& p : bucket.pieces) {
-    dst.push_back(mine.narrow(0, p.chunk_offset, p.length));
-    src.push_back(p.stepped.detach());
+  for (size_t i = 0; i < gather.buckets.size(); ++i) {
+    const ReduceBucket& bucket = buckets_[gather.buckets[i]];
+    const int64_t chunk = bucket.padded / world_;
+    const at::Tensor region = mine.narrow(0, gather.offsets[i], chunk * c10::elementSize(bucket.dtype)).view(bucket.dtype);
+    for (const ReduceBucket::Piece& p : bucket.pieces) {
+      dst.push_back(region.narrow(0, p.chunk_offset, p.length));
+      src.push_back(p.stepped.detach());
+    }
   }
-  if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtype
-  InFlight& flight = in_flight_[place];
-  flight.whole = at::empty({bucket.padded}, options);
+  if (!dst.empty()) at::_foreach_copy_(dst, src);  // rounds to the compute dtypes
+  InFlight& flight = in_flight_[g];
+  flight.whole = at::empty({gather.bytes * world_}, bytes);
   flight.work = group_->_allgather_base(flight.whole, mine);
 }
 
-// Waits for the bucket at `place` and copies its whole into the members.
-void ShardedOptimizer::take(size_t place) {
-  InFlight& flight = in_flight_[place];
+// Waits for gather `g` and copies its buckets' wholes into the members.
+void ShardedOptimizer::take(size_t g) {
+  InFlight& flight = in_flight_[g];
   if (!wait_at_most(flight.work, flight.whole, gather_timeout_)) {
     TORCH_CHECK(false, "amp: rank ", rank_, " waited ", gather_timeout_.count(), " ms for the other ranks at "
                 "the all-gather of the sharded weights (Options::data_parallel.shard), which runs at the "
@@ -252,18 +263,29 @@ void ShardedOptimizer::take(size_t place) {
                 "data_parallel.gather_timeout. The gather stays started: the next op over the weights "
                 "waits for it again.");
   }
-  const ReduceBucket& bucket = buckets_[forward_order_[place]];
+  const Gather& gather = gathers_[g];
+  const at::Tensor parts = flight.whole.view({world_, gather.bytes});
   std::vector<at::Tensor> dst, src;
-  for (size_t j = 0; j < bucket.members.size(); ++j) {
-    const at::Tensor& member = members_[bucket.ids[j]];
-    dst.push_back(member.detach());
-    src.push_back(flight.whole.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
+  for (size_t i = 0; i < gather.buckets.size(); ++i) {
+    const ReduceBucket& bucket = buckets_[gather.buckets[i]];
+    const int64_t chunk = bucket.padded / world_;
+    // Every rank's chunk, in rank order: the bucket whole (a copy when the
+    // parts hold other buckets' bytes between the chunks).
+    const at::Tensor whole =
+        parts.narrow(1, gather.offsets[i], chunk * c10::elementSize(bucket.dtype)).view(bucket.dtype).reshape(-1);
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const at::Tensor& member = members_[bucket.ids[j]];
+      dst.push_back(member.detach());
+      src.push_back(whole.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes()));
+    }
   }
-  at::_foreach_copy_(dst, src);
+  if (!dst.empty()) at::_foreach_copy_(dst, src);
   flight = InFlight();  // the work holds its tensors too
-  for (size_t id : bucket.ids) {
-    versions_[id] = members_[id]._version();
-    storages_[id] = members_[id].storage().unsafeGetStorageImpl();
+  for (size_t b : gather.buckets) {
+    for (size_t id : buckets_[b].ids) {
+      versions_[id] = members_[id]._version();
+      storages_[id] = members_[id].storage().unsafeGetStorageImpl();
+    }
   }
 }
 

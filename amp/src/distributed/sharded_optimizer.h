@@ -24,8 +24,9 @@
 //                                     average after the guard
 //
 // After a guard ends, the optimizer steps the pieces; the members are stale
-// until the next gather (an all-gather per bucket of the pieces in the
-// compute dtype). amp's fused optimizers gather at the end of their step, on
+// until the next gather (all-gathers of the pieces in the compute dtypes,
+// one per bucket, or one for neighbouring small buckets together up to
+// bucket_bytes). amp's fused optimizers gather at the end of their step, on
 // every rank, so a forward needs no collective (a forward on rank 0 alone
 // works). After LibTorch's own step the gather runs in the next forward,
 // bucket by bucket in forward order: the first intercepted op over a member
@@ -96,7 +97,7 @@ class ShardedOptimizer {
   // The accumulation's last guard ended: the sums are reduced.
   void end_accumulation();
   // All-gathers the pieces into the members, every bucket (collective).
-  void gather() { gather_through(buckets_.size()); }
+  void gather() { gather_through(gathers_.size()); }
   // Gathers `member`'s bucket and those before it in forward order, and
   // starts the next kAhead (collective). Nothing for a tensor it does not own.
   void gather_for(const at::Tensor& member);
@@ -129,14 +130,23 @@ class ShardedOptimizer {
   // The dtype of the state the optimizer keeps for `piece`.
   at::ScalarType state_dtype(const ReduceBucket::Piece& piece) const;
   bool optimizer_alive() const;
-  // Gathers the first `count` buckets in forward order.
+  // Runs the first `count` gathers in forward order.
   void gather_through(size_t count);
-  void launch(size_t position);
-  void take(size_t position);
+  void launch(size_t gather);
+  void take(size_t gather);
 
-  // Buckets gathered ahead of the one an op waits for: with it, their wholes
-  // (one bucket each, in the compute dtype) are the gather's extra memory.
+  // Gathers started ahead of the one an op waits for: with it, their wholes
+  // are the gather's extra memory.
   static constexpr size_t kAhead = 2;
+  // One all-gather: buckets next to each other in forward order, together
+  // about bucket_bytes (small ones of different dtypes - BatchNorm's float32
+  // beside bfloat16 - travel together), as bytes: each bucket's chunk at
+  // its offset in every rank's part.
+  struct Gather {
+    std::vector<size_t> buckets;
+    std::vector<int64_t> offsets;  // bytes, in a rank's part (8-aligned)
+    int64_t bytes = 0;             // a rank's part
+  };
   struct InFlight {
     at::Tensor whole;
     c10::intrusive_ptr<c10d::Work> work;
@@ -150,10 +160,10 @@ class ShardedOptimizer {
   std::vector<std::vector<size_t>> group_members_;  // per param group
   std::vector<ReduceBucket> buckets_;
   std::vector<std::pair<size_t, size_t>> piece_of_;  // per member: (bucket, piece) or (npos, npos)
-  std::vector<size_t> position_of_;  // per member: its bucket's place in forward order (npos: none)
-  std::vector<size_t> forward_order_;  // bucket indices, forward order (buckets are in reverse)
-  std::vector<InFlight> in_flight_;    // per place in forward order
-  size_t launched_ = 0, taken_ = 0;    // places in forward order
+  std::vector<Gather> gathers_;        // forward order (the buckets are in reverse)
+  std::vector<size_t> gather_of_;      // per member: its gather (npos: none)
+  std::vector<InFlight> in_flight_;    // per gather
+  size_t launched_ = 0, taken_ = 0;    // gathers started, and taken into the members
   std::chrono::milliseconds gather_timeout_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_;
   std::vector<int64_t> versions_;
