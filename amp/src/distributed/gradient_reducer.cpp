@@ -110,7 +110,7 @@ GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<Redu
   // chunk: all-reducing it here costs the same and leaves every rank the
   // whole sums, so the members' "used" flags ride in the bucket and the
   // overflow is read from the sums, without two more collectives a guard.
-  whole_sums_ = reducer_.config_.group->getBackendName() == "gloo";
+  whole_sums_ = sharded() && reducer_.config_.group->getBackendName() == "gloo";
   if (whole_sums_) used_.resize(buckets_.size());
   for (const ReduceBucket* bucket : buckets_) {
     first_member_.push_back(produced_.size());

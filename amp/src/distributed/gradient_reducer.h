@@ -124,7 +124,7 @@ class GradientReducer::Reduction {
  private:
   bool sharded() const { return slots_ == nullptr; }
   // Sharded: reduced by an all-reduce whose chunk is kept (see the .cpp).
-  bool whole_sums() const { return sharded() && whole_sums_; }
+  bool whole_sums() const { return whole_sums_; }
   void on_gradient(size_t member);
   void fill(size_t bucket);
   void start_ready_buckets();

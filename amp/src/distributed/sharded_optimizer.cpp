@@ -143,12 +143,14 @@ void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_membe
 }
 
 void ShardedOptimizer::record_members() {
-  versions_.clear();
-  storages_.clear();
-  for (const at::Tensor& m : members_) {
-    versions_.push_back(m._version());
-    storages_.push_back(m.storage().unsafeGetStorageImpl());
-  }
+  versions_.resize(members_.size());
+  storages_.resize(members_.size());
+  for (size_t m = 0; m < members_.size(); ++m) record_member(m);
+}
+
+void ShardedOptimizer::record_member(size_t m) {
+  versions_[m] = members_[m]._version();
+  storages_[m] = members_[m].storage().unsafeGetStorageImpl();
 }
 
 void ShardedOptimizer::take_member_writes() {
@@ -214,6 +216,7 @@ void ShardedOptimizer::gather_for(const at::Tensor& member) {
 void ShardedOptimizer::gather_through(size_t count) {
   if (!stale_ || taken_ >= count) return;
   AMP_TRACE_RANGE("amp::all-gather of the weights");
+  if (launched_ == 0 && taken_ == 0) take_member_writes();  // before the gather overwrites the members
   at::NoGradGuard no_grad;
   while (taken_ < count) {
     while (launched_ < std::min(gathers_.size(), taken_ + 1 + kAhead)) launch(launched_++);
@@ -282,10 +285,7 @@ void ShardedOptimizer::take(size_t g) {
   if (!dst.empty()) at::_foreach_copy_(dst, src);
   flight = InFlight();  // the work holds its tensors too
   for (size_t b : gather.buckets) {
-    for (size_t id : buckets_[b].ids) {
-      versions_[id] = members_[id]._version();
-      storages_[id] = members_[id].storage().unsafeGetStorageImpl();
-    }
+    for (size_t id : buckets_[b].ids) record_member(id);
   }
 }
 
@@ -496,24 +496,17 @@ bool ShardedMasters::owns(const at::Tensor& t) const {
 
 void ShardedMasters::sync() {
   for (auto& s : optimizers_) {
-    if (!s->gathering()) s->take_member_writes();
+    if (!s->stale()) s->take_member_writes();  // a gather starting takes them itself
   }
   for (auto& s : optimizers_) s->gather();
 }
 
 void ShardedMasters::sync_for(const at::Tensor& t) {
-  for (auto& s : optimizers_) {
-    if (!s->owns(t) || !s->stale()) continue;
-    if (!s->gathering()) s->take_member_writes();  // before the gather overwrites the members
-    s->gather_for(t);
-  }
+  for (auto& s : optimizers_) s->gather_for(t);
 }
 
 void ShardedMasters::gather_after_step(const torch::optim::Optimizer& optimizer) {
-  ShardedOptimizer* s = of(optimizer);
-  if (s == nullptr || !s->stale()) return;
-  if (!s->gathering()) s->take_member_writes();
-  s->gather();
+  if (ShardedOptimizer* s = of(optimizer)) s->gather();
 }
 
 void ShardedMasters::check_no_member_gradients() const {

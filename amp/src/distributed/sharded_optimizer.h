@@ -87,8 +87,6 @@ class ShardedOptimizer {
   void mark_stale() { stale_ = true; }
   // Some member awaits its bucket's gather.
   bool stale() const { return stale_; }
-  // Whether a gather has started and not finished.
-  bool gathering() const { return stale_ && (launched_ > 0 || taken_ > 0); }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
   // shard_gradients=false, a delay_unscale guard ended: the members'
@@ -96,7 +94,9 @@ class ShardedOptimizer {
   void hold_micro_batch();
   // The accumulation's last guard ended: the sums are reduced.
   void end_accumulation();
-  // All-gathers the pieces into the members, every bucket (collective).
+  // All-gathers the pieces into the members, every bucket (collective;
+  // nothing when none is stale). A gather starting takes writes behind
+  // amp's back into the pieces first.
   void gather() { gather_through(gathers_.size()); }
   // Gathers `member`'s bucket and those before it in forward order, and
   // starts the next kAhead (collective). Nothing for a tensor it does not own.
@@ -130,6 +130,8 @@ class ShardedOptimizer {
   // The dtype of the state the optimizer keeps for `piece`.
   at::ScalarType state_dtype(const ReduceBucket::Piece& piece) const;
   bool optimizer_alive() const;
+  // Records member `m` as the model holds it now.
+  void record_member(size_t m);
   // Runs the first `count` gathers in forward order.
   void gather_through(size_t count);
   void launch(size_t gather);

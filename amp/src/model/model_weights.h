@@ -79,8 +79,8 @@ class ShardedWeights {
   // Takes writes to the weights behind amp's back into the masters, then
   // gathers stale weights (a collective).
   virtual void sync() = 0;
-  // Before an op over weight `t`: gathers the weights up to `t`'s (a
-  // collective; sharded_optimizer.h), taking writes first if a gather starts.
+  // Before an op over `t`: if it is a weight, gathers the weights up to its
+  // (a collective; sharded_optimizer.h); nothing for other tensors.
   virtual void sync_for(const at::Tensor& t) = 0;
   // Errors: a weight carries a gradient (a backward outside scale_loss).
   virtual void check_no_member_gradients() const = 0;
@@ -179,8 +179,7 @@ void ModelWeights::on_op(const Args& args) {
     if (sharded_ != nullptr) {  // gather at ops over the weights, the same ops on every rank
       args.for_each_tensor([&](const at::Tensor& t, bool) {
         if (!t.defined() || !sharded_->stale()) return;
-        const at::Tensor weight = t.is_view() ? at::Tensor(t._base()) : t;  // weight.t() counts as the weight
-        if (sharded_->owns(weight)) sharded_->sync_for(weight);
+        sharded_->sync_for(t.is_view() ? at::Tensor(t._base()) : t);  // weight.t() counts as the weight
       });
       if (sharded_->stale()) return;  // buckets still to gather: check again at the next op
       sharded_->sync();               // takes writes behind amp's back
