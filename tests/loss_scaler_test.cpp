@@ -2,7 +2,7 @@
 // independently from the rules (Apex/GradScaler, Megatron hysteresis).
 #include "test_util.h"
 
-#include "step/non_finite_check.h"
+#include "optim/non_finite_check.h"
 
 #include <torch/cuda.h>
 

@@ -1,8 +1,8 @@
 #include "distributed/gradient_reducer.h"
 
-#include "step/host_read.h"
-#include "step/non_finite_check.h"
-#include "trace_range.h"
+#include "support/host_read.h"
+#include "optim/non_finite_check.h"
+#include "support/trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -26,7 +26,7 @@
 // (replicated), or the chunks' views as the pieces' .grad (sharded).
 #pragma once
 
-#include "step/unscale_plan.h"
+#include "optim/unscale_plan.h"
 
 #include <amp/distributed.h>
 

@@ -1,9 +1,9 @@
 #include "distributed/sharded_optimizer.h"
 
-#include "log.h"
-#include "persistence/optimizer_state_load.h"
-#include "step/optimizer_kinds.h"
-#include "trace_range.h"
+#include "support/log.h"
+#include "optim/optimizer_state_load.h"
+#include "optim/optimizer_kinds.h"
+#include "support/trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -5,7 +5,7 @@
 
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
-#include "trace_range.h"
+#include "support/trace_range.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>

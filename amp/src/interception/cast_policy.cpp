@@ -1,7 +1,7 @@
 // The public face of the policy tables: reading them and user registrations.
 #include <amp/cast_policy.h>
 
-#include "context.h"
+#include "interception/casting_session.h"
 #include "interception/dispatch/interceptor.h"
 #include "interception/policy_registry.h"
 #include "interception/policy_tables/table_entry.h"
@@ -105,7 +105,7 @@ void register_op(std::string_view op, CastPolicy policy, std::optional<c10::Devi
   }
   const detail::RegistrationLock held;
   detail::Registry& r = detail::registry();
-  const std::shared_ptr<detail::Context> live = detail::live_context();
+  const std::shared_ptr<detail::CastingSession> live = detail::live_casting_session();
   for (c10::DeviceType d : devices) {
     const auto key = std::make_pair(detail::to_string(name), d);
     if (r.user.count(key) == 0) r.order.push_back(key);
@@ -127,7 +127,7 @@ void register_promote_function(std::string_view op, std::optional<c10::DeviceTyp
 void reset_user_registrations() {
   const detail::RegistrationLock held;
   detail::Registry& r = detail::registry();
-  TORCH_CHECK(detail::live_context() == nullptr, "amp: reset_user_registrations() while amp is initialized; "
+  TORCH_CHECK(detail::live_casting_session() == nullptr, "amp: reset_user_registrations() while amp is initialized; "
               "call amp::deinitialize() first.");
   r.user.clear();
   r.order.clear();

@@ -3,7 +3,7 @@
 #include <amp/opt_levels.h>
 
 #include "interception/casting_scope_internal.h"
-#include "context.h"
+#include "interception/casting_session.h"
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -61,7 +61,7 @@ disable_casts::~disable_casts() {
 // (so deinitialize sees it) until after it stops.
 class enable_casts::Scope {
  public:
-  explicit Scope(std::shared_ptr<detail::Context> context) {
+  explicit Scope(std::shared_ptr<detail::CastingSession> context) {
     if (std::this_thread::get_id() != context->owner()) {
       TORCH_CHECK(context->add_worker(), "amp: amp::enable_casts needs amp to be initialized; it "
                   "was being deinitialized. Open the scope while amp is live.");
@@ -80,12 +80,12 @@ class enable_casts::Scope {
   }
 
  private:
-  std::shared_ptr<detail::Context> worker_of_;
+  std::shared_ptr<detail::CastingSession> worker_of_;
   std::optional<detail::ThreadCasting> casting_;
 };
 
 enable_casts::enable_casts() {
-  std::shared_ptr<detail::Context> context = detail::require_live_context("amp::enable_casts");
+  std::shared_ptr<detail::CastingSession> context = detail::require_casting_session("amp::enable_casts");
   if (context->casting().empty()) return;  // this level does not intercept ops
   scope_ = std::make_unique<Scope>(std::move(context));
 }
@@ -93,7 +93,7 @@ enable_casts::enable_casts() {
 enable_casts::~enable_casts() = default;
 
 cast_dtype::cast_dtype(c10::ScalarType dtype, std::optional<c10::DeviceType> device) {
-  detail::require_live_context("amp::cast_dtype");
+  detail::require_casting_session("amp::cast_dtype");
   TORCH_CHECK(is_low_precision(dtype), "amp: cast_dtype needs float16 (c10::kHalf) or bfloat16 "
               "(c10::kBFloat16), got ", dtype, ". For a region without casts use amp::disable_casts.");
   TORCH_CHECK(!device || *device == c10::DeviceType::CPU || *device == c10::DeviceType::CUDA,
@@ -118,7 +118,7 @@ disable_cast_cache::~disable_cast_cache() { at::autocast::set_autocast_cache_ena
 
 CastingState CastingState::current() {
   bool casts = false;
-  const std::shared_ptr<detail::Context> context = detail::live_context();
+  const std::shared_ptr<detail::CastingSession> context = detail::live_casting_session();
   for (const detail::DeviceCasting& c : context ? context->casting() : std::vector<detail::DeviceCasting>{}) {
     casts = casts || (at::autocast::is_autocast_enabled(c.device) && !excluded(c.autocast_key));
   }

@@ -1,7 +1,7 @@
 #include "model/model_weights.h"
 
-#include "log.h"
-#include "trace_range.h"
+#include "support/log.h"
+#include "support/trace_range.h"
 
 #include <amp/opt_levels.h>
 

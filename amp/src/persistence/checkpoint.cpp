@@ -3,9 +3,9 @@
 #include <amp/opt_levels.h>
 #include <amp/state.h>
 
-#include "context.h"
-#include "persistence/optimizer_state_load.h"
-#include "step/optimizer_kinds.h"
+#include "session/context.h"
+#include "optim/optimizer_state_load.h"
+#include "optim/optimizer_kinds.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

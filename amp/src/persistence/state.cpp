@@ -1,6 +1,6 @@
 #include <amp/state.h>
 
-#include "context.h"
+#include "session/context.h"
 
 #include <amp/opt_levels.h>
 

@@ -9,12 +9,12 @@
 // cast cache's copies included), so they add up in the same order.
 #include <amp/recompute.h>
 
-#include "context.h"
+#include "recompute/recompute_session.h"
 #include "recompute/block_boundary.h"
 #include "recompute/forward_replay.h"
-#include "recompute/stand_ins.h"
-#include "trace_range.h"
-#include "step/graph_capture.h"
+#include "autograd/stand_ins.h"
+#include "support/trace_range.h"
+#include "support/graph_capture.h"
 #include "step/overflow_provenance.h"
 
 #include <ATen/core/grad_mode.h>
@@ -238,7 +238,7 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
                 "inside a CUDA graph capture: its rerun sets the random generators' states from the host. "
                 "Capture without recomputation.");
   }
-  const std::shared_ptr<detail::Context> context = detail::live_context();
+  const std::shared_ptr<detail::RecomputeSession> context = detail::live_recompute_session();
   if (context) {
     std::unordered_set<const c10::TensorImpl*> listed;
     for (const auto& b : buffers) listed.insert(b.second.unsafeGetTensorImpl());

@@ -1,7 +1,7 @@
 #include <amp/internal/loss_scaling.h>
 
-#include "step/non_finite_check.h"
-#include "trace_range.h"
+#include "optim/non_finite_check.h"
+#include "support/trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,22 +1,17 @@
 #include <amp/optimizer.h>
 
-#include "context.h"
+#include "step/step_session.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "step/optimizer_kinds.h"
-
-#include <amp/distributed.h>
-
 #include <cmath>
-#include <unordered_set>
 
 namespace amp {
 namespace {
 
 detail::OptimizerStep& step_of(OptimizerRef optimizer, const char* what) {
-  return detail::require_live_context(what)->require_step(optimizer.get(), what);
+  return detail::require_step_session(what)->require_step(optimizer.get(), what);
 }
 
 }  // namespace
@@ -43,8 +38,8 @@ bool last_step_skipped(OptimizerRef optimizer) {
 namespace amp {
 
 at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm) {
-  const auto context = detail::require_live_context("amp::clip_grad_norm");
-  detail::OptimizerStep& step = context->require_step(optimizer.get(), "amp::clip_grad_norm");
+  const auto session = detail::require_step_session("amp::clip_grad_norm");
+  detail::OptimizerStep& step = session->require_step(optimizer.get(), "amp::clip_grad_norm");
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "amp: clip_grad_norm needs a finite "
               "max_norm > 0, got ", max_norm, ".");
   TORCH_CHECK(step.state() != detail::OptimizerStep::State::kAccumulating, "amp: clip_grad_norm "
@@ -64,53 +59,10 @@ at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm) {
   if (!grads.empty()) {
     sum_of_squares = at::stack(at::_foreach_norm(grads, 2)).to(at::kFloat).pow(2).sum().reshape({1});
   }
-  if (detail::ShardedMasters* sharded = context->sharded()) {  // the shards' squares add up
-    std::vector<at::Tensor> tensors{sum_of_squares};
-    sharded->group()->allreduce(tensors)->wait();
-  }
+  for (detail::StepParticipant* p : session->participants()) p->total_over_ranks(step.optimizer(), sum_of_squares);
   const at::Tensor total = sum_of_squares.sqrt().reshape({});
   if (!grads.empty()) at::_foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp_max(1.0));
   return total;
-}
-
-}  // namespace amp
-
-namespace amp {
-
-TrainingBytes training_bytes(const torch::optim::Optimizer& optimizer) {
-  const auto context = detail::require_live_context("amp::training_bytes");
-  detail::OptimizerStep& step = context->require_step(&optimizer, "amp::training_bytes");
-  std::unordered_set<const void*> seen;
-  auto bytes = [&](const at::Tensor& t) -> int64_t {
-    if (!t.defined() || !seen.insert(t.storage().unsafeGetStorageImpl()).second) return 0;
-    return static_cast<int64_t>(t.storage().nbytes());
-  };
-  TrainingBytes out;
-  std::vector<at::Tensor> stepped;
-  for (const auto& group : step.optimizer().param_groups()) {
-    stepped.insert(stepped.end(), group.params().begin(), group.params().end());
-  }
-  for (const at::Tensor& p : stepped) out.masters += bytes(p);
-  const detail::ShardedOptimizer* sharded_by = context->sharded() ? context->sharded()->of(optimizer) : nullptr;
-  if (sharded_by != nullptr) {
-    for (const at::Tensor& member : sharded_by->members()) out.weights += bytes(member);
-  } else if (context->weights().mode() == detail::ModelWeights::Mode::kMasters) {
-    std::unordered_set<const c10::TensorImpl*> steps(stepped.size());
-    for (const at::Tensor& p : stepped) steps.insert(p.unsafeGetTensorImpl());
-    for (const auto& e : context->weights().entries()) {
-      if (steps.count(e.tensor.unsafeGetTensorImpl())) out.weights += bytes(e.compute);
-    }
-  }
-  for (const auto& [key, state] : step.optimizer().state()) {
-    int64_t count = 0;
-    for (const detail::StateTensor& t : detail::state_tensors(*state, count)) out.optimizer_state += bytes(t.value);
-  }
-  for (const at::Tensor& p : stepped) out.gradients += bytes(p.grad());
-  for (const at::Tensor& p : sharded_by ? sharded_by->members() : stepped) {
-    out.gradients += bytes(p.grad());
-    out.parameters += p.numel();
-  }
-  return out;
 }
 
 }  // namespace amp

@@ -1,7 +1,8 @@
 #include "step/optimizer_step.h"
 
-#include "step/fused_stepping.h"
-#include "step/graph_capture.h"
+#include "optim/fused_stepping.h"
+#include "support/graph_capture.h"
+#include "support/host_read.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
@@ -86,6 +87,8 @@ void OptimizerStep::settle_before_guard() {
 }
 
 void OptimizerStep::open() {
+  TORCH_INTERNAL_ASSERT(state_ != State::kInGuard, "amp: a guard opened over an optimizer that is ",
+                        to_string(state_));
   before_guard_ = state_;
   if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/true);
   state_ = State::kInGuard;
@@ -106,13 +109,25 @@ void OptimizerStep::move_scaled_gradients(bool to_parameters) {
   }
 }
 
-void OptimizerStep::commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale,
-                           int loss_id) {
-  TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: commit outside a guard");
-  if (device_verdict) queued_.push_back(std::move(device_verdict));
-  state_ = delay_unscale ? State::kAccumulating : State::kReady;
-  scaled_by_ = loss_id;
-  if (delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
+void OptimizerStep::commit(const GuardOutcome& outcome) {
+  TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: a guard committed an optimizer that is ",
+                        to_string(state_));
+  switch (outcome.verdict) {
+    case GuardOutcome::Verdict::kNone:
+      break;
+    case GuardOutcome::Verdict::kClean:
+      record_clean(outcome.loss_graph);
+      break;
+    case GuardOutcome::Verdict::kOverflow:
+      skip(outcome.report);
+      break;
+    case GuardOutcome::Verdict::kOnDevice:
+      queued_.push_back(outcome.device_verdict);
+      break;
+  }
+  state_ = outcome.delay_unscale ? State::kAccumulating : State::kReady;
+  scaled_by_ = outcome.loss_id;
+  if (outcome.delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
 }
 
 void OptimizerStep::skip(std::shared_ptr<const OverflowReport> report) {
@@ -131,6 +146,7 @@ void OptimizerStep::record_clean(uint64_t loss_graph) {
 }
 
 void OptimizerStep::unwind() noexcept {
+  if (state_ != State::kInGuard) return;  // (never opened: nothing to undo)
   state_ = before_guard_;
   if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/false);
 }

@@ -6,17 +6,18 @@
 //   -------------  ----------------------------------------  --------------------------------
 //   kReady         gradients, if any, hold true values;      a guard opening -> kInGuard
 //                  step() may run
-//   kInGuard       a scale_loss guard over it is open        commit -> kReady or kAccumulating
-//                                                            (delay_unscale); unwind -> before
+//   kInGuard       a scale_loss guard over it is open        commit(GuardOutcome) -> kReady or
+//                                                            kAccumulating (delay_unscale);
+//                                                            unwind -> the state before
 //   kAccumulating  delay_unscale: amp holds the gradients,   a guard for the same loss
 //                  scaled by loss `scaled_by`, away from     opening -> kInGuard
 //                  the optimizer (its step() does nothing)
 //
 // Overflow verdicts. A guard over LibTorch's optimizers reads its verdict on
-// the host when it ends and, after an overflow, calls skip(): the optimizer
-// loses its gradients, so its own step() changes nothing. A guard whose
-// optimizers are all amp's fused ones (fused.h) queues the device verdict
-// instead (commit); their step() hands the combined flag to the kernels
+// the host when it ends; after an overflow (GuardOutcome::kOverflow) the
+// optimizer loses its gradients, so its own step() changes nothing. A guard
+// whose optimizers are all amp's fused ones (fused.h) hands over the device
+// verdict instead (kOnDevice), which is queued; their step() hands the combined flag to the kernels
 // and leaves a pending step - the one queue - until the verdicts reach the
 // host (settle): then the step is counted or, if skipped, the state it
 // created is dropped and gradients it left are discarded (a loop that never
@@ -56,6 +57,25 @@ struct FusedAttempt;
 
 namespace amp::detail {
 
+// How a scale_loss guard over an optimizer ended well.
+struct GuardOutcome {
+  enum class Verdict : uint8_t {
+    kNone,      // nothing can skip (a static scale, or delay_unscale)
+    kClean,     // read on the host: no overflow
+    kOverflow,  // read on the host: the gradients are dropped
+    kOnDevice,  // amp's fused optimizers take `device_verdict` on the device
+  };
+  Verdict verdict = Verdict::kNone;
+  std::shared_ptr<OverflowVerdict> device_verdict;  // kOnDevice
+  std::shared_ptr<const OverflowReport> report;     // kOverflow (null: provenance off)
+  // The loss's graph, numbered by autograd up to this (its root node's
+  // sequence number): a loss recorded before an overflow of the same
+  // iteration stays skipped.
+  uint64_t loss_graph = 0;
+  bool delay_unscale = false;
+  int loss_id = 0;
+};
+
 class OptimizerStep {
  public:
   enum class State : uint8_t { kReady, kInGuard, kAccumulating };
@@ -74,14 +94,8 @@ class OptimizerStep {
   // gradients kept from a step the device skipped are discarded.
   void settle_before_guard();
   void open();  // kReady | kAccumulating -> kInGuard
-  // The guard ended well. `device_verdict` (fused optimizers, dynamic
-  // scale) judges the next step on the device.
-  void commit(std::shared_ptr<OverflowVerdict> device_verdict, bool delay_unscale, int loss_id);
-  // The guard read its verdict on the host (before commit), for a loss
-  // whose graph autograd numbered up to `loss_graph` (its root node's
-  // sequence number).
-  void skip(std::shared_ptr<const OverflowReport> report);  // overflow: the gradients are dropped
-  void record_clean(uint64_t loss_graph);
+  // The guard ended: one outcome, applied as a whole.
+  void commit(const GuardOutcome& outcome);  // kInGuard -> kReady | kAccumulating
   void unwind() noexcept;  // kInGuard -> the state before open()
 
   // ---- amp's fused step() ------------------------------------------------
@@ -111,6 +125,8 @@ class OptimizerStep {
 
  private:
   struct PendingStep;
+  void skip(std::shared_ptr<const OverflowReport> report);
+  void record_clean(uint64_t loss_graph);
   bool holds_gradients() const;
   void drop_gradients();
   void record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report = nullptr);

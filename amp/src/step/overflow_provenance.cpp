@@ -1,8 +1,9 @@
 #include "step/overflow_provenance.h"
 
-#include "context.h"
-#include "recompute/stand_ins.h"
-#include "step/host_read.h"
+#include "step/guard.h"
+#include "step/step_session.h"
+#include "autograd/stand_ins.h"
+#include "support/host_read.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -202,6 +203,38 @@ void adopt_recomputed_records(ForwardLog& log, const std::vector<Node*>& inside,
   });
 }
 
+namespace {
+
+// The trace of one guard: watching its loss's graph from the start, given
+// the unscaled gradients and handed to the verdict.
+class ProvenancePart final : public GuardPart {
+ public:
+  explicit ProvenancePart(std::shared_ptr<ProvenanceTrace> trace) : trace_(std::move(trace)) {}
+  void judged(Guard& guard, OverflowVerdict& verdict) override {
+    std::vector<at::Tensor> params, grads;
+    for (const GradSlot& s : guard.slots) {
+      params.push_back(s.param);
+      grads.push_back(s.param.grad());
+    }
+    trace_->record_gradients(params, grads);
+    verdict.trace = std::move(trace_);
+  }
+
+ private:
+  std::shared_ptr<ProvenanceTrace> trace_;
+};
+
+}  // namespace
+
+std::unique_ptr<GuardPart> ProvenanceParticipant::open(Guard& guard) {
+  ForwardLog* log = guard.session->forward_log();
+  if (guard.passthrough) {  // a scale of 1 never skips: nothing to explain
+    if (log != nullptr) log->clear();
+    return nullptr;
+  }
+  return std::make_unique<ProvenancePart>(ProvenanceTrace::watch(guard.scaled_loss, guard.session->parameter_names(), log));
+}
+
 void watch_recomputed_nodes(const Node& node, const std::vector<Node*>& inside) {
   for (const auto& hook : node.post_hooks()) {
     const auto* watching = dynamic_cast<const NodeHook*>(hook.get());
@@ -215,7 +248,7 @@ void watch_recomputed_nodes(const Node& node, const std::vector<Node*>& inside) 
 namespace amp {
 
 std::optional<OverflowReport> last_overflow(OptimizerRef optimizer) {
-  const auto context = detail::require_live_context("amp::last_overflow");
+  const auto context = detail::require_step_session("amp::last_overflow");
   const auto report = context->require_step(optimizer.get(), "amp::last_overflow").last_overflow();
   if (!report) return std::nullopt;
   return *report;

@@ -13,6 +13,7 @@
 #include <amp/overflow.h>
 
 #include "interception/dispatch/forward_watch.h"
+#include "step/step_participant.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
@@ -71,6 +72,13 @@ class ProvenanceTrace {
   std::vector<OpRecord> nodes_;    // in the order backward ran them
   std::vector<const c10::TensorImpl*> grad_params_;
   std::vector<at::Tensor> grad_amax_;
+};
+
+// Options::overflow_provenance as a step participant: each guard traces
+// its loss's graph and, once unscaled, its gradients, for its verdict.
+class ProvenanceParticipant final : public StepParticipant {
+ public:
+  std::unique_ptr<GuardPart> open(Guard& guard) override;
 };
 
 // Recomputed blocks (recompute.h). After a block's forward: its records in

@@ -3,8 +3,9 @@
 #include <amp/loss_scaler.h>
 #include <amp/testing.h>
 
-#include "context.h"
-#include "log.h"
+#include "step/step_session.h"
+#include "support/host_read.h"
+#include "support/log.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -17,7 +18,6 @@ namespace amp {
 namespace detail {
 namespace {
 
-std::atomic<int64_t> g_host_reads{0};
 
 // ". First inf/NaN in forward: aten::linear (module fc2, Half), from finite
 // inputs. First in backward: MmBackward0 (module fc2, Half). Non-finite
@@ -51,7 +51,7 @@ std::string describe(const OverflowReport& r) {
 }
 
 void log_overflow(const OverflowVerdict& v) {
-  Context& ctx = *v.context;
+  StepSession& ctx = *v.session;
   SkipLog& log = ctx.skip_log(v.loss_id);
   log.consecutive = v.overflow ? log.consecutive + 1 : 0;
   constexpr int kLoggedInARow = 5;  // then one notice, then silence until a clean step
@@ -112,7 +112,7 @@ bool judge(const Verdicts& verdicts) {
   bool skip = false;
   for (const auto& v : verdicts) {
     skip = skip || v->overflow;
-    const LossScaler& scaler = v->context->scaler(v->loss_id);
+    const LossScaler& scaler = v->session->scaler(v->loss_id);
     TORCH_CHECK(!(v->overflow && scaler.dynamic_scaling().at_floor == AtFloor::kRaise &&
                   v->scale_before <= scaler.floor()),
                 "amp: gradients overflowed with loss scaler ", v->loss_id,
@@ -137,7 +137,7 @@ bool read_verdicts(const Verdicts& verdicts) {
   const auto [which, snapshots] = unresolved(verdicts);
   if (!which.empty()) {
     const at::Tensor host = snapshots.cpu();  // the one host sync of the step
-    g_host_reads.fetch_add(1, std::memory_order_relaxed);
+    count_host_read();
     resolve_from(verdicts, which, host.data_ptr<float>());
   }
   return judge(verdicts);
@@ -169,18 +169,14 @@ bool DeferredVerdicts::ready() const { return !arrived_ || arrived_->query(); }
 bool DeferredVerdicts::resolve() {
   if (!ready()) {
     arrived_->synchronize();
-    g_host_reads.fetch_add(1, std::memory_order_relaxed);
+    count_host_read();
   }
   if (!copied_.empty()) resolve_from(verdicts_, copied_, host_.data_ptr<float>());
   return judge(verdicts_);
 }
 
-int64_t verdict_host_reads() { return g_host_reads.load(std::memory_order_relaxed); }
-
-void count_host_read() { g_host_reads.fetch_add(1, std::memory_order_relaxed); }
-
 }  // namespace detail
 
-int64_t host_syncs() { return detail::verdict_host_reads(); }
+int64_t host_syncs() { return detail::host_reads(); }
 
 }  // namespace amp

@@ -23,12 +23,12 @@
 
 namespace amp::detail {
 
-class Context;
+class StepSession;
 
 struct OverflowVerdict {
   at::Tensor snapshot;  // [found_inf, scale before, scale after] on the device
   int loss_id = 0;
-  std::shared_ptr<Context> context;
+  std::shared_ptr<StepSession> session;  // keeps the initialization alive
   bool resolved = false;
   bool overflow = false;
   double scale_before = 0;
@@ -77,9 +77,5 @@ class DeferredVerdicts {
   std::optional<c10::Event> arrived_;  // recorded after the copy (GPU only)
 };
 
-// The number of host syncs made to learn verdicts (amp::host_syncs()).
-int64_t verdict_host_reads();
-// Counts a wait for the device made elsewhere (amp::host_syncs).
-void count_host_read();
 
 }  // namespace amp::detail

@@ -1,7 +1,7 @@
 #include "step/precision_telemetry.h"
 
-#include "context.h"
-#include "step/host_read.h"
+#include "step/guard.h"
+#include "support/host_read.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -11,6 +11,29 @@
 #include <map>
 
 namespace amp::detail {
+
+namespace {
+
+// After the guard's unscale: the gradients of its optimizers, recorded at
+// the scale its backward ran at (accumulating micro-batches are not).
+class TelemetryPart final : public GuardPart {
+ public:
+  explicit TelemetryPart(TelemetryRecorder& recorder) : recorder_(recorder) {}
+  void after_unscale(Guard& guard) override {
+    if (guard.options.delay_unscale) return;
+    std::vector<torch::optim::Optimizer*> optimizers;
+    for (OptimizerStep* step : guard.steps) optimizers.push_back(&step->optimizer());
+    const at::Tensor& scale = guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device());
+    recorder_.record(guard.options.loss_id, scale, optimizers);
+  }
+
+ private:
+  TelemetryRecorder& recorder_;
+};
+
+}  // namespace
+
+std::unique_ptr<GuardPart> TelemetryRecorder::open(Guard&) { return std::make_unique<TelemetryPart>(*this); }
 
 TelemetryRecorder::TelemetryRecorder(int num_losses, std::shared_ptr<const ParameterNames> names,
                                      std::function<c10::ScalarType(c10::DeviceType)> low_dtype)
@@ -122,23 +145,23 @@ std::vector<double> TelemetryRecorder::scale_history(int loss_id) const {
 namespace amp {
 namespace {
 
-const detail::TelemetryRecorder& recorder_of(const detail::Context& context, const char* what) {
-  TORCH_CHECK(context.telemetry() != nullptr, "amp: ", what, " needs precision telemetry, which is "
+const detail::TelemetryRecorder& recorder_of(const detail::StepSession& session, const char* what) {
+  TORCH_CHECK(session.telemetry() != nullptr, "amp: ", what, " needs precision telemetry, which is "
               "off. Set amp::Options::precision_telemetry = true when calling amp::initialize.");
-  return *context.telemetry();
+  return *session.telemetry();
 }
 
 }  // namespace
 
 std::optional<PrecisionTelemetry> precision_telemetry(OptimizerRef optimizer) {
-  const auto context = detail::require_live_context("amp::precision_telemetry");
+  const auto context = detail::require_step_session("amp::precision_telemetry");
   const auto& recorder = recorder_of(*context, "amp::precision_telemetry");
   context->require_step(optimizer.get(), "amp::precision_telemetry");
   return recorder.read(*optimizer.get());
 }
 
 std::vector<double> scale_history(int loss_id) {
-  const auto context = detail::require_live_context("amp::scale_history");
+  const auto context = detail::require_step_session("amp::scale_history");
   const auto& recorder = recorder_of(*context, "amp::scale_history");
   TORCH_CHECK(loss_id >= 0 && loss_id < context->num_losses(), "amp: scale_history got loss_id ", loss_id,
               ", but amp was initialized with num_losses=", context->num_losses(), " (loss_id 0..",

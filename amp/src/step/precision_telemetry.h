@@ -1,11 +1,12 @@
 // Private: the device-side records behind amp/telemetry.h, one recorder per
-// live context. Recording enqueues kernels and keeps their results; only
+// live context, joining each guard as a step participant. Recording enqueues kernels and keeps their results; only
 // the public readers copy them to the host.
 #pragma once
 
 #include <amp/telemetry.h>
 
 #include "step/overflow_provenance.h"
+#include "step/step_participant.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -19,7 +20,8 @@
 
 namespace amp::detail {
 
-class TelemetryRecorder {
+// A step participant: each guard records what it unscaled.
+class TelemetryRecorder final : public StepParticipant {
  public:
   static constexpr size_t kHistory = 10000;  // scales kept per loss
 
@@ -30,6 +32,8 @@ class TelemetryRecorder {
   // A guard of `loss_id` unscaled the gradients of `optimizers`; its
   // backward ran at `scale` (1 element, on the loss's device).
   void record(int loss_id, const at::Tensor& scale, const std::vector<torch::optim::Optimizer*>& optimizers);
+
+  std::unique_ptr<GuardPart> open(Guard& guard) override;
 
   std::optional<PrecisionTelemetry> read(const torch::optim::Optimizer& optimizer) const;
   std::vector<double> scale_history(int loss_id) const;

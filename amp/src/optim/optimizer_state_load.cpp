@@ -1,6 +1,6 @@
-#include "persistence/optimizer_state_load.h"
+#include "optim/optimizer_state_load.h"
 
-#include "step/optimizer_kinds.h"
+#include "optim/optimizer_kinds.h"
 
 #include <c10/util/Exception.h>
 #include <torch/serialize/output-archive.h>

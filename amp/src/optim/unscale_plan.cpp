@@ -1,4 +1,4 @@
-#include "step/unscale_plan.h"
+#include "optim/unscale_plan.h"
 
 #include <ATen/ATen.h>
 

@@ -3,11 +3,11 @@
 #include <amp/hardware.h>
 #include <amp/model_conversion.h>
 
-#include "context.h"
+#include "session/context.h"
 #include "distributed/replicas.h"
-#include "log.h"
+#include "support/log.h"
 #include "model/module_walk.h"
-#include "step/optimizer_kinds.h"
+#include "optim/optimizer_kinds.h"
 #include "distributed/sharded_optimizer.h"
 
 #include <c10/util/Exception.h>

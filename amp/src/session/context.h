@@ -1,18 +1,20 @@
 // Private: one live initialization of amp - its properties, loss scalers,
-// dispatcher interception and the initializing thread's casting state.
+// dispatcher interception and the initializing thread's casting state. The
+// top of the layers: it builds every layer's part and serves each layer
+// the narrow view that layer asks for (CastingSession, StepSession,
+// RecomputeSession); the public functions of this layer and persistence
+// use it whole.
 #pragma once
 
 #include <amp/internal/loss_scaling.h>
 #include <amp/options.h>
 
+#include "distributed/data_parallel_step.h"
 #include "distributed/gradient_reducer.h"
 #include "distributed/sharded_optimizer.h"
-#include "interception/dispatch/op_binding.h"
-#include "model/model_weights.h"
-#include "step/optimizer_step.h"
-#include "step/overflow_provenance.h"
-#include "step/precision_telemetry.h"
-#include "step/stochastic_rounding.h"
+#include "interception/casting_session.h"
+#include "recompute/recompute_session.h"
+#include "step/step_session.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -30,13 +32,7 @@ class Interceptor;
 class RegistrationLock;
 class ThreadCasting;
 
-// Host-side count of consecutive skipped steps per loss, to keep the log
-// concise when the scale sits at its floor.
-struct SkipLog {
-  int consecutive = 0;
-};
-
-class Context {
+class Context final : public CastingSession, public StepSession, public RecomputeSession {
  public:
   // `held`: the user's registrations cannot change while the interceptor
   // reads them (see start_live_context). `weights`: the models' lowered
@@ -52,54 +48,49 @@ class Context {
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
-  const Properties& properties() const { return properties_; }
-  int verbosity() const { return options_.verbosity; }
-  int num_losses() const { return static_cast<int>(scalers_.size()); }
-  internal::LossScaling& scaler(int loss_id) { return *shared_scaler(loss_id); }
+  const Properties& properties() const override { return properties_; }
+  int verbosity() const override { return options_.verbosity; }
+  int num_losses() const override { return static_cast<int>(scalers_.size()); }
+  internal::LossScaling& scaler(int loss_id) override { return *shared_scaler(loss_id); }
   std::shared_ptr<internal::LossScaling> shared_scaler(int loss_id);
-  SkipLog& skip_log(int loss_id) { return skip_logs_.at(loss_id); }
+  SkipLog& skip_log(int loss_id) override { return skip_logs_.at(loss_id); }
   // Options::overflow_provenance, and the names its reports use.
-  bool provenance() const { return options_.overflow_provenance; }
-  const std::shared_ptr<const ParameterNames>& parameter_names() const { return parameter_names_; }
+  bool provenance() const override { return options_.overflow_provenance; }
+  const std::shared_ptr<const ParameterNames>& parameter_names() const override { return parameter_names_; }
   // The models' buffers, named as parameter_names() names parameters.
-  const NamedBuffers& model_buffers() const { return model_buffers_; }
+  const NamedBuffers& model_buffers() const override { return model_buffers_; }
   // Where forward ops record for provenance; null when it is off or at O0.
-  ForwardLog* forward_log() const { return forward_log_.get(); }
+  ForwardLog* forward_log() const override { return forward_log_.get(); }
   // Options::precision_telemetry's records; null when it is off.
-  TelemetryRecorder* telemetry() const { return telemetry_.get(); }
+  TelemetryRecorder* telemetry() const override { return telemetry_.get(); }
   // How the fused optimizers round updates into bf16 weights
   // (Properties::stochastic_rounding); null without it.
-  StochasticRounding* rounding() const { return rounding_.get(); }
+  StochasticRounding* rounding() const override { return rounding_.get(); }
 
   // How this initialization casts per device; empty when it does not
   // intercept ops (O0).
-  const std::vector<DeviceCasting>& casting() const { return casting_; }
+  const std::vector<DeviceCasting>& casting() const override { return casting_; }
 
-  ModelWeights& weights() { return *weights_; }
+  ModelWeights& weights() override { return *weights_; }
   // The state machine of an optimizer passed to initialize, or null.
-  OptimizerStep* step_of(const torch::optim::Optimizer& optimizer);
-  // Like step_of, but throws "not passed to amp::initialize" for `what`.
-  OptimizerStep& require_step(const torch::optim::Optimizer* optimizer, const char* what);
+  OptimizerStep* step_of(const torch::optim::Optimizer& optimizer) override;
 
   // An error a guard's destructor could not throw; the next guard raises it.
-  void defer_error(std::exception_ptr error) { deferred_error_ = std::move(error); }
-  void rethrow_deferred_error();
+  void defer_error(std::exception_ptr error) override { deferred_error_ = std::move(error); }
+  void rethrow_deferred_error() override;
 
   // Applies a user registration (register_op) to the interceptor; the
   // caller holds the RegistrationLock.
-  void set_user_policy(const c10::OperatorName& op, c10::DeviceType device, CastPolicy policy);
+  void set_user_policy(const c10::OperatorName& op, c10::DeviceType device, CastPolicy policy) override;
 
   // Removes every dispatcher registration and the owner thread's casting
   // state. Idempotent. Errors leave everything in place.
   void shutdown();
   bool live() const { return !shut_down_; }
-  std::thread::id owner() const { return owner_; }
+  std::thread::id owner() const override { return owner_; }
 
-  // enable_casts scopes on other threads. They are counted under the lock
-  // shutdown checks them under, so a scope either counts before shutdown
-  // looks, or finds it begun and is refused (add_worker returns false).
-  bool add_worker();
-  void remove_worker();
+  bool add_worker() override;
+  void remove_worker() override;
 
   // Options::data_parallel: averages each guard's gradients across ranks;
   // null in one process.
@@ -107,12 +98,8 @@ class Context {
   // Options::data_parallel.shard: the optimizers' sharded masters; null
   // without it.
   ShardedMasters* sharded() const { return sharded_.get(); }
-  // Options::reduce_overflow, or with sharding amp's own (each rank checks
-  // only its shard): combines the overflow flags of every rank (MAX), so
-  // all ranks skip together. No-op without either.
-  void reduce_overflow(at::Tensor& found_inf) const {
-    if (reduce_overflow_) reduce_overflow_(found_inf);
-  }
+  // Data parallel, telemetry and provenance, in the order guards run them.
+  const std::vector<StepParticipant*>& participants() const override { return participants_; }
 
  private:
   void teardown();
@@ -128,7 +115,6 @@ class Context {
   std::unique_ptr<TelemetryRecorder> telemetry_;
   std::unique_ptr<StochasticRounding> rounding_;
   std::unique_ptr<GradientReducer> reducer_;
-  std::function<void(at::Tensor&)> reduce_overflow_;
   std::unique_ptr<Interceptor> interceptor_;
   std::unique_ptr<ThreadCasting> owner_casting_;
   std::thread::id owner_;
@@ -136,6 +122,9 @@ class Context {
   std::unique_ptr<ShardedMasters> sharded_;  // before weights_, which points to it
   std::unique_ptr<ModelWeights> weights_;
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
+  std::unique_ptr<DataParallelStep> data_parallel_;
+  std::unique_ptr<ProvenanceParticipant> provenance_;
+  std::vector<StepParticipant*> participants_;
   std::exception_ptr deferred_error_;
   std::mutex workers_mutex_;
   int workers_ = 0;

@@ -1,4 +1,4 @@
-#include "trace_range.h"
+#include "support/trace_range.h"
 
 namespace amp::detail {
 

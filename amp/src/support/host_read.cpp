@@ -1,14 +1,22 @@
-#include "step/host_read.h"
-
-#include "step/overflow_verdict.h"
+#include "support/host_read.h"
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <map>
 #include <string>
 #include <utility>
 
 namespace amp::detail {
+namespace {
+
+std::atomic<int64_t> g_host_reads{0};
+
+}  // namespace
+
+void count_host_read() { g_host_reads.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t host_reads() { return g_host_reads.load(std::memory_order_relaxed); }
 
 std::vector<double> read_to_host(const std::vector<at::Tensor>& tensors) {
   // Per device: its tensors' values in one buffer, and where each starts in the result.

@@ -1,6 +1,6 @@
-#include "step/non_finite_check.h"
+#include "optim/non_finite_check.h"
 
-#include "step/overflow_verdict.h"
+#include "support/host_read.h"
 
 #include <ATen/ATen.h>
 

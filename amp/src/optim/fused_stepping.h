@@ -11,7 +11,7 @@
 
 #include <amp/fused.h>
 
-#include "step/stochastic_rounding.h"
+#include "optim/stochastic_rounding.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>

@@ -1,4 +1,4 @@
-#include "context.h"
+#include "session/context.h"
 
 #include <amp/cast_cache.h>
 #include <amp/hardware.h>
@@ -8,8 +8,8 @@
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/interceptor.h"
-#include "log.h"
-#include "step/optimizer_kinds.h"
+#include "support/log.h"
+#include "optim/optimizer_kinds.h"
 #include "interception/policy_registry.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -84,8 +84,19 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   if (forward_log_) g_observers.fetch_or(kForwardWatch);
   if (options.measured_policy) g_observers.fetch_or(kMeasuredPolicy);
   if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
-  reduce_overflow_ = options.reduce_overflow;
-  if (sharded_) reduce_overflow_ = overflow_all_reduce(sharded_->group());
+  // Options::reduce_overflow, or with sharding amp's own (each rank checks
+  // only its shard): all ranks skip together.
+  std::function<void(at::Tensor&)> reduce_overflow = options.reduce_overflow;
+  if (sharded_) reduce_overflow = overflow_all_reduce(sharded_->group());
+  if (reducer_ || reduce_overflow) {
+    data_parallel_ = std::make_unique<DataParallelStep>(reducer_.get(), sharded_.get(), std::move(reduce_overflow));
+    participants_.push_back(data_parallel_.get());
+  }
+  if (telemetry_) participants_.push_back(telemetry_.get());
+  if (options.overflow_provenance) {
+    provenance_ = std::make_unique<ProvenanceParticipant>();
+    participants_.push_back(provenance_.get());
+  }
 }
 
 Context::~Context() {
@@ -129,15 +140,6 @@ void Context::teardown() {
 OptimizerStep* Context::step_of(const torch::optim::Optimizer& optimizer) {
   auto it = steps_.find(&optimizer);
   return it == steps_.end() ? nullptr : it->second.get();
-}
-
-OptimizerStep& Context::require_step(const torch::optim::Optimizer* optimizer, const char* what) {
-  TORCH_CHECK(optimizer != nullptr, "amp: ", what, " got a null optimizer.");
-  OptimizerStep* step = step_of(*optimizer);
-  TORCH_CHECK(step != nullptr, "amp: ", what, " got an optimizer that was not passed to the live "
-              "amp::initialize; pass every optimizer that steps these parameters to "
-              "amp::initialize(model, optimizer, opt_level).");
-  return *step;
 }
 
 void Context::rethrow_deferred_error() {
@@ -205,6 +207,17 @@ std::shared_ptr<Context> start_live_context(const Properties& properties, const 
   g_live = context;
   return context;
 }
+
+// Each layer's view of the live context shares ownership of all of it.
+std::shared_ptr<CastingSession> live_casting_session() { return live_context(); }
+
+std::shared_ptr<CastingSession> require_casting_session(const char* what) { return require_live_context(what); }
+
+std::shared_ptr<StepSession> live_step_session() { return live_context(); }
+
+std::shared_ptr<StepSession> require_step_session(const char* what) { return require_live_context(what); }
+
+std::shared_ptr<RecomputeSession> live_recompute_session() { return live_context(); }
 
 OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer) {
   const std::shared_ptr<Context> context = live_context();

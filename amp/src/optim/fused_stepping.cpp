@@ -1,12 +1,8 @@
-#include <amp/fused.h>
+#include "optim/fused_stepping.h"
 
-#include "context.h"
-#include "distributed/sharded_optimizer.h"
-#include "step/fused_stepping.h"
-#include "step/optimizer_kinds.h"
-#include "step/optimizer_step.h"
-#include "step/overflow_verdict.h"
-#include "trace_range.h"
+#include "optim/optimizer_kinds.h"
+#include "support/host_read.h"
+#include "support/trace_range.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -316,54 +312,5 @@ void FusedStepping::adopt_device_counts(StateMap& state) {
     detail::set_step_count(*state.at(keys[i]), static_cast<int64_t>(host[i].item<double>()));
   }
 }
-
-// ---- Fused and the optimizers ---------------------------------------------------
-
-Fused::Fused(Kind kind) : stepping_(std::make_unique<FusedStepping>(kind)) {}
-Fused::Fused(Fused&&) noexcept = default;
-Fused::~Fused() = default;
-
-// Returns false when LibTorch's own step must run instead.
-bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
-  const std::shared_ptr<detail::Context> context = detail::live_context();
-  detail::OptimizerStep* amp_step = context ? context->step_of(optimizer) : nullptr;
-  std::optional<UpdateRounding> rounding;
-  if (amp_step != nullptr && context->rounding() != nullptr) {
-    rounding = UpdateRounding{context->rounding(), context->properties().optimizer_state_dtype};
-  }
-  const UpdateRounding* rounds = rounding ? &*rounding : nullptr;
-  const bool kernels = stepping_->suits(optimizer, rounds);
-  detail::OptimizerStep::FusedDecision decision;
-  if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels);
-  if (decision.skip) return true;
-  if (!kernels) {
-    stepping_->reset();  // LibTorch's step counts on the host
-    return false;
-  }
-  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf, rounds);
-  if (amp_step != nullptr) {
-    amp_step->end_fused_step(std::move(attempt), std::move(decision));
-  } else {
-    stepping_->settle(attempt, /*skipped=*/false, optimizer.state());
-  }
-  return true;
-}
-
-void Fused::stepped(const torch::optim::Optimizer& optimizer) {
-  const std::shared_ptr<detail::Context> context = detail::live_context();
-  if (context && context->sharded()) context->sharded()->gather_after_step(optimizer);
-}
-
-at::Tensor Fused::run_closure(const torch::optim::Optimizer::LossClosure& closure) {
-  if (!closure) return {};
-  at::AutoGradMode grad(true);
-  return closure();
-}
-
-void Fused::reset_stepping() { stepping_->reset(); }
-
-template class FusedOptimizer<torch::optim::Adam>;
-template class FusedOptimizer<torch::optim::AdamW>;
-template class FusedOptimizer<torch::optim::SGD>;
 
 }  // namespace amp::optim

@@ -1,4 +1,4 @@
-#include "recompute/stand_ins.h"
+#include "autograd/stand_ins.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>

@@ -1,4 +1,4 @@
-#include "step/optimizer_kinds.h"
+#include "optim/optimizer_kinds.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>

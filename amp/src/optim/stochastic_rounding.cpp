@@ -1,4 +1,4 @@
-#include "step/stochastic_rounding.h"
+#include "optim/stochastic_rounding.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

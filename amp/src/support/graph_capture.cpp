@@ -1,4 +1,4 @@
-#include "step/graph_capture.h"
+#include "support/graph_capture.h"
 
 #ifdef AMP_WITH_CUDA
 #include <c10/cuda/CUDAException.h>

@@ -1,0 +1,101 @@
+#include "distributed/data_parallel_step.h"
+
+#include "step/guard.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+// One guard's averaging, started when it opened and finished before it
+// unscales.
+class DataParallelStep::Part final : public GuardPart {
+ public:
+  Part(DataParallelStep& owner, std::unique_ptr<GradientReducer::Reduction> reduction)
+      : owner_(owner), reduction_(std::move(reduction)) {}
+
+  void before_unscale(Guard&) override {
+    if (!reduction_) return;
+    reduction_->finish();
+    agreed_ = reduction_->agreed_non_finite();
+    reduction_.reset();
+  }
+
+  void agree_overflow(Guard&, at::Tensor& found_inf) override {
+    if (agreed_.defined()) {
+      found_inf.copy_(at::maximum(found_inf, agreed_));  // this rank's pieces are a part of the sums
+    } else if (owner_.reduce_overflow_) {
+      owner_.reduce_overflow_(found_inf);
+    }
+  }
+
+  void commit(Guard& guard) override {
+    ShardedMasters* sharded = owner_.sharded_;
+    if (sharded == nullptr) return;
+    // ZeRO-1 (shard_gradients=false) keeps each rank's whole sum until the
+    // accumulation's last guard; ZeRO-2's pieces already hold the averages.
+    const bool holds = guard.options.delay_unscale && !owner_.reducer_->config().shard_gradients;
+    for (OptimizerStep* step : guard.steps) {
+      ShardedOptimizer& s = *sharded->of(step->optimizer());
+      if (holds) {
+        s.hold_micro_batch();
+      } else if (!guard.options.delay_unscale) {
+        s.end_accumulation();
+        s.mark_stale();
+      }
+    }
+    sharded->clear_member_gradients();
+  }
+
+  void unwind(Guard&) noexcept override {
+    reduction_.reset();
+    if (owner_.sharded_ != nullptr) owner_.sharded_->clear_member_gradients();
+  }
+
+ private:
+  DataParallelStep& owner_;
+  std::unique_ptr<GradientReducer::Reduction> reduction_;
+  at::Tensor agreed_;  // the ranks' overflow, known from the sums without a collective
+};
+
+DataParallelStep::DataParallelStep(GradientReducer* reducer, ShardedMasters* sharded,
+                                   std::function<void(at::Tensor&)> reduce_overflow)
+    : reducer_(reducer), sharded_(sharded), reduce_overflow_(std::move(reduce_overflow)) {}
+
+void DataParallelStep::check_open(const Guard& guard) const {
+  TORCH_CHECK(!(reducer_ && guard.capturing && !guard.passthrough), "amp: this scale_loss guard is "
+              "being captured in a CUDA graph, but with Options::data_parallel its gradients are "
+              "averaged by hooks and collectives the host drives; capture without data_parallel.");
+}
+
+std::unique_ptr<GuardPart> DataParallelStep::open(Guard& guard) {
+  std::unique_ptr<GradientReducer::Reduction> reduction;
+  if (sharded_ != nullptr) {
+    // ZeRO-2 reduces in every guard, delay_unscale too: the pieces
+    // accumulate the averages, so no rank keeps whole gradients between
+    // micro-batches. ZeRO-1 reduces in the accumulation's last guard.
+    if (!guard.options.delay_unscale || reducer_->config().shard_gradients) {
+      std::vector<std::vector<ReduceBucket>*> buckets;
+      for (OptimizerStep* step : guard.steps) buckets.push_back(&sharded_->of(step->optimizer())->buckets());
+      reduction = reducer_->start_sharded(buckets);
+    }
+  } else if (reducer_ != nullptr && !guard.options.delay_unscale) {
+    reduction = reducer_->start(guard.slots);  // delay_unscale: DDP's no_sync, the last guard reduces
+  }
+  return std::make_unique<Part>(*this, std::move(reduction));
+}
+
+void DataParallelStep::after_fused_step(const torch::optim::Optimizer& optimizer) {
+  if (sharded_ != nullptr) sharded_->gather_after_step(optimizer);
+}
+
+void DataParallelStep::total_over_ranks(const torch::optim::Optimizer&, at::Tensor& sum_of_squares) {
+  if (sharded_ == nullptr) return;  // replicas hold the same (averaged) gradients
+  std::vector<at::Tensor> tensors{sum_of_squares};
+  sharded_->group()->allreduce(tensors)->wait();
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,63 @@
+// amp::optim::Fused (fused.h): a fused optimizer's step() asks the live
+// step whether and how to step, runs the kernels, and tells the step's
+// participants it stepped.
+#include <amp/fused.h>
+
+#include "optim/fused_stepping.h"
+#include "step/step_session.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace amp::optim {
+
+Fused::Fused(Kind kind) : stepping_(std::make_unique<FusedStepping>(kind)) {}
+Fused::Fused(Fused&&) noexcept = default;
+Fused::~Fused() = default;
+
+// Returns false when LibTorch's own step must run instead.
+bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
+  const std::shared_ptr<detail::StepSession> session = detail::live_step_session();
+  detail::OptimizerStep* amp_step = session ? session->step_of(optimizer) : nullptr;
+  std::optional<UpdateRounding> rounding;
+  if (amp_step != nullptr && session->rounding() != nullptr) {
+    rounding = UpdateRounding{session->rounding(), session->properties().optimizer_state_dtype};
+  }
+  const UpdateRounding* rounds = rounding ? &*rounding : nullptr;
+  const bool kernels = stepping_->suits(optimizer, rounds);
+  detail::OptimizerStep::FusedDecision decision;
+  if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels);
+  if (decision.skip) return true;
+  if (!kernels) {
+    stepping_->reset();  // LibTorch's step counts on the host
+    return false;
+  }
+  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf, rounds);
+  if (amp_step != nullptr) {
+    amp_step->end_fused_step(std::move(attempt), std::move(decision));
+  } else {
+    stepping_->settle(attempt, /*skipped=*/false, optimizer.state());
+  }
+  return true;
+}
+
+void Fused::stepped(const torch::optim::Optimizer& optimizer) {
+  const std::shared_ptr<detail::StepSession> session = detail::live_step_session();
+  if (!session || session->step_of(optimizer) == nullptr) return;
+  for (detail::StepParticipant* p : session->participants()) p->after_fused_step(optimizer);
+}
+
+at::Tensor Fused::run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode grad(true);
+  return closure();
+}
+
+void Fused::reset_stepping() { stepping_->reset(); }
+
+template class FusedOptimizer<torch::optim::Adam>;
+template class FusedOptimizer<torch::optim::AdamW>;
+template class FusedOptimizer<torch::optim::SGD>;
+
+}  // namespace amp::optim

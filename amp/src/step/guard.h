@@ -1,0 +1,73 @@
+// Private: one scale_loss guard's transaction (scale_loss.h) - what it
+// covers, what it set aside, how far it got - as its participants
+// (step_participant.h) see it. Every transition is in scale_loss.cpp:
+//
+//   stage       leaves by
+//   ----------  -------------------------------------------------------------
+//   kOpen       unscale() -> kUnscaled; finish() -> kFinished; unwind
+//   kUnscaled   finish() -> kFinished; unwind (restores the scaler too)
+//   kFinished   (the guard is over)
+//
+// At the end each optimizer's state machine gets one GuardOutcome.
+#pragma once
+
+#include <amp/casting_scope.h>
+#include <amp/internal/loss_scaling.h>
+#include <amp/scale_loss.h>
+
+#include "optim/unscale_plan.h"
+#include "step/optimizer_step.h"
+#include "step/step_session.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <exception>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+class Guard {
+ public:
+  enum class Stage { kOpen, kUnscaled, kFinished };
+
+  // Validates everything, then opens: the optimizers' gradients are set
+  // aside and the participants join. Errors: scale_loss.h.
+  Guard(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers, ScaleLossOptions options);
+
+  void unscale();     // kOpen -> kUnscaled: reduce, unscale, check, update the scaler
+  void commit();      // kOpen | kUnscaled -> kFinished
+  void unwind() noexcept;  // -> kFinished, every change undone
+  // unscale() called by the program: the scaler's state before it, to
+  // unwind; over several optimizers, also checks the kept gradients.
+  void unscale_by_program();
+
+  // What participants read.
+  std::shared_ptr<StepSession> session;
+  ScaleLossOptions options;
+  std::vector<OptimizerStep*> steps;  // of the optimizers passed in
+  std::vector<GradSlot> slots;        // their parameters
+  at::Tensor scaled_loss;
+  uint64_t loss_graph = 0;   // the loss's root node's autograd sequence number
+  bool passthrough = false;  // static scale 1 without masters: no multiply, no unscale
+  bool capturing = false;    // inside a CUDA graph capture
+  Stage stage = Stage::kOpen;
+  int uncaught_at_entry = std::uncaught_exceptions();
+
+ private:
+  void check_capturable(c10::Device device) const;
+  void check_kept_gradients();
+  internal::LossScaling& scaler() { return session->scaler(options.loss_id); }
+
+  std::vector<std::unique_ptr<GuardPart>> parts_;  // the participants', in order
+  // Master weights of other optimizers, with the gradients they had: a
+  // backward through them leaves scratch scaled by this loss, discarded.
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;
+  std::optional<internal::LossScaling::State> scaler_before_;  // to unwind an update
+  std::shared_ptr<OverflowVerdict> verdict_;
+  disable_casts no_casts_;
+};
+
+}  // namespace amp::detail
