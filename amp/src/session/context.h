@@ -100,6 +100,9 @@ class Context final : public CastingSession, public StepSession, public Recomput
   ShardedMasters* sharded() const { return sharded_.get(); }
   // Data parallel, telemetry and provenance, in the order guards run them.
   const std::vector<StepParticipant*>& participants() const override { return participants_; }
+  // Adds `participant` after those initialize made: guards opened from now
+  // on run its hooks last (and unwind it first). It must outlive them.
+  void join(StepParticipant& participant) { participants_.push_back(&participant); }
 
  private:
   void teardown();
