@@ -15,6 +15,9 @@
 // (printed, measured). --compare_steps times the replicated, sharded and
 // hand-written all-reduce loops side by side instead of training.
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
@@ -149,7 +152,7 @@ int train(int rank, int world, const std::string& store_path) {
       }
       optimizer.step();
       if (step == 0) per_parameter = bytes_per_parameter(optimizer, *group);  // gradients still held
-      if (rank == 0) progress.update(++step, loss.item<double>(), amp::loss_scale(), batch);
+      if (rank == 0) progress.update(++step, loss.item<double>(), amp::loss_scaler()->scale(), batch);
       else ++step;
     }
   }

@@ -6,6 +6,9 @@
 // write them (the optimizer held by value); amp adds two things: the
 // amp::initialize call and the amp::scale_loss guard around backward.
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 #include <amp/measured_policy.h>
 
 #include "common/fashion_mnist_data.h"
@@ -116,7 +119,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
       ++step;
       if (injection.at(step)) examples::print_injection_outcome(std::cout, optimizer);
       const double loss_value = loss.item<double>();
-      const double scale = amp::loss_scale();
+      const double scale = amp::loss_scaler()->scale();
       progress.update(step, loss_value, scale, index.size(0));
       if (csv) csv << step << "," << loss_value << "," << scale << "\n";
     }

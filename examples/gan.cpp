@@ -4,6 +4,9 @@
 //
 //   gan --opt_level=O1 --steps=300
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include "common/dcgan.h"
 #include "common/fashion_mnist_data.h"
@@ -115,14 +118,14 @@ int run() {
 
     loss_d = (err_real + err_fake).item<double>();
     loss_g = err_g.item<double>();
-    progress.update(step + 1, loss_d, amp::loss_scale(2), batch);
+    progress.update(step + 1, loss_d, amp::loss_scaler(2)->scale(), batch);
   }
   progress.finish();
   auto skipped = [](torch::optim::Optimizer& o) { return static_cast<long long>(amp::skipped_steps(o)); };
   std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld  "
               "peak RSS %.0f MiB  peak allocated %.1f MiB\n",
-              amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scale(0), amp::loss_scale(1),
-              amp::loss_scale(2), skipped(opt_d), skipped(opt_g), examples::peak_rss_mib(),
+              amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scaler(0)->scale(), amp::loss_scaler(1)->scale(),
+              amp::loss_scaler(2)->scale(), skipped(opt_d), skipped(opt_g), examples::peak_rss_mib(),
               examples::peak_allocated_mib(device));
   if (check) std::printf("gradient check: %d steps, worst relative error vs float64 D %.2e G %.2e\n", steps, worst_d, worst_g);
   return 0;

@@ -4,6 +4,9 @@
 //
 //   transformer_lm --opt_level=O2 --steps=500
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 #include <amp/measured_policy.h>
 
 #include "common/char_transformer.h"
@@ -93,7 +96,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
     optimizer.step();
     if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
-    progress.update(step + 1, last_loss, amp::loss_scale(), int64_t(batch) * config.context);
+    progress.update(step + 1, last_loss, amp::loss_scaler()->scale(), int64_t(batch) * config.context);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   progress.finish();

@@ -1,6 +1,7 @@
 // The opt-level table: each level's properties, as Apex defines them (with
 // Apex-ROCm's bf16 levels O4/O5).
 #include "levels.h"
+#include <amp/internal/level_rules.h>
 
 #include <c10/util/Exception.h>
 
@@ -31,7 +32,7 @@ const LevelDefaults& level_defaults(OptLevel level) {
 
 const char* to_string(OptLevel level) { return level_defaults(level).name; }
 
-std::vector<OptLevel> all_opt_levels() {
+std::vector<OptLevel> internal::all_opt_levels() {
   std::vector<OptLevel> levels;
   for (const LevelDefaults& row : level_table()) levels.push_back(row.level);
   return levels;

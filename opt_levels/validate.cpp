@@ -2,6 +2,7 @@
 // the way Apex's Properties setters validate them, plus range checks on the
 // loss-scaling knobs.
 #include "levels.h"
+#include <amp/internal/level_rules.h>
 
 #include <c10/util/Exception.h>
 
@@ -15,7 +16,7 @@ namespace {
 void check_dtype(const char* name, const std::optional<c10::ScalarType>& dtype,
                  const LevelDefaults& level) {
   if (!dtype) return;
-  TORCH_CHECK(is_low_precision(*dtype), "amp: ", name,
+  TORCH_CHECK(internal::is_low_precision(*dtype), "amp: ", name,
               " must be float16 (c10::kHalf) or bfloat16 (c10::kBFloat16), got ", *dtype);
   TORCH_CHECK(!level.bfloat16_only || *dtype == c10::kBFloat16, "amp: ", level.name,
               " is a bfloat16 level, so ", name, " cannot be ", *dtype, "; use ",
@@ -29,7 +30,7 @@ void check_positive_finite(const char* name, double value) {
 
 }  // namespace
 
-void check_dynamic_scaling(const DynamicScaling& d) {
+void internal::check_dynamic_scaling(const DynamicScaling& d) {
   TORCH_CHECK(std::isfinite(d.growth_factor) && d.growth_factor > 1,
               "amp: growth_factor must be > 1 so the scale can grow, got ", d.growth_factor);
   TORCH_CHECK(d.backoff_factor > 0 && d.backoff_factor < 1,
@@ -50,13 +51,13 @@ void check_dynamic_scaling(const DynamicScaling& d) {
   }
 }
 
-Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
+Properties internal::resolve_properties(OptLevel level, const PropertyOverrides& o,
                               c10::DeviceType model_device) {
   const LevelDefaults& defaults = level_defaults(level);
   const char* name = defaults.name;
   check_dtype("cpu_dtype", o.cpu_dtype, defaults);
   check_dtype("cuda_dtype", o.cuda_dtype, defaults);
-  check_dynamic_scaling(o.dynamic_scaling);
+  internal::check_dynamic_scaling(o.dynamic_scaling);
 
   Properties p;
   p.opt_level = level;
@@ -71,7 +72,7 @@ Properties resolve_properties(OptLevel level, const PropertyOverrides& o,
   }
   if (o.cast_model_type) {
     const c10::ScalarType t = *o.cast_model_type;
-    TORCH_CHECK(t == c10::kFloat || is_low_precision(t),
+    TORCH_CHECK(t == c10::kFloat || internal::is_low_precision(t),
                 "amp: cast_model_type must be float32, float16 or bfloat16, got ", t);
     TORCH_CHECK(!defaults.casts_per_op() || t == c10::kFloat, "amp: ", name,
                 " inserts casts around LibTorch ops rather than casting model weights, so "

@@ -1,6 +1,7 @@
 // The per-iteration cast cache: one cast per weight per iteration, never
 // stale, never across grad modes, cleared by scale_loss.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include <ATen/autocast_mode.h>
 
@@ -140,7 +141,7 @@ TEST_F(CastCacheTest, InferenceModeCastsAreNotCached) {
   {
     c10::InferenceMode inference;
     const auto y = torch::linear(torch::randn({3, 4}), weight);
-    EXPECT_TRUE(is_low_precision(y.scalar_type())) << "the weight was cast";
+    EXPECT_TRUE(internal::is_low_precision(y.scalar_type())) << "the weight was cast";
     EXPECT_EQ(cast_cache_size(), 0u);
   }
   torch::linear(torch::randn({3, 4}), weight);  // the same cast outside inference mode

@@ -65,8 +65,8 @@ class CheckpointTest : public AmpTest {
     for (const auto& o : optimizers_) {
       for (const auto& t : optimizer_state_tensors(*o)) out.push_back(t.clone());
     }
-    out.push_back(internal::mechanics(*loss_scaler()).state().scale.clone());
-    out.push_back(internal::mechanics(*loss_scaler()).state().growth_tracker.clone());
+    out.push_back(internal::live_scaling().state().scale.clone());
+    out.push_back(internal::live_scaling().state().growth_tracker.clone());
     return out;
   }
   static void expect_same(const std::vector<at::Tensor>& x, const std::vector<at::Tensor>& y) {
@@ -167,7 +167,7 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   write_checkpoint(file, {[&](auto& a) { a_->save(a); }, [&](auto& a) { b_->save(a); }},
                    {optimizers_[0], optimizers_[0]});
   step(1);  // everything moves on from the file's values, the scaler too
-  internal::mechanics(*loss_scaler()).update(torch::ones({1}));
+  internal::live_scaling().update(torch::ones({1}));
   const auto before = everything();
   EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_), "cannot load the optimizer's state");
   expect_same(before, everything());
@@ -312,15 +312,15 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
   // Scalers moved away from their initial values, to see that nothing is loaded.
   auto expect_scalers_unchanged = [](int num_losses, auto&& load) {
     std::vector<internal::LossScaling::State> before;
-    for (int i = 0; i < num_losses; ++i) before.push_back(internal::mechanics(*loss_scaler(i)).state());
+    for (int i = 0; i < num_losses; ++i) before.push_back(internal::live_scaling(i).state());
     load();
     for (int i = 0; i < num_losses; ++i) {
-      EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler(i)).state().scale, before[i].scale)) << "loss " << i;
-      EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler(i)).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(internal::live_scaling(i).state().scale, before[i].scale)) << "loss " << i;
+      EXPECT_TRUE(BitEqual(internal::live_scaling(i).state().growth_tracker, before[i].growth_tracker)) << "loss " << i;
     }
   };
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
-  internal::mechanics(*loss_scaler(0)).update(torch::ones({1}));  // an overflow
+  internal::live_scaling(0).update(torch::ones({1}));  // an overflow
   torch::serialize::InputArchive in;
   in.load_from(bytes);
   expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
@@ -328,7 +328,7 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
   Options o2 = quiet(O2);
   o2.num_losses = 2;
   handle.initialize(std::vector<ModulePtr>{}, {}, o2);
-  internal::mechanics(*loss_scaler(1)).update(torch::ones({1}));  // an overflow
+  internal::live_scaling(1).update(torch::ones({1}));  // an overflow
   bytes.seekg(0);
   torch::serialize::InputArchive again;
   again.load_from(bytes);

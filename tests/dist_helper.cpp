@@ -37,6 +37,9 @@
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -129,7 +132,7 @@ int main(int argc, char** argv) {
   torch::nn::Sequential model = make_model();
   const torch::Device device(flags["device"]);
   model->to(device);
-  amp::OptimizerPtr optimizer;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
   if (flags["optimizer"] == "adam") {
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
   } else if (flags["optimizer"] == "adamw") {
@@ -231,7 +234,7 @@ int main(int argc, char** argv) {
     }
   }
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
-  trace.push_back(torch::tensor(amp::loss_scale()));
+  trace.push_back(torch::tensor(amp::loss_scaler()->scale()));
   torch::save(trace, argv[4]);
   return 0;
 }

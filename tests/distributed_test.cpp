@@ -16,6 +16,7 @@
 // tensors as they are) cover the guard's side: parameters without
 // gradients, two backward passes, errors.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include "profiled.h"
 
@@ -743,7 +744,7 @@ TEST_F(AmpTest, ShardedOptimizerStepsPiecesAndGetsItsParametersBack) {
     amp::Handle amp;
     amp.initialize(model, optimizer, fake_sharded(O2));
     // The model computes in the low dtype; the optimizer steps float32 pieces.
-    EXPECT_TRUE(is_low_precision(fc1.scalar_type()));
+    EXPECT_TRUE(internal::is_low_precision(fc1.scalar_type()));
     for (const auto& p : amp::master_params(optimizer)) {
       EXPECT_EQ(p.scalar_type(), torch::kFloat);
       EXPECT_EQ(p.dim(), 1);

@@ -1,6 +1,7 @@
 // Exceptions inside scale_loss guards, errors a guard ends with, and what
 // an overflow verdict applies to.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include <limits>
 
@@ -37,7 +38,7 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   }
   std::vector<at::Tensor> before;
   for (const auto& p : master_params(*optimizer)) before.push_back(p.grad().clone());
-  const internal::LossScaling::State scaler_before = internal::mechanics(*loss_scaler()).state();
+  const internal::LossScaling::State scaler_before = internal::live_scaling().state();
   try {
     scale_loss scaled(model->forward(x * 2).to(at::kFloat).sum(), optimizer);
     scaled.backward();
@@ -48,8 +49,8 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   }
   const auto params = master_params(*optimizer);
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(BitEqual(params[i].grad(), before[i])) << "param " << i;
-  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().scale, scaler_before.scale));
-  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().growth_tracker, scaler_before.growth_tracker));
+  EXPECT_TRUE(BitEqual(internal::live_scaling().state().scale, scaler_before.scale));
+  EXPECT_TRUE(BitEqual(internal::live_scaling().state().growth_tracker, scaler_before.growth_tracker));
   optimizer->step();
   ref_optimizer->step();
   EXPECT_FALSE(last_step_skipped(*optimizer));
@@ -83,7 +84,7 @@ TEST_P(GuardUnwindTest, QueuedSkipDoesNotOutliveTheGradientsItJudged) {
     EXPECT_FALSE(BitEqual(model->fc2->weight, before)) << "the clean step must be taken";
   }
   // The overflow cost one step: its guard discarded the gradients it judged.
-  EXPECT_EQ(skipped_steps(*optimizer), resolve_properties(GetParam(), {}).loss_scale.dynamic ? 1 : 0);
+  EXPECT_EQ(skipped_steps(*optimizer), internal::resolve_properties(GetParam(), {}).loss_scale.dynamic ? 1 : 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, GuardUnwindTest, ::testing::Values(O1, O2, O5),

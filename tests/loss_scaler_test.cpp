@@ -128,7 +128,7 @@ TEST_F(ScaleSequenceTest, RaiseAtTheFloorIsAClearError) {
   OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.01);
   Options options = quiet(O1);
   options.dynamic_scaling.min_loss_scale = 32768.0;
-  options.dynamic_scaling.at_floor = AtFloor::kRaise;
+  options.dynamic_scaling.at_floor = DynamicScaling::AtFloor::kRaise;
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
   auto overflow_step = [&](bool finish) {
@@ -161,7 +161,7 @@ TEST_F(ScaleSequenceTest, RaiseAtTheFloorWithAFusedOptimizerIsRaisedByItsStep) {
   amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   Options options = quiet(O1);
   options.dynamic_scaling.min_loss_scale = 32768.0;
-  options.dynamic_scaling.at_floor = AtFloor::kRaise;
+  options.dynamic_scaling.at_floor = DynamicScaling::AtFloor::kRaise;
   Handle handle;
   handle.initialize(model, optimizer, options);
   auto overflow_guard = [&] {
@@ -278,7 +278,7 @@ TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes
   tuned.hysteresis = 2;
   tuned.min_loss_scale = 4.0;
   tuned.max_loss_scale = 1e6;
-  tuned.at_floor = AtFloor::kRaise;
+  tuned.at_floor = DynamicScaling::AtFloor::kRaise;
   loss_scaler()->set_dynamic_scaling(tuned);
   torch::serialize::OutputArchive out;
   save_state(out);
@@ -295,7 +295,7 @@ TEST_F(ScaleSequenceTest, KnobsTravelWithAmpsStateAndOldStatesKeepTheCurrentOnes
   EXPECT_EQ(loaded.hysteresis, 2);
   EXPECT_EQ(loaded.min_loss_scale, 4.0);
   EXPECT_EQ(loaded.max_loss_scale, 1e6);
-  EXPECT_EQ(loaded.at_floor, AtFloor::kRaise);
+  EXPECT_EQ(loaded.at_floor, DynamicScaling::AtFloor::kRaise);
 
   // A state written before the knobs were saved: the scale loads, the
   // current knobs stay.

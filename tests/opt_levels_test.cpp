@@ -1,6 +1,7 @@
 // The opt-level table: every level's defaults, every override valid or not,
 // the resolved properties and the error text.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include <cmath>
 #include <filesystem>
@@ -109,10 +110,10 @@ TEST_P(OptLevelTable, ResolvesOrRejects) {
   PropertyOverrides overrides;
   row.override_with(overrides);
   if (!row.error.empty()) {
-    EXPECT_AMP_ERROR(resolve_properties(row.level, overrides, row.device), row.error);
+    EXPECT_AMP_ERROR(internal::resolve_properties(row.level, overrides, row.device), row.error);
     return;
   }
-  const Properties p = resolve_properties(row.level, overrides, row.device);
+  const Properties p = internal::resolve_properties(row.level, overrides, row.device);
   EXPECT_EQ(p.opt_level, row.level);
   EXPECT_EQ(p.cast_model_type, row.cast_model_type);
   EXPECT_EQ(p.patch_torch_functions, row.patch_torch_functions);
@@ -149,10 +150,10 @@ TEST(OptLevelDocs, HeaderTableSaysWhatTheLevelsResolveTo) {
     out << std::fixed << std::setprecision(1) << v;
     return out.str();
   };
-  for (OptLevel level : all_opt_levels()) {
+  for (OptLevel level : internal::all_opt_levels()) {
     SCOPED_TRACE(to_string(level));
-    const Properties cuda = resolve_properties(level, {}, c10::kCUDA);
-    const Properties cpu = resolve_properties(level, {}, c10::kCPU);
+    const Properties cuda = internal::resolve_properties(level, {}, c10::kCUDA);
+    const Properties cpu = internal::resolve_properties(level, {}, c10::kCPU);
     const bool casts_model = cuda.cast_model_type.has_value() && *cuda.cast_model_type != at::kFloat;
     std::string cast = "-";
     if (cuda.cast_model_type == at::kFloat) cast = "float32";
@@ -170,8 +171,8 @@ TEST(OptLevelDocs, HeaderTableSaysWhatTheLevelsResolveTo) {
 }
 
 TEST(OptLevelNames, ParseAcceptsTheLevelsAndExplainsTheLetterO) {
-  ASSERT_EQ(all_opt_levels().size(), 7u);
-  for (OptLevel level : all_opt_levels()) EXPECT_EQ(parse_opt_level(to_string(level)), level);
+  ASSERT_EQ(internal::all_opt_levels().size(), 7u);
+  for (OptLevel level : internal::all_opt_levels()) EXPECT_EQ(parse_opt_level(to_string(level)), level);
   for (const char* bad : {"o1", "0O", "01", "O9", "", "O1 "}) {
     EXPECT_AMP_ERROR(parse_opt_level(bad), "the prefix O is the capital letter O, not the number zero");
     EXPECT_AMP_ERROR(parse_opt_level(bad), "'O0', 'O1', 'O2', 'O3'");
@@ -182,12 +183,12 @@ TEST(OptLevelNames, ParseAcceptsTheLevelsAndExplainsTheLetterO) {
 }
 
 TEST(OptLevelNames, DescribeListsTheResolvedProperties) {
-  const std::string table = describe(resolve_properties(O2, {}, c10::kCUDA));
+  const std::string table = describe(internal::resolve_properties(O2, {}, c10::kCUDA));
   EXPECT_THAT(table, ::testing::HasSubstr("opt_level O2"));
   EXPECT_THAT(table, ::testing::HasSubstr("cast_model_type       Half"));
   EXPECT_THAT(table, ::testing::HasSubstr("keep_batchnorm_fp32   True"));
   EXPECT_THAT(table, ::testing::HasSubstr("loss_scale            dynamic"));
-  EXPECT_THAT(describe(resolve_properties(O6, {}, c10::kCPU)), ::testing::HasSubstr("stochastic_rounding   True"));
+  EXPECT_THAT(describe(internal::resolve_properties(O6, {}, c10::kCPU)), ::testing::HasSubstr("stochastic_rounding   True"));
 }
 
 }  // namespace

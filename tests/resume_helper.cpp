@@ -5,6 +5,9 @@
 //   resume_helper <O0..O5> save   <checkpoint>        steps 0-3, then save
 //   resume_helper <O0..O5> resume <checkpoint> <out>  load, then steps 4-7
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <torch/torch.h>
 
@@ -22,7 +25,7 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-void train_steps(Net& model, amp::OptimizerPtr& optimizer, int first, int last) {
+void train_steps(Net& model, std::shared_ptr<torch::optim::Optimizer>& optimizer, int first, int last) {
   for (int step = first; step < last; ++step) {
     torch::manual_seed(500 + step);
     const auto x = torch::randn({8, 6}), y = torch::randn({8, 2});
@@ -46,7 +49,7 @@ int main(int argc, char** argv) {
   const std::string phase = argv[2], path = argv[3];
   torch::manual_seed(phase == "resume" ? 99 : 1);  // resume starts from other weights
   Net model;
-  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+  std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
   amp::Options options = std::string(argv[1]);
   options.verbosity = 0;
   options.loss_scale = amp::LossScale::Dynamic(256.0);
@@ -63,7 +66,7 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) result.push_back(p.detach());
   for (const auto& b : model->buffers()) result.push_back(b.detach());
   for (const auto& m : amp::master_params(*optimizer)) result.push_back(m.detach());
-  result.push_back(torch::tensor(amp::loss_scale()));
+  result.push_back(torch::tensor(amp::loss_scaler()->scale()));
   result.push_back(torch::tensor(amp::loss_scaler()->growth_tracker()));
   torch::save(result, argc > 4 ? argv[4] : path);
   return 0;

@@ -302,7 +302,7 @@ TEST_F(ScaleLossTest, GradientPenaltyWithTheCurrentScale) {
   const auto x = grid_input(1);
   const auto loss = model(x).to(at::kFloat).pow(2).sum() / 8;
   // GradScaler's recipe: grads of the scaled loss, divided by the scale.
-  const at::Tensor scale = internal::mechanics(*loss_scaler()).scale_tensor(loss.device());
+  const at::Tensor scale = internal::live_scaling().scale_tensor(loss.device());
   const auto scaled_grads = torch::autograd::grad({loss * scale}, {model->w}, {}, true, true);
   const auto penalty = (scaled_grads[0] / scale).pow(2).sum() / 64;
   {
@@ -324,7 +324,7 @@ TEST_F(ScaleLossTest, LossesWithDifferentScalesCombine) {
   options.dynamic_scaling.growth_interval = 1;  // loss 1's scale grows, loss 0's is reset below
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
-  internal::mechanics(*loss_scaler(1)).scale_tensor(at::kCPU).fill_(4096.0);
+  internal::live_scaling(1).scale_tensor(at::kCPU).fill_(4096.0);
   const auto x = grid_input(3);
   {
     scale_loss scaled(model(x).sum(), optimizer, {0});
@@ -409,7 +409,7 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
   std::tie(model, optimizer) = handle.initialize(model, plain, quiet(O1));
   std::vector<at::Tensor> params_before;
   for (const auto& p : model->parameters()) params_before.push_back(p.detach().clone());
-  const internal::LossScaling::State scaler_before = internal::mechanics(*loss_scaler()).state();
+  const internal::LossScaling::State scaler_before = internal::live_scaling().state();
   const auto out = model->forward(torch::randn({2, 8}));
   EXPECT_AMP_ERROR(scale_loss(out, optimizer), "scalar loss");
   EXPECT_AMP_ERROR(scale_loss(torch::ones({}, at::kLong), optimizer), "floating-point loss");
@@ -422,8 +422,8 @@ TEST_F(ScaleLossTest, MisuseIsAClearErrorAndChangesNothing) {
     EXPECT_TRUE(BitEqual(params[i], params_before[i])) << "parameter " << i;
     EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i;
   }
-  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().scale, scaler_before.scale));
-  EXPECT_TRUE(BitEqual(internal::mechanics(*loss_scaler()).state().growth_tracker, scaler_before.growth_tracker));
+  EXPECT_TRUE(BitEqual(internal::live_scaling().state().scale, scaler_before.scale));
+  EXPECT_TRUE(BitEqual(internal::live_scaling().state().growth_tracker, scaler_before.growth_tracker));
   {
     scale_loss scaled(out.sum(), optimizer);
     EXPECT_AMP_ERROR(scale_loss(out.sum(), optimizer), "inside a live scale_loss guard");

@@ -2,6 +2,7 @@
 // amp::initialize, advanced after real steps only; parameter groups added
 // after initialize.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include <torch/optim/schedulers/step_lr.h>
 
@@ -56,7 +57,7 @@ TEST_P(SchedulerTest, MadeBeforeOrAfterInitializeItDrivesTheSteppingOptimizer) {
   if (before_initialize) scheduler = make_scheduler(*optimizer);
   Options options = quiet(level);
   options.cpu_dtype = at::kHalf;  // every value here is exact in float16
-  if (resolve_properties(level, {}).loss_scale.dynamic) options.loss_scale = LossScale::Dynamic(4);
+  if (internal::resolve_properties(level, {}).loss_scale.dynamic) options.loss_scale = LossScale::Dynamic(4);
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
   if (!before_initialize) scheduler = make_scheduler(*optimizer);

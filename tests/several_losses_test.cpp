@@ -4,6 +4,7 @@
 // one per loss; inf in either loss) and a GAN whose generator loss runs
 // through the discriminator.
 #include "test_util.h"
+#include <amp/internal/level_rules.h>
 
 #include <limits>
 
@@ -178,7 +179,7 @@ TEST_P(ApexScenarioTest, GradientsAndParametersEqualFloat64) {
   Options options = quiet(c.level);
   options.cpu_dtype = at::kHalf;  // every value here is exact in float16
   options.num_losses = c.separate_scalers ? 2 : 1;
-  if (resolve_properties(c.level, {}).loss_scale.dynamic) options.loss_scale = LossScale::Dynamic(4);
+  if (internal::resolve_properties(c.level, {}).loss_scale.dynamic) options.loss_scale = LossScale::Dynamic(4);
   const auto optimizers = make_optimizers(s, models);
   Handle handle;
   handle.initialize(modules, optimizers, options);

@@ -2,6 +2,10 @@
 #pragma once
 
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
+#include <amp/internal/level_rules.h>
 #include <amp/internal/loss_scaling.h>
 #include <amp/testing.h>
 
@@ -24,6 +28,12 @@
                                       ::testing::HasSubstr(substring)))
 
 namespace amp::testing {
+
+using ModulePtr = std::shared_ptr<torch::nn::Module>;
+using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
+
+// The current scale of loss `loss_id` (reads the device).
+inline double loss_scale(int loss_id = 0) { return amp::loss_scaler(loss_id)->scale(); }
 
 // Exact equality: same dtype, shape and every bit of every value.
 inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor& b) {

@@ -11,6 +11,9 @@
 //
 //   gradient_underflow --out_dir=out/underflow   # writes .csv and .png (gnuplot)
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include "common/diagnostics.h"
 #include "common/fashion_mnist_data.h"
@@ -81,7 +84,7 @@ int run() {
                                                  int64_t(warmup + 1) * batch);
   torch::manual_seed(0);
   examples::FashionNet model;
-  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
+  std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
   amp::Options options = amp::O1;
   options.verbosity = 0;
   options.cpu_dtype = at::kHalf;
@@ -97,7 +100,7 @@ int run() {
     }
     optimizer->step();
   }
-  const double scale = amp::loss_scale();
+  const double scale = amp::loss_scaler()->scale();
   const std::optional<amp::PrecisionTelemetry> telemetry = amp::precision_telemetry(optimizer);
 
   // The measured iteration, exactly in fp32, keeping activation gradients.

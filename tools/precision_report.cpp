@@ -10,6 +10,9 @@
 //   precision_report --model=transformer --opt_level=O1
 #include <amp/alignment.h>
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include "common/char_transformer.h"
 #include "common/dcgan.h"
@@ -33,7 +36,7 @@ ABSL_FLAG(int, batch_size, 16, "batch size of the iteration");
 namespace {
 
 // One iteration: forward, loss, scale_loss backward, step.
-void iterate(amp::OptimizerPtr& optimizer, const std::function<at::Tensor()>& loss_of_forward) {
+void iterate(std::shared_ptr<torch::optim::Optimizer>& optimizer, const std::function<at::Tensor()>& loss_of_forward) {
   optimizer->zero_grad();
   const at::Tensor loss = loss_of_forward();
   {
@@ -46,7 +49,7 @@ void iterate(amp::OptimizerPtr& optimizer, const std::function<at::Tensor()>& lo
 // Bytes per parameter of what training holds (amp::training_bytes), and
 // the allocator's bytes over one more iteration: held before it, and the
 // most above that at once (activations and gradients).
-void print_memory(std::ostream& out, amp::OptimizerPtr& optimizer, const std::function<at::Tensor()>& loss_of_forward,
+void print_memory(std::ostream& out, std::shared_ptr<torch::optim::Optimizer>& optimizer, const std::function<at::Tensor()>& loss_of_forward,
                   c10::Device device) {
   iterate(optimizer, loss_of_forward);  // the optimizer's state exists from the first step on
   optimizer->zero_grad();
@@ -80,7 +83,7 @@ int run() {
   const auto longs = torch::TensorOptions(device).dtype(torch::kLong);
   torch::manual_seed(0);
   amp::Handle handle;
-  amp::OptimizerPtr optimizer;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
   std::function<at::Tensor()> loss_of_forward;
   std::vector<std::shared_ptr<torch::nn::Module>> models;  // for the shapes check
   // LibTorch's own optimizers, but at O6, which needs amp's fused ones.
@@ -88,7 +91,7 @@ int run() {
   if (name == "cnn") {
     examples::FashionNet model;
     model->to(device);
-    optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdam>(model->parameters(), 1e-3))
+    optimizer = fused ? std::shared_ptr<torch::optim::Optimizer>(std::make_shared<amp::optim::FusedAdam>(model->parameters(), 1e-3))
                       : std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
     std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
     models.push_back(model.ptr());
@@ -101,7 +104,7 @@ int run() {
     examples::Discriminator discriminator;
     generator->to(device);
     discriminator->to(device);
-    optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdam>(generator->parameters(), 1e-3))
+    optimizer = fused ? std::shared_ptr<torch::optim::Optimizer>(std::make_shared<amp::optim::FusedAdam>(generator->parameters(), 1e-3))
                       : std::make_shared<torch::optim::Adam>(generator->parameters(), 1e-3);
     handle.initialize({generator, discriminator}, {optimizer}, options);
     models = {generator.ptr(), discriminator.ptr()};
@@ -112,7 +115,7 @@ int run() {
   } else if (name == "transformer") {
     examples::CharTransformer model;
     model->to(device);
-    optimizer = fused ? amp::OptimizerPtr(std::make_shared<amp::optim::FusedAdamW>(model->parameters(), 1e-3))
+    optimizer = fused ? std::shared_ptr<torch::optim::Optimizer>(std::make_shared<amp::optim::FusedAdamW>(model->parameters(), 1e-3))
                       : std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-3);
     std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
     models.push_back(model.ptr());

@@ -11,6 +11,9 @@
 #include "common/char_transformer.h"
 
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
@@ -62,7 +65,7 @@ int main(int argc, char** argv) {
 
   torch::manual_seed(absl::GetFlag(FLAGS_seed));
   examples::CharTransformer model(config);
-  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 3e-3);
+  std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 3e-3);
   amp::Options options = absl::GetFlag(FLAGS_opt_level);
   options.verbosity = 0;
   options.dynamic_scaling.growth_interval = absl::GetFlag(FLAGS_growth_interval);
@@ -104,7 +107,7 @@ int main(int argc, char** argv) {
     nonempty_cache += amp::cast_cache_size() != 0;
     if (step % absl::GetFlag(FLAGS_every) == 0) {
       std::printf("%6d %9.1f %9.1f %11zu %9.3g %8lld %8.3f\n", step, rss_mib(), heap_mib(), amp::cast_cache_size(),
-                  amp::loss_scale(), static_cast<long long>(amp::skipped_steps(*optimizer)), last_loss);
+                  amp::loss_scaler()->scale(), static_cast<long long>(amp::skipped_steps(*optimizer)), last_loss);
     }
   }
   const double rss_growth = rss_mib() - base_rss, heap_growth = heap_mib() - base_heap;

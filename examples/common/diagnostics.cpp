@@ -1,5 +1,6 @@
 #include "common/diagnostics.h"
 
+#include <amp/diagnostics.h>
 #include <amp/measured_policy.h>
 
 #include <amp/optimizer.h>
@@ -86,7 +87,7 @@ void print_overflow(std::ostream& out, const amp::OverflowReport& report) {
   out << "\n";
 }
 
-void print_injection_outcome(std::ostream& out, amp::OptimizerRef optimizer) {
+void print_injection_outcome(std::ostream& out, torch::optim::Optimizer& optimizer) {
   if (!amp::last_step_skipped(optimizer)) {
     out << "The injected step was not skipped: the opt level's loss scale is static or 1, so no overflow check "
            "runs. Use a dynamic scale (O1, O2) to see provenance.\n";

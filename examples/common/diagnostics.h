@@ -4,8 +4,7 @@
 // (telemetry.h).
 #pragma once
 
-#include <amp/overflow.h>
-#include <amp/telemetry.h>
+#include <amp/diagnostics.h>
 
 #include <torch/nn/module.h>
 
@@ -39,7 +38,7 @@ class NonFiniteInjection {
 void print_overflow(std::ostream& out, const amp::OverflowReport& report);
 // After the injected step: the report of the overflow it caused, or why
 // there is none (a static scale never skips).
-void print_injection_outcome(std::ostream& out, amp::OptimizerRef optimizer);
+void print_injection_outcome(std::ostream& out, torch::optim::Optimizer& optimizer);
 // --measured_policy: how many GEMM/convolution shapes run in float32, and
 // the policy's table (amp/measured_policy.h).
 void print_measured_policy(std::ostream& out);

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <torch/torch.h>
 

@@ -17,6 +17,9 @@
 // a crash leaves its reproducer behind.
 #include <amp/internal/loss_scaling.h>
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
@@ -62,7 +65,7 @@ TORCH_MODULE(Net);
 struct Setup {
   amp::Handle handle;
   Net model;
-  amp::OptimizerPtr optimizer;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
 
   Setup() {
     torch::manual_seed(0);
@@ -154,7 +157,7 @@ std::vector<at::Tensor> snapshot(Setup& s) {
     }
   }
   for (int i = 0; i < 2; ++i) {
-    const auto state = amp::internal::mechanics(*amp::loss_scaler(i)).state();
+    const auto state = amp::internal::live_scaling(i).state();
     out.push_back(state.scale.clone());
     out.push_back(state.growth_tracker.clone());
     out.push_back(state.hysteresis_tracker.clone());

@@ -62,7 +62,7 @@ bool run_losses(const Program& p, int it, int ph, const Workload& w, const std::
       at::Tensor value = loss_forward(w, loss, batch_for(p, it, ph, l, mb), torch::kFloat);
       if (fault && fault->kind == FaultKind::kNaNLoss) value = value * std::numeric_limits<float>::quiet_NaN();
       if (loss.penalty > 0) {  // GradScaler's recipe: gradients of the scaled loss, unscaled by hand
-        const at::Tensor scale = internal::mechanics(*loss_scaler(loss.loss_id)).scale_tensor(value.device());
+        const at::Tensor scale = internal::live_scaling(loss.loss_id).scale_tensor(value.device());
         const auto params = w.models[penalty_model(loss)]->parameters();
         const auto grads = torch::autograd::grad({value.to(at::kFloat) * scale}, params, {}, true, true, true);
         for (const auto& g : grads) {

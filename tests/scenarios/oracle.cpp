@@ -22,6 +22,7 @@
 // or a step taken that should be skipped - move a tensor by a multiple of
 // its own update.
 #include "runs.h"
+#include <amp/internal/level_rules.h>
 
 #include <algorithm>
 
@@ -53,7 +54,7 @@ LevelRun level_run(const Program& p, OptLevel level) {
     PropertyOverrides half;
     half.cpu_dtype = c10::kHalf;
     try {
-      resolve_properties(level, half, c10::DeviceType::CPU);
+      internal::resolve_properties(level, half, c10::DeviceType::CPU);
       o.cpu_dtype = c10::kHalf;
     } catch (const c10::Error&) {  // a bfloat16-only level (O4/O5)
     }
@@ -61,20 +62,20 @@ LevelRun level_run(const Program& p, OptLevel level) {
   // O6 rounds stochastically in amp's fused optimizers only; with
   // LibTorch's own it runs rounding to nearest (initialize refuses them otherwise).
   if (level == O6 && !p.fused_step) o.stochastic_rounding = false;
-  const Properties defaults = resolve_properties(level, o, c10::DeviceType::CPU);
+  const Properties defaults = internal::resolve_properties(level, o, c10::DeviceType::CPU);
   if (p.dynamic_scaling || defaults.loss_scale.dynamic) o.loss_scale = LossScale::Dynamic(p.init_scale);
   o.dynamic_scaling.growth_interval = p.growth_interval;
   o.dynamic_scaling.max_loss_scale = p.max_scale;
-  const Properties resolved = resolve_properties(level, o, c10::DeviceType::CPU);
+  const Properties resolved = internal::resolve_properties(level, o, c10::DeviceType::CPU);
   run.options = o;
-  const bool casts_model = resolved.cast_model_type && is_low_precision(*resolved.cast_model_type);
+  const bool casts_model = resolved.cast_model_type && internal::is_low_precision(*resolved.cast_model_type);
   run.low_storage = casts_model && !resolved.master_weights;
   run.compute = casts_model || resolved.patch_torch_functions ? resolved.cpu_dtype : c10::kFloat;
   return run;
 }
 
 Trace expected_trace(const Program& p, const LevelRun& run) {
-  const Properties props = resolve_properties(run.level, run.options, c10::DeviceType::CPU);
+  const Properties props = internal::resolve_properties(run.level, run.options, c10::DeviceType::CPU);
   struct Scaler {
     double scale;
     int64_t tracker = 0;

@@ -6,6 +6,9 @@
 #include "program.h"
 
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <torch/types.h>
 
@@ -13,6 +16,11 @@
 #include <vector>
 
 namespace amp::scenarios {
+
+using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
+
+// The current scale of loss `loss_id` (reads the device).
+inline double loss_scale(int loss_id = 0) { return amp::loss_scaler(loss_id)->scale(); }
 
 // What happened to an optimizer's step in one iteration.
 enum Outcome : int64_t { kStepped = 0, kSkipped = 1, kNotStepped = 2 /* its phase threw */ };

@@ -6,6 +6,7 @@
 //
 // A failure prints the program and the one-line command that reproduces it.
 #include "program.h"
+#include <amp/internal/level_rules.h>
 #include "runs.h"
 
 #include <algorithm>
@@ -88,7 +89,7 @@ std::string message(const std::exception& e) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  std::vector<amp::OptLevel> levels = amp::all_opt_levels();
+  std::vector<amp::OptLevel> levels = amp::internal::all_opt_levels();
   if (!absl::GetFlag(FLAGS_opt_level).empty()) levels = {amp::parse_opt_level(absl::GetFlag(FLAGS_opt_level))};
 
   if (!absl::GetFlag(FLAGS_resume_from).empty()) {  // the fresh process of a restart

@@ -10,6 +10,9 @@
 //   5. Adam step with overflow check: amp's fused step vs amp with LibTorch's
 //      own step vs the same sequences by hand, with host syncs per step.
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 #include <amp/testing.h>
 
 #include "bench_util.h"
@@ -73,7 +76,7 @@ void dispatch_overhead() {
       if (mode == kNative) at::autocast::set_autocast_enabled(at::kCPU, true);
       if (mode == kAmp) {
         handle = std::make_unique<amp::Handle>();
-        handle->initialize(std::vector<amp::ModulePtr>{}, {}, quiet(amp::O1));
+        handle->initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, quiet(amp::O1));
       }
       for (size_t c = 0; c < cases.size(); ++c) {
         cases[c].call();  // warm: caches filled
@@ -99,7 +102,7 @@ void dispatch_overhead() {
   for (int r = 0; r < reps; ++r) {
     typed_or_plain.push_back(bench::ns_per_call([&] { at::relu(a_low); }, calls));
     amp::Handle handle;
-    handle.initialize(std::vector<amp::ModulePtr>{}, {}, quiet(amp::O1));
+    handle.initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, quiet(amp::O1));
     boxed.push_back(bench::ns_per_call([&] { at::relu(a_low); }, calls));
   }
   amp::reset_user_registrations();
@@ -159,7 +162,7 @@ void scaler_cost() {
   int64_t amp_syncs = 0;
   amp::Handle handle;
   // The scaler's cost around LibTorch's own step (section 5: fused).
-  amp::OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
+  std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::SGD>(params, 0.0);
   handle.initialize({}, {optimizer}, quiet(amp::O1));
   std::optional<amp::scale_loss> guard;
   for (int r = 0; r < reps; ++r) {
@@ -335,7 +338,7 @@ void peak_memory() {
     const auto x = torch::randn({128, 1, 28, 28});
     const auto y = torch::randint(0, 10, {128});
     examples::FashionNet model;
-    amp::OptimizerPtr optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
+    std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-3);
     amp::Handle handle;
     std::tie(model, optimizer) = handle.initialize(model, optimizer, quiet(level));
     auto step = [&] {
@@ -411,7 +414,7 @@ void fused_step_cost() {
   for (int block = 0; block < blocks; ++block) {
     for (int fused = 1; fused >= 0; --fused) {
       amp::Handle handle;
-      amp::OptimizerPtr optimizer;
+      std::shared_ptr<torch::optim::Optimizer> optimizer;
       if (fused == 1) optimizer = std::make_shared<amp::optim::FusedAdam>(params, 1e-3);
       if (fused == 0) optimizer = std::make_shared<torch::optim::Adam>(params, 1e-3);
       handle.initialize({}, {optimizer}, quiet(amp::O1));

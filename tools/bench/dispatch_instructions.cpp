@@ -6,6 +6,9 @@
 // (case, mode) is one callgrind dump; tools/bench/dispatch_instructions.sh
 // runs this under valgrind and prints the table.
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -57,7 +60,7 @@ int main() {
       options.overflow_provenance = mode == 3;
       if (mode == 3) grad_mode.emplace(true);
       handle = std::make_unique<amp::Handle>();
-      handle->initialize(std::vector<amp::ModulePtr>{}, {}, options);
+      handle->initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, options);
     }
     for (const OpCase& c : cases) {
       c.call();  // warm: caches filled, kernels looked up

@@ -17,6 +17,9 @@
 //
 //   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 #include <amp/testing.h>
 
 #include "common/char_transformer.h"
@@ -152,7 +155,7 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   const bool fused = mode != Mode::kO1Own && mode != Mode::kO2Own;
   at::globalContext().setAllowTF32CuBLAS(mode == Mode::kFp32Tf32);
   at::globalContext().setAllowTF32CuDNN(mode == Mode::kFp32Tf32);
-  amp::OptimizerPtr optimizer;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
   // O3 keeps AdamW's state in float16, where the default eps (1e-8) is 0.
   const double eps = mode == Mode::kO3 && low == at::kHalf ? 1e-4 : 1e-8;
   const auto adamw = torch::optim::AdamWOptions(1e-4).eps(eps);

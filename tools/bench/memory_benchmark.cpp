@@ -22,6 +22,9 @@
 //
 //   memory_benchmark --layers=4 --budget_mib=512 --train_steps=20
 #include <amp/amp.h>
+#include <amp/casting.h>
+#include <amp/diagnostics.h>
+#include <amp/distributed.h>
 
 #include "bench_util.h"
 #include "common/char_transformer.h"

@@ -35,19 +35,19 @@
 // exactly as before the call.
 #pragma once
 
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <string>
 
 namespace amp {
 
-// `models` and `optimizers` in braces or as std::vectors (refs.h).
-void save_checkpoint(const std::string& path, const ModelRefs& models, const OptimizerRefs& optimizers);
-void load_checkpoint(const std::string& path, const ModelRefs& models, const OptimizerRefs& optimizers);
+// `models` and `optimizers` in braces or as std::vectors (internal/refs.h).
+void save_checkpoint(const std::string& path, const internal::ModelRefs& models, const internal::OptimizerRefs& optimizers);
+void load_checkpoint(const std::string& path, const internal::ModelRefs& models, const internal::OptimizerRefs& optimizers);
 
 // Writes `model`'s parameters and buffers in float32, in the layout
 // torch::save(model, path) writes, for a float32 copy of the model to load
 // with torch::load - no amp needed there.
-void save_fp32_weights(ModelRef model, const std::string& path);
+void save_fp32_weights(internal::ModelRef model, const std::string& path);
 
 }  // namespace amp

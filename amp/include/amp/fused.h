@@ -48,6 +48,7 @@
 #include <vector>
 
 namespace amp::optim {
+namespace internal {
 
 class FusedStepping;  // private: per-parameter device step counts
 
@@ -76,7 +77,6 @@ class Fused {
   std::unique_ptr<FusedStepping> stepping_;
 };
 
-namespace internal {
 // LibTorch's optimizer classes amp fuses, with their options and kernel.
 template <class Base>
 struct Fusable;
@@ -95,20 +95,18 @@ struct Fusable<torch::optim::SGD> {
   using Options = torch::optim::SGDOptions;  // no default: SGD needs a learning rate
   static constexpr Fused::Kind kKind = Fused::Kind::kSgd;
 };
-}  // namespace internal
-
 // LibTorch's `Base` (Adam, AdamW, SGD) stepped by ATen's fused kernel: the
 // same constructors, options, state and checkpoints; step(closure) runs the
 // closure first, as LibTorch's does.
 template <class Base>
 class FusedOptimizer final : public Base, public Fused {
  public:
-  using Options = typename internal::Fusable<Base>::Options;
+  using Options = typename Fusable<Base>::Options;
   explicit FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                           Options defaults = {})
-      : Base(param_groups, defaults), Fused(internal::Fusable<Base>::kKind) {}
+      : Base(param_groups, defaults), Fused(Fusable<Base>::kKind) {}
   explicit FusedOptimizer(std::vector<at::Tensor> params, Options defaults = {})
-      : Base(std::move(params), defaults), Fused(internal::Fusable<Base>::kKind) {}
+      : Base(std::move(params), defaults), Fused(Fusable<Base>::kKind) {}
 
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
     at::Tensor loss = run_closure(closure);
@@ -122,8 +120,10 @@ class FusedOptimizer final : public Base, public Fused {
   }
 };
 
-using FusedAdam = FusedOptimizer<torch::optim::Adam>;
-using FusedAdamW = FusedOptimizer<torch::optim::AdamW>;
-using FusedSGD = FusedOptimizer<torch::optim::SGD>;
+}  // namespace internal
+
+using FusedAdam = internal::FusedOptimizer<torch::optim::Adam>;
+using FusedAdamW = internal::FusedOptimizer<torch::optim::AdamW>;
+using FusedSGD = internal::FusedOptimizer<torch::optim::SGD>;
 
 }  // namespace amp::optim

@@ -11,7 +11,7 @@
 // and LR schedulers, and passes its objects to functions taking
 // torch::optim::Optimizer& as before.
 //
-// Models and optimizers are taken as the program holds them (refs.h): objects
+// Models and optimizers are taken as the program holds them (internal/refs.h): objects
 // by value or by reference, TORCH_MODULE holders, std::shared_ptr to a module
 // or to an optimizer of any class. Several of each go in braces:
 //
@@ -73,7 +73,7 @@
 #include <amp/loss_scaler.h>
 #include <amp/options.h>
 #include <amp/internal/global_handle.h>
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <initializer_list>
 #include <memory>
@@ -88,8 +88,6 @@ namespace detail {
 class Context;
 }  // namespace detail
 
-using ModulePtr = std::shared_ptr<torch::nn::Module>;
-using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 
 // Owns one initialization of amp, for code that wants it scoped:
 //
@@ -119,21 +117,21 @@ class Handle {
   template <class Model, class... Rest>
   decltype(auto) initialize(Model&& model, Rest&&... rest);
 
-  // Several models and optimizers, each held any way refs.h accepts.
-  void initialize(std::initializer_list<ModelRef> models,
-                  std::initializer_list<OptimizerRef> optimizers, const Options& options = {}) {
-    initialize_refs(std::vector<ModelRef>(models), std::vector<OptimizerRef>(optimizers), options);
+  // Several models and optimizers, each held any way internal/refs.h accepts.
+  void initialize(std::initializer_list<internal::ModelRef> models,
+                  std::initializer_list<internal::OptimizerRef> optimizers, const Options& options = {}) {
+    initialize_refs(std::vector<internal::ModelRef>(models), std::vector<internal::OptimizerRef>(optimizers), options);
   }
-  void initialize(std::initializer_list<ModelRef> models, const Options& options) {
-    initialize_refs(std::vector<ModelRef>(models), {}, options);
+  void initialize(std::initializer_list<internal::ModelRef> models, const Options& options) {
+    initialize_refs(std::vector<internal::ModelRef>(models), {}, options);
   }
   // Vectors of shared pointers, as code written for the form that returned
   // them passes (the variadic form above takes vectors too).
-  std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
-      const std::vector<ModulePtr>& models, const std::vector<OptimizerPtr>& optimizers,
+  std::pair<std::vector<std::shared_ptr<torch::nn::Module>>, std::vector<std::shared_ptr<torch::optim::Optimizer>>> initialize(
+      const std::vector<std::shared_ptr<torch::nn::Module>>& models, const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
       const Options& options = {}) {
-    initialize_refs(std::vector<ModelRef>(models.begin(), models.end()),
-                    std::vector<OptimizerRef>(optimizers.begin(), optimizers.end()), options);
+    initialize_refs(std::vector<internal::ModelRef>(models.begin(), models.end()),
+                    std::vector<internal::OptimizerRef>(optimizers.begin(), optimizers.end()), options);
     return {models, optimizers};
   }
   // Ends this handle's initialization if it is still live; a no-op
@@ -144,8 +142,8 @@ class Handle {
   bool active() const;
 
  private:
-  void initialize_refs(const std::vector<ModelRef>& models,
-                       const std::vector<OptimizerRef>& optimizers, const Options& options);
+  void initialize_refs(const std::vector<internal::ModelRef>& models,
+                       const std::vector<internal::OptimizerRef>& optimizers, const Options& options);
 
   std::shared_ptr<detail::Context> context_;
 };
@@ -154,15 +152,15 @@ template <class Model, class... Rest>
 decltype(auto) initialize(Model&& model, Rest&&... rest) {
   return internal::global_handle().initialize(std::forward<Model>(model), std::forward<Rest>(rest)...);
 }
-inline void initialize(std::initializer_list<ModelRef> models,
-                       std::initializer_list<OptimizerRef> optimizers, const Options& options = {}) {
+inline void initialize(std::initializer_list<internal::ModelRef> models,
+                       std::initializer_list<internal::OptimizerRef> optimizers, const Options& options = {}) {
   internal::global_handle().initialize(models, optimizers, options);
 }
-inline void initialize(std::initializer_list<ModelRef> models, const Options& options) {
+inline void initialize(std::initializer_list<internal::ModelRef> models, const Options& options) {
   internal::global_handle().initialize(models, options);
 }
-inline std::pair<std::vector<ModulePtr>, std::vector<OptimizerPtr>> initialize(
-    const std::vector<ModulePtr>& models, const std::vector<OptimizerPtr>& optimizers,
+inline std::pair<std::vector<std::shared_ptr<torch::nn::Module>>, std::vector<std::shared_ptr<torch::optim::Optimizer>>> initialize(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& models, const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
     const Options& options = {}) {
   return internal::global_handle().initialize(models, optimizers, options);
 }
@@ -177,9 +175,6 @@ bool is_initialized();
 // The live initialization's resolved properties. Errors: not initialized.
 Properties properties();
 
-// The current scale of loss `loss_id` (reads the device). Errors: not
-// initialized, loss_id out of range.
-double loss_scale(int loss_id = 0);
 
 // The live initialization's scaler for `loss_id`: its knobs, its device
 // state. Shared with amp, so it stays valid after deinitialize (the final
@@ -189,69 +184,31 @@ std::shared_ptr<LossScaler> loss_scaler(int loss_id = 0);
 
 // ---- Implementation ----
 
-namespace refs {
-
-template <class T>
-struct VectorElement {
-  using type = void;
-};
-template <class T>
-struct VectorElement<std::vector<T>> {
-  using type = T;
-};
-template <class T>
-using Element = typename VectorElement<std::decay_t<T>>::type;
-
-// Shared pointers and holders: what initialize hands back.
-template <class T>
-inline constexpr bool kIsHandle =
-    kIsSharedPtr<T, torch::nn::Module> || kIsSharedPtr<T, torch::optim::Optimizer> ||
-    std::is_base_of_v<torch::detail::ModuleHolderIndicator, std::decay_t<T>>;
-template <class T>
-inline constexpr bool kReturnable = kIsHandle<T> || kIsHandle<Element<T>>;
-
-template <class T>
-inline constexpr bool kIsModels =
-    kIsModel<T> || std::is_same_v<Element<T>, ModelRef> || kIsModel<Element<T>>;
-template <class T>
-inline constexpr bool kIsOptimizers =
-    kIsOptimizer<T> || std::is_same_v<Element<T>, OptimizerRef> || kIsOptimizer<Element<T>>;
-
-template <class Ref, class T>
-std::vector<Ref> to_refs(T& x) {
-  if constexpr (std::is_void_v<Element<T>>) {
-    return {Ref(x)};
-  } else {
-    return std::vector<Ref>(x.begin(), x.end());
-  }
-}
-
-}  // namespace refs
 
 template <class Model, class... Rest>
 decltype(auto) Handle::initialize(Model&& model, Rest&&... rest) {
-  static_assert(refs::kIsModels<Model>,
+  static_assert(internal::kIsModels<Model>,
                 "amp::initialize(model, optimizer, opt_level): pass the model as the program holds "
                 "it: a torch::nn::Module object, a TORCH_MODULE holder, or a std::shared_ptr to a "
                 "module (several models go in braces: {a, b})");
   static_assert(sizeof...(Rest) <= 2, "amp::initialize takes (model, optimizer, opt_level)");
-  if constexpr (refs::kIsModels<Model> && sizeof...(Rest) <= 2) {
+  if constexpr (internal::kIsModels<Model> && sizeof...(Rest) <= 2) {
     if constexpr (sizeof...(Rest) == 0) {
-      initialize_refs(refs::to_refs<ModelRef>(model), {}, Options{});
-      if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
+      initialize_refs(internal::to_refs<internal::ModelRef>(model), {}, Options{});
+      if constexpr (internal::kReturnable<Model>) return std::decay_t<Model>(model);
     } else {
       auto&& second = std::get<0>(std::forward_as_tuple(rest...));
       using Second = decltype(second);
       if constexpr (std::is_convertible_v<Second, Options>) {
         static_assert(sizeof...(Rest) == 1, "amp::initialize(model, opt_level): the opt level comes last");
-        initialize_refs(refs::to_refs<ModelRef>(model), {}, Options(second));
-        if constexpr (refs::kReturnable<Model>) return std::decay_t<Model>(model);
+        initialize_refs(internal::to_refs<internal::ModelRef>(model), {}, Options(second));
+        if constexpr (internal::kReturnable<Model>) return std::decay_t<Model>(model);
       } else {
-        static_assert(refs::kIsOptimizers<Second>,
+        static_assert(internal::kIsOptimizers<Second>,
                       "amp::initialize(model, optimizer, opt_level): pass the optimizer as the "
                       "program holds it: a torch::optim::Optimizer object, a reference to one, or a "
                       "std::shared_ptr to one; the opt level is amp::O2, \"O2\" or amp::Options");
-        if constexpr (refs::kIsOptimizers<Second>) {
+        if constexpr (internal::kIsOptimizers<Second>) {
           Options options;
           if constexpr (sizeof...(Rest) == 2) {
             auto&& third = std::get<1>(std::forward_as_tuple(rest...));
@@ -260,8 +217,8 @@ decltype(auto) Handle::initialize(Model&& model, Rest&&... rest) {
                           "\"O2\" or amp::Options");
             options = Options(third);
           }
-          initialize_refs(refs::to_refs<ModelRef>(model), refs::to_refs<OptimizerRef>(second), options);
-          if constexpr (refs::kReturnable<Model> && refs::kReturnable<Second>) {
+          initialize_refs(internal::to_refs<internal::ModelRef>(model), internal::to_refs<internal::OptimizerRef>(second), options);
+          if constexpr (internal::kReturnable<Model> && internal::kReturnable<Second>) {
             return std::pair<std::decay_t<Model>, std::decay_t<Second>>(model, second);
           }
         }

@@ -3,7 +3,7 @@
 //
 // amp creates one scaler per loss (Options::num_losses) and drives it from the
 // scale_loss guard; most users never touch it directly. Read the current scale
-// with amp::loss_scale(loss_id) or scale_loss::loss_scale().
+// with amp::loss_scaler(loss_id)->scale() or, inside a guard, scale_loss::loss_scale().
 //
 // Dynamic scaling (Apex/GradScaler defaults): start at 2**16; on an overflow
 // (inf/NaN in the gradients) the step is skipped and the scale multiplied by
@@ -35,6 +35,9 @@
 #include <vector>
 
 namespace amp {
+namespace internal {
+class LossScaling;
+}  // namespace internal
 
 // Every scaler is created by amp (one per loss); programs reach them with
 // amp::loss_scaler(loss_id).
@@ -74,9 +77,10 @@ class LossScaler {
   // loading fails.
   void load(torch::serialize::InputArchive& archive);
 
- protected:
+ private:
   // The guard's side (scale, unscale, update, undo) is amp's own:
-  // amp/internal/loss_scaling.h.
+  // amp/internal/loss_scaling.h, the only kind of scaler amp makes.
+  friend class internal::LossScaling;
   LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id);
 
   int loss_id_;

@@ -19,6 +19,8 @@
 // before track_allocations(), or for a device type other than CPU and CUDA.
 #pragma once
 
+#include <torch/optim/optimizer.h>
+
 #include <c10/core/Device.h>
 
 #include <cstdint>
@@ -37,5 +39,24 @@ bool tracking_allocations();
 AllocatedBytes allocated_bytes(c10::Device device = c10::kCPU);
 // The peak becomes the current count.
 void reset_peak_allocated(c10::Device device = c10::kCPU);
+
+// What this rank holds for `optimizer` (passed to amp::initialize), in
+// bytes, measured from the tensors themselves (each storage once): what the
+// optimizer steps (O2's float32 masters, or with shard this rank's pieces),
+// its state, and the gradients of those and of the model's parameters;
+// `weights`: the low-precision copies forward computes with where the
+// optimizer steps something else (O2/O5's beside their masters, the
+// gathered weights under shard; 0 where it steps them itself: O0, O1, O3,
+// O6). `parameters` counts the elements of the whole parameters it trains,
+// for bytes per parameter. Errors: amp is not initialized; an optimizer not
+// passed to it.
+struct TrainingBytes {
+  int64_t weights = 0;
+  int64_t masters = 0;
+  int64_t optimizer_state = 0;
+  int64_t gradients = 0;
+  int64_t parameters = 0;
+};
+TrainingBytes training_bytes(const torch::optim::Optimizer& optimizer);
 
 }  // namespace amp

@@ -23,7 +23,7 @@
 // passed to the live amp::initialize.
 #pragma once
 
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -33,10 +33,10 @@
 namespace amp {
 
 // The tensors `optimizer` steps: its parameter groups' parameters.
-std::vector<at::Tensor> master_params(OptimizerRef optimizer);
+std::vector<at::Tensor> master_params(internal::OptimizerRef optimizer);
 
 // Steps of `optimizer` skipped after gradient overflows so far.
-int64_t skipped_steps(OptimizerRef optimizer);
+int64_t skipped_steps(internal::OptimizerRef optimizer);
 
 // Clips the gradients of `optimizer`'s parameters to a global 2-norm of at
 // most `max_norm` (as torch::nn::utils::clip_grad_norm_, coefficient
@@ -45,11 +45,11 @@ int64_t skipped_steps(OptimizerRef optimizer);
 // spans every rank's shard (a collective: every rank calls it). Call it
 // after the guard, or inside it after unscale(). Errors: max_norm not finite
 // and > 0; the optimizer accumulating (delay_unscale).
-at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm);
+at::Tensor clip_grad_norm(internal::OptimizerRef optimizer, double max_norm);
 
 // Whether the gradients of the latest guard over `optimizer` overflowed, so
 // that its next (or, for a fused optimizer, latest) step() was skipped.
 // Advance an LR scheduler only when it was not.
-bool last_step_skipped(OptimizerRef optimizer);
+bool last_step_skipped(internal::OptimizerRef optimizer);
 
 }  // namespace amp

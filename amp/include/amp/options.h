@@ -10,7 +10,7 @@
 // errors); bad values are errors that name the field and the fix.
 #pragma once
 
-#include <amp/distributed.h>
+#include <amp/data_parallel.h>
 #include <amp/opt_levels.h>
 
 #include <functional>

@@ -34,7 +34,7 @@
 // passed to the live amp::initialize.
 #pragma once
 
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <c10/core/ScalarType.h>
 
@@ -78,6 +78,6 @@ struct OverflowReport {
 // The latest overflow that skipped a step of `optimizer`, or nullopt if
 // none did (or provenance is off). After a fused step on a GPU it waits
 // for the device's verdict, as amp::last_step_skipped does.
-std::optional<OverflowReport> last_overflow(OptimizerRef optimizer);
+std::optional<OverflowReport> last_overflow(internal::OptimizerRef optimizer);
 
 }  // namespace amp

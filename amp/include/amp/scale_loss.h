@@ -8,7 +8,7 @@
 //   }                               // unscale, overflow check, scale update
 //   optimizer.step();               // the program's own step; skipped after an overflow
 //
-// The optimizer is passed as the program holds it (refs.h); several go in
+// The optimizer is passed as the program holds it (internal/refs.h); several go in
 // braces: amp::scale_loss scaled(loss, {opt_g, opt_d}).
 //
 // While the guard lives, amp's per-op casting is off on this thread. When it
@@ -46,7 +46,7 @@
 //
 // finish() ends the guard explicitly, where its errors are expected. The
 // destructor never throws: an error it meets (a failed distributed
-// all-reduce, an overflow at the scale's floor with AtFloor::kRaise) is
+// all-reduce, an overflow at the scale's floor with DynamicScaling::AtFloor::kRaise) is
 // raised by the next guard's constructor instead, after this guard's
 // gradients were discarded.
 //
@@ -71,10 +71,10 @@
 //     CUDA graphs.
 // unscale(): called twice, after finish(), or with delay_unscale.
 // finish(): called twice; errors of the overflow all-reduce; an overflow at
-// the floor with AtFloor::kRaise. The guard has ended when finish() throws.
+// the floor with DynamicScaling::AtFloor::kRaise. The guard has ended when finish() throws.
 #pragma once
 
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -92,12 +92,12 @@ struct ScaleLossOptions {
 
 class [[nodiscard]] scale_loss {
  public:
-  scale_loss(const at::Tensor& loss, OptimizerRef optimizer, ScaleLossOptions options = {});
-  scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+  scale_loss(const at::Tensor& loss, internal::OptimizerRef optimizer, ScaleLossOptions options = {});
+  scale_loss(const at::Tensor& loss, std::initializer_list<internal::OptimizerRef> optimizers,
              ScaleLossOptions options = {});
   template <class O>
   scale_loss(const at::Tensor& loss, const std::vector<O>& optimizers, ScaleLossOptions options = {})
-      : scale_loss(loss, std::vector<OptimizerRef>(optimizers.begin(), optimizers.end()), options, 0) {}
+      : scale_loss(loss, std::vector<internal::OptimizerRef>(optimizers.begin(), optimizers.end()), options, 0) {}
   ~scale_loss();
   scale_loss(const scale_loss&) = delete;
   scale_loss& operator=(const scale_loss&) = delete;
@@ -119,7 +119,7 @@ class [[nodiscard]] scale_loss {
   class State;  // the guard's transaction (private)
 
  private:
-  scale_loss(const at::Tensor& loss, std::vector<OptimizerRef> optimizers, ScaleLossOptions options,
+  scale_loss(const at::Tensor& loss, std::vector<internal::OptimizerRef> optimizers, ScaleLossOptions options,
              int);
   std::unique_ptr<State> state_;
 };

@@ -36,7 +36,7 @@
 // amp::initialize; a loss_id outside 0..num_losses-1.
 #pragma once
 
-#include <amp/refs.h>
+#include <amp/internal/refs.h>
 
 #include <c10/core/ScalarType.h>
 
@@ -74,7 +74,7 @@ struct PrecisionTelemetry {
 };
 
 // What the latest guard over `optimizer` recorded; nullopt before the first.
-std::optional<PrecisionTelemetry> precision_telemetry(OptimizerRef optimizer);
+std::optional<PrecisionTelemetry> precision_telemetry(internal::OptimizerRef optimizer);
 
 // The scale each guard of loss `loss_id` ran its backward with, oldest
 // first (at most the latest 10000).

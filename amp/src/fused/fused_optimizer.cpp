@@ -10,7 +10,7 @@
 
 #include <optional>
 
-namespace amp::optim {
+namespace amp::optim::internal {
 
 Fused::Fused(Kind kind) : stepping_(std::make_unique<FusedStepping>(kind)) {}
 Fused::Fused(Fused&&) noexcept = default;
@@ -60,4 +60,4 @@ template class FusedOptimizer<torch::optim::Adam>;
 template class FusedOptimizer<torch::optim::AdamW>;
 template class FusedOptimizer<torch::optim::SGD>;
 
-}  // namespace amp::optim
+}  // namespace amp::optim::internal

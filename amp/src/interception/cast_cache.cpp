@@ -1,4 +1,5 @@
 #include "interception/cast_cache.h"
+#include <amp/internal/level_rules.h>
 
 #include <amp/cast_cache.h>
 #include <amp/opt_levels.h>
@@ -231,7 +232,7 @@ bool is_view_of_weight(const at::Tensor& t) {
 bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
   // Without autograd metadata a tensor is neither a weight nor a view (views
   // always carry it): a pointer read instead of two calls through autograd.
-  return is_low_precision(to) && t.scalar_type() == at::kFloat &&
+  return internal::is_low_precision(to) && t.scalar_type() == at::kFloat &&
          t.unsafeGetTensorImpl()->autograd_meta() != nullptr && (is_weight(t) || is_view_of_weight(t)) &&
          !c10::InferenceMode::is_enabled() && at::autocast::is_autocast_cache_enabled();
 }

@@ -1,4 +1,5 @@
 #include <amp/casting_scope.h>
+#include <amp/internal/level_rules.h>
 
 #include <amp/opt_levels.h>
 
@@ -94,7 +95,7 @@ enable_casts::~enable_casts() = default;
 
 cast_dtype::cast_dtype(c10::ScalarType dtype, std::optional<c10::DeviceType> device) {
   detail::require_casting_session("amp::cast_dtype");
-  TORCH_CHECK(is_low_precision(dtype), "amp: cast_dtype needs float16 (c10::kHalf) or bfloat16 "
+  TORCH_CHECK(internal::is_low_precision(dtype), "amp: cast_dtype needs float16 (c10::kHalf) or bfloat16 "
               "(c10::kBFloat16), got ", dtype, ". For a region without casts use amp::disable_casts.");
   TORCH_CHECK(!device || *device == c10::DeviceType::CPU || *device == c10::DeviceType::CUDA,
               "amp: cast_dtype applies to CPU or CUDA, got device ", *device);

@@ -1,4 +1,5 @@
 #include <amp/model_conversion.h>
+#include <amp/internal/level_rules.h>
 
 #include <amp/opt_levels.h>
 
@@ -50,7 +51,7 @@ std::vector<LoweredTensor> lowered_tensors(
 std::vector<ConvertedParameter> convert_model(
     torch::nn::Module& model, c10::ScalarType dtype, bool keep_batchnorm_fp32,
     const std::function<bool(const torch::nn::Module&)>& keep_fp32) {
-  TORCH_CHECK(is_low_precision(dtype),
+  TORCH_CHECK(internal::is_low_precision(dtype),
               "amp: convert_model converts to float16 or bfloat16, got ", dtype);
   at::NoGradGuard no_grad;
   std::vector<ConvertedParameter> converted;

@@ -1,4 +1,5 @@
 #include "model/model_weights.h"
+#include <amp/internal/level_rules.h>
 
 #include "support/log.h"
 #include "support/trace_range.h"
@@ -219,7 +220,7 @@ at::Tensor ModelWeights::fp32_value(const at::Tensor& t) const {
   if (const Entry* e = find(t); e != nullptr && mode_ == Mode::kMasters && e->rest.defined()) {
     return e->rest.detach();
   }
-  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
+  return internal::is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
 }
 
 }  // namespace amp::detail

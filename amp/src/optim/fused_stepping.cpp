@@ -11,7 +11,7 @@
 #include <optional>
 #include <tuple>
 
-namespace amp::optim {
+namespace amp::optim::internal {
 namespace {
 
 bool kernel_ready(const at::Tensor& t, const at::Tensor& param, c10::ScalarType dtype) {
@@ -313,4 +313,4 @@ void FusedStepping::adopt_device_counts(StateMap& state) {
   }
 }
 
-}  // namespace amp::optim
+}  // namespace amp::optim::internal

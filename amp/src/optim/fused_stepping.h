@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace amp::optim {
+namespace amp::optim::internal {
 
 // O6 (Properties::stochastic_rounding): bfloat16 parameters are stepped in
 // float32 copies, a chunk at a time, and the results - and, with a
@@ -76,4 +76,4 @@ class FusedStepping {
   std::unordered_map<void*, at::Tensor> device_steps_;  // Adam's step counts
 };
 
-}  // namespace amp::optim
+}  // namespace amp::optim::internal

@@ -12,7 +12,7 @@ namespace amp::detail {
 
 using namespace torch::optim;
 
-optim::Fused* fused_optimizer(Optimizer& optimizer) { return dynamic_cast<optim::Fused*>(&optimizer); }
+optim::internal::Fused* fused_optimizer(Optimizer& optimizer) { return dynamic_cast<optim::internal::Fused*>(&optimizer); }
 
 std::optional<double> optimizer_eps(const OptimizerOptions& options) {
   if (auto* o = dynamic_cast<const AdamOptions*>(&options)) return o->eps();

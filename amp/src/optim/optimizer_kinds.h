@@ -16,7 +16,7 @@
 namespace amp::detail {
 
 // amp's fused optimizer behind `optimizer`, or null.
-optim::Fused* fused_optimizer(torch::optim::Optimizer& optimizer);
+optim::internal::Fused* fused_optimizer(torch::optim::Optimizer& optimizer);
 
 // The epsilon of Adam, AdamW, RMSprop and Adagrad options.
 std::optional<double> optimizer_eps(const torch::optim::OptimizerOptions& options);

@@ -1,4 +1,5 @@
 #include <amp/checkpoint.h>
+#include <amp/internal/level_rules.h>
 
 #include <amp/opt_levels.h>
 #include <amp/state.h>
@@ -43,7 +44,7 @@ at::Tensor fp32_value(const at::Tensor& t, const MasterValues& masters) {
   if (auto it = masters.find(t.unsafeGetTensorImpl()); it != masters.end()) return it->second;
   const auto context = detail::live_context();
   if (context) return context->weights().fp32_value(t);
-  return is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
+  return internal::is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
 }
 
 // The dtype `optimizer` keeps its state in: with stochastic rounding (O6)
@@ -54,7 +55,7 @@ detail::StateDtype state_dtype(const detail::Context& context, torch::optim::Opt
   return [rounded](const at::Tensor& p) { return detail::kept_state_dtype(p.scalar_type(), rounded); };
 }
 
-torch::nn::Module& model_of(const ModelRef& ref) {
+torch::nn::Module& model_of(const internal::ModelRef& ref) {
   TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's models; got a null one.");
   return *ref.get();
 }
@@ -78,9 +79,9 @@ void write_module(const torch::nn::Module& module, torch::serialize::OutputArchi
 
 // Pending fused steps settled, so the state's host step counts are current.
 std::vector<torch::optim::Optimizer*> settled(detail::Context& context,
-                                              const std::vector<OptimizerRef>& optimizers) {
+                                              const std::vector<internal::OptimizerRef>& optimizers) {
   std::vector<torch::optim::Optimizer*> out;
-  for (const OptimizerRef& ref : optimizers) {
+  for (const internal::OptimizerRef& ref : optimizers) {
     TORCH_CHECK(ref.get() != nullptr, "amp: checkpoints take the program's optimizers; got a null one.");
     if (detail::OptimizerStep* step = context.step_of(*ref.get())) step->catch_up();
     out.push_back(ref.get());
@@ -120,9 +121,9 @@ void read_module(torch::nn::Module& module, torch::serialize::InputArchive& arch
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
+void save_checkpoint(const std::string& path, const internal::ModelRefs& model_refs, const internal::OptimizerRefs& optimizer_refs) {
   auto context = detail::require_live_context("amp::save_checkpoint");
-  const std::vector<ModelRef>& models = model_refs.items();
+  const std::vector<internal::ModelRef>& models = model_refs.items();
   const auto optimizers = settled(*context, optimizer_refs.items());
   const MasterValues masters = gathered_masters();
   torch::serialize::OutputArchive archive;
@@ -144,9 +145,9 @@ void save_checkpoint(const std::string& path, const ModelRefs& model_refs, const
   if (writes_files()) archive.save_to(path);
 }
 
-void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const OptimizerRefs& optimizer_refs) {
+void load_checkpoint(const std::string& path, const internal::ModelRefs& model_refs, const internal::OptimizerRefs& optimizer_refs) {
   auto context = detail::require_live_context("amp::load_checkpoint");
-  const std::vector<ModelRef>& models = model_refs.items();
+  const std::vector<internal::ModelRef>& models = model_refs.items();
   const auto optimizers = settled(*context, optimizer_refs.items());
   torch::serialize::InputArchive archive;
   try {
@@ -203,7 +204,7 @@ void load_checkpoint(const std::string& path, const ModelRefs& model_refs, const
   }
 }
 
-void save_fp32_weights(ModelRef model, const std::string& path) {
+void save_fp32_weights(internal::ModelRef model, const std::string& path) {
   torch::serialize::OutputArchive archive;
   write_module(model_of(model), archive, gathered_masters());
   if (writes_files()) archive.save_to(path);

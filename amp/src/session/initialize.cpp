@@ -1,4 +1,5 @@
 #include <amp/initialize.h>
+#include <amp/internal/level_rules.h>
 
 #include <amp/hardware.h>
 #include <amp/model_conversion.h>
@@ -198,7 +199,7 @@ void check_data_parallel(const Options& o, const Modules& models) {
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
 // of 1, which never skips), marked disabled.
 Properties disabled_properties(c10::Device device) {
-  Properties p = resolve_properties(O0, PropertyOverrides{}, device.type());
+  Properties p = internal::resolve_properties(O0, PropertyOverrides{}, device.type());
   p.enabled = false;
   return p;
 }
@@ -322,8 +323,8 @@ detail::NamedBuffers model_buffers(const Modules& models) {
 
 }  // namespace
 
-void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
-                             const std::vector<OptimizerRef>& optimizer_refs,
+void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
+                             const std::vector<internal::OptimizerRef>& optimizer_refs,
                              const Options& options) {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
   if (auto live = detail::live_context()) {
@@ -335,7 +336,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
   TORCH_CHECK(options.verbosity >= 0 && options.verbosity <= 2,
               "amp: verbosity must be 0, 1 or 2, got ", options.verbosity);
   Modules models;
-  for (const ModelRef& ref : model_refs) {
+  for (const internal::ModelRef& ref : model_refs) {
     torch::nn::Module* model = ref.get();
     TORCH_CHECK(model != nullptr, "amp: initialize got a null model.");
     TORCH_CHECK(model->name().find("DataParallel") == std::string::npos, "amp: the model is "
@@ -344,7 +345,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
     models.push_back(model);
   }
   Optimizers optimizers;
-  for (const OptimizerRef& ref : optimizer_refs) {
+  for (const internal::OptimizerRef& ref : optimizer_refs) {
     torch::optim::Optimizer* optimizer = ref.get();
     TORCH_CHECK(optimizer != nullptr, "amp: initialize got a null optimizer.");
     TORCH_CHECK(std::find(optimizers.begin(), optimizers.end(), optimizer) == optimizers.end(),
@@ -352,7 +353,7 @@ void Handle::initialize_refs(const std::vector<ModelRef>& model_refs,
     optimizers.push_back(optimizer);
   }
   const c10::Device device = common_device(models, optimizers);
-  const Properties requested = resolve_properties(options.opt_level, options, device.type());
+  const Properties requested = internal::resolve_properties(options.opt_level, options, device.type());
   const Properties properties = options.enabled ? requested : disabled_properties(device);
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
@@ -417,8 +418,8 @@ std::shared_ptr<LossScaler> loss_scaler(int loss_id) {
   return detail::require_live_context("amp::loss_scaler")->shared_scaler(loss_id);
 }
 
-double loss_scale(int loss_id) {
-  return detail::require_live_context("amp::loss_scale")->scaler(loss_id).scale();
+internal::LossScaling& internal::live_scaling(int loss_id) {
+  return *detail::require_live_context("amp::internal::live_scaling")->shared_scaler(loss_id);
 }
 
 }  // namespace amp

@@ -1,7 +1,7 @@
 // amp::training_bytes (distributed.h): what an optimizer's training holds,
 // read across the layers - masters, lowered or sharded weights, state,
 // gradients.
-#include <amp/distributed.h>
+#include <amp/memory.h>
 
 #include "optim/optimizer_kinds.h"
 #include "session/context.h"

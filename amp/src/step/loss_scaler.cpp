@@ -1,4 +1,5 @@
 #include <amp/internal/loss_scaling.h>
+#include <amp/internal/level_rules.h>
 
 #include "optim/non_finite_check.h"
 #include "support/trace_range.h"
@@ -93,7 +94,7 @@ void LossScaler::set_dynamic_scaling(const DynamicScaling& scaling) {
   TORCH_CHECK(dynamic_, "amp: loss scaler ", loss_id_, " uses a static scale, which never changes; "
               "its dynamic knobs would do nothing. Initialize with "
               "amp::LossScale::Dynamic() to tune them.");
-  check_dynamic_scaling(scaling);
+  internal::check_dynamic_scaling(scaling);
   options_ = scaling;
   hysteresis_tracker_.clamp_max_(scaling.hysteresis);
 }
@@ -136,7 +137,7 @@ DynamicScaling knobs_from(const std::vector<double>& v) {
   d.hysteresis = static_cast<int64_t>(v[3]);
   d.max_loss_scale = v[4];
   if (!std::isnan(v[5])) d.min_loss_scale = v[5];
-  d.at_floor = v[6] == 0 ? AtFloor::kHold : AtFloor::kRaise;
+  d.at_floor = v[6] == 0 ? DynamicScaling::AtFloor::kHold : DynamicScaling::AtFloor::kRaise;
   return d;
 }
 
@@ -184,7 +185,7 @@ void LossScaler::load(torch::serialize::InputArchive& archive) {
     }
     knobs = knobs_from(values);
     try {
-      check_dynamic_scaling(*knobs);
+      internal::check_dynamic_scaling(*knobs);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "amp: loss scaler ", loss_id_, " was saved with knobs out of range (",
                   e.msg(), "). The checkpoint is corrupt.");

@@ -10,13 +10,13 @@
 namespace amp {
 namespace {
 
-detail::OptimizerStep& step_of(OptimizerRef optimizer, const char* what) {
+detail::OptimizerStep& step_of(internal::OptimizerRef optimizer, const char* what) {
   return detail::require_step_session(what)->require_step(optimizer.get(), what);
 }
 
 }  // namespace
 
-std::vector<at::Tensor> master_params(OptimizerRef optimizer) {
+std::vector<at::Tensor> master_params(internal::OptimizerRef optimizer) {
   const detail::OptimizerStep& step = step_of(optimizer, "amp::master_params");
   std::vector<at::Tensor> out;
   for (const auto& group : step.optimizer().param_groups()) {
@@ -25,11 +25,11 @@ std::vector<at::Tensor> master_params(OptimizerRef optimizer) {
   return out;
 }
 
-int64_t skipped_steps(OptimizerRef optimizer) {
+int64_t skipped_steps(internal::OptimizerRef optimizer) {
   return step_of(optimizer, "amp::skipped_steps").skipped_steps();
 }
 
-bool last_step_skipped(OptimizerRef optimizer) {
+bool last_step_skipped(internal::OptimizerRef optimizer) {
   return step_of(optimizer, "amp::last_step_skipped").last_step_skipped();
 }
 
@@ -37,7 +37,7 @@ bool last_step_skipped(OptimizerRef optimizer) {
 
 namespace amp {
 
-at::Tensor clip_grad_norm(OptimizerRef optimizer, double max_norm) {
+at::Tensor clip_grad_norm(internal::OptimizerRef optimizer, double max_norm) {
   const auto session = detail::require_step_session("amp::clip_grad_norm");
   detail::OptimizerStep& step = session->require_step(optimizer.get(), "amp::clip_grad_norm");
   TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0, "amp: clip_grad_norm needs a finite "

@@ -11,7 +11,7 @@ namespace amp::detail {
 
 struct OptimizerStep::PendingStep {
   DeferredVerdicts verdicts;
-  optim::FusedAttempt attempt;
+  optim::internal::FusedAttempt attempt;
   bool gradients_live = true;  // the gradients are still this step's
 };
 
@@ -27,7 +27,7 @@ const char* to_string(OptimizerStep::State state) {
   return "?";
 }
 
-OptimizerStep::OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused)
+OptimizerStep::OptimizerStep(torch::optim::Optimizer& optimizer, optim::internal::Fused* fused)
     : optimizer_(&optimizer), fused_(fused) {}
 
 OptimizerStep::~OptimizerStep() = default;
@@ -196,7 +196,7 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   Verdicts verdicts = std::exchange(queued_, {});
   try {
     decision.skip = read_verdicts(verdicts);
-  } catch (...) {  // an overflow at the floor with AtFloor::kRaise: skipped
+  } catch (...) {  // an overflow at the floor with DynamicScaling::AtFloor::kRaise: skipped
     drop_gradients();
     record_outcome(true);
     throw;
@@ -224,7 +224,7 @@ void OptimizerStep::check_capturable(bool kernels_apply) const {
               "amp::skipped_steps inside the captured region); read them outside it.");
 }
 
-void OptimizerStep::end_fused_step(optim::FusedAttempt attempt, FusedDecision decision) {
+void OptimizerStep::end_fused_step(optim::internal::FusedAttempt attempt, FusedDecision decision) {
   const bool in_capture = capturing();
   if (in_capture || captured_) {  // the device keeps the last outcome; replays count there
     const at::Tensor skipped = decision.found_inf.defined()
@@ -262,7 +262,7 @@ void OptimizerStep::settle(bool wait) {
     std::exception_ptr error;
     try {
       skipped = step.verdicts.resolve();
-    } catch (...) {  // an overflow at the floor with AtFloor::kRaise: the step was skipped
+    } catch (...) {  // an overflow at the floor with DynamicScaling::AtFloor::kRaise: the step was skipped
       error = std::current_exception();
     }
     fused_->stepping().settle(step.attempt, skipped, optimizer_->state());

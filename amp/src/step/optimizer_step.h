@@ -51,7 +51,7 @@
 #include <optional>
 #include <vector>
 
-namespace amp::optim {
+namespace amp::optim::internal {
 struct FusedAttempt;
 }
 
@@ -80,7 +80,7 @@ class OptimizerStep {
  public:
   enum class State : uint8_t { kReady, kInGuard, kAccumulating };
 
-  OptimizerStep(torch::optim::Optimizer& optimizer, optim::Fused* fused);
+  OptimizerStep(torch::optim::Optimizer& optimizer, optim::internal::Fused* fused);
   ~OptimizerStep();
 
   State state() const { return state_; }
@@ -109,7 +109,7 @@ class OptimizerStep {
   FusedDecision begin_fused_step(bool kernels_apply);
   // The kernels ran as `decision` said: with a device verdict the step is
   // pending until it reaches the host; without one it was taken.
-  void end_fused_step(optim::FusedAttempt attempt, FusedDecision decision);
+  void end_fused_step(optim::internal::FusedAttempt attempt, FusedDecision decision);
 
   int64_t skipped_steps();
   bool last_step_skipped();
@@ -136,7 +136,7 @@ class OptimizerStep {
   void check_capturable(bool kernels_apply) const;
 
   torch::optim::Optimizer* optimizer_;
-  optim::Fused* fused_;
+  optim::internal::Fused* fused_;
   State state_ = State::kReady;
   State before_guard_ = State::kReady;
   int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry

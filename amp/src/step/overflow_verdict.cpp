@@ -113,13 +113,13 @@ bool judge(const Verdicts& verdicts) {
   for (const auto& v : verdicts) {
     skip = skip || v->overflow;
     const LossScaler& scaler = v->session->scaler(v->loss_id);
-    TORCH_CHECK(!(v->overflow && scaler.dynamic_scaling().at_floor == AtFloor::kRaise &&
+    TORCH_CHECK(!(v->overflow && scaler.dynamic_scaling().at_floor == DynamicScaling::AtFloor::kRaise &&
                   v->scale_before <= scaler.floor()),
                 "amp: gradients overflowed with loss scaler ", v->loss_id,
                 " already at its floor min_loss_scale=", scaler.floor(),
                 ", so training cannot progress. Look for inf/NaN in the loss, inputs or "
                 "weights, or lower the learning rate; set DynamicScaling::at_floor = "
-                "AtFloor::kHold to keep skipping instead. This step was skipped.");
+                "DynamicScaling::AtFloor::kHold to keep skipping instead. This step was skipped.");
   }
   return skip;
 }

@@ -153,7 +153,7 @@ const detail::TelemetryRecorder& recorder_of(const detail::StepSession& session,
 
 }  // namespace
 
-std::optional<PrecisionTelemetry> precision_telemetry(OptimizerRef optimizer) {
+std::optional<PrecisionTelemetry> precision_telemetry(internal::OptimizerRef optimizer) {
   const auto context = detail::require_step_session("amp::precision_telemetry");
   const auto& recorder = recorder_of(*context, "amp::precision_telemetry");
   context->require_step(optimizer.get(), "amp::precision_telemetry");

@@ -20,7 +20,7 @@
 namespace amp {
 namespace detail {
 
-Guard::Guard(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers, ScaleLossOptions guard_options)
+Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& optimizers, ScaleLossOptions guard_options)
     : session(require_step_session("amp::scale_loss")), options(guard_options) {
   session->rethrow_deferred_error();
   TORCH_CHECK(loss.defined(), "amp: scale_loss got an undefined loss tensor.");
@@ -33,7 +33,7 @@ Guard::Guard(const at::Tensor& loss, const std::vector<OptimizerRef>& optimizers
               session->num_losses(), " (loss_id 0..", session->num_losses() - 1, ").");
   TORCH_CHECK(!optimizers.empty(), "amp: scale_loss needs the optimizer(s) that will step "
               "these gradients.");
-  for (const OptimizerRef& ref : optimizers) {  // validate everything before changing anything
+  for (const internal::OptimizerRef& ref : optimizers) {  // validate everything before changing anything
     OptimizerStep& step = session->require_step(ref.get(), "amp::scale_loss");
     TORCH_CHECK(std::find(steps.begin(), steps.end(), &step) == steps.end(),
                 "amp: scale_loss got the same optimizer twice.");
@@ -152,7 +152,7 @@ void Guard::commit() {
     bool overflow = true;
     try {
       overflow = read_verdicts({verdict_});
-    } catch (...) {  // an overflow at the floor with AtFloor::kRaise
+    } catch (...) {  // an overflow at the floor with DynamicScaling::AtFloor::kRaise
       error = std::current_exception();
     }
     outcome.verdict = overflow ? GuardOutcome::Verdict::kOverflow : GuardOutcome::Verdict::kClean;
@@ -189,14 +189,14 @@ class scale_loss::State final : public detail::Guard {
   using Guard::Guard;
 };
 
-scale_loss::scale_loss(const at::Tensor& loss, OptimizerRef optimizer, ScaleLossOptions options)
-    : scale_loss(loss, std::vector<OptimizerRef>{optimizer}, options, 0) {}
+scale_loss::scale_loss(const at::Tensor& loss, internal::OptimizerRef optimizer, ScaleLossOptions options)
+    : scale_loss(loss, std::vector<internal::OptimizerRef>{optimizer}, options, 0) {}
 
-scale_loss::scale_loss(const at::Tensor& loss, std::initializer_list<OptimizerRef> optimizers,
+scale_loss::scale_loss(const at::Tensor& loss, std::initializer_list<internal::OptimizerRef> optimizers,
                        ScaleLossOptions options)
-    : scale_loss(loss, std::vector<OptimizerRef>(optimizers), options, 0) {}
+    : scale_loss(loss, std::vector<internal::OptimizerRef>(optimizers), options, 0) {}
 
-scale_loss::scale_loss(const at::Tensor& loss, std::vector<OptimizerRef> optimizers,
+scale_loss::scale_loss(const at::Tensor& loss, std::vector<internal::OptimizerRef> optimizers,
                        ScaleLossOptions options, int)
     : state_(std::make_unique<State>(loss, optimizers, options)) {}
 

@@ -27,9 +27,12 @@
 // Example:
 //   amp::PropertyOverrides overrides;
 //   overrides.keep_batchnorm_fp32 = false;
-//   amp::Properties p = amp::resolve_properties(amp::O2, overrides, c10::kCUDA);
+//   amp::Options options = amp::O2;
+//   options.keep_batchnorm_fp32 = false;       // PropertyOverrides are Options' base
+//   amp::initialize(model, optimizer, options);
+//   std::cout << amp::describe(amp::properties());
 //
-// Errors (c10::Error, thrown by resolve_properties and parse_opt_level):
+// Errors (c10::Error, thrown by amp::initialize and parse_opt_level):
 //   - an unknown level name ("o1", "0O", "O9"): lists the valid names and notes
 //     that the O is the letter O;
 //   - cast_model_type other than float32 under O1/O4 (use O2 or O3 to cast the
@@ -42,7 +45,7 @@
 //     anything but bfloat16 (it rounds updates into bf16 weights: use O6);
 //   - optimizer_state_dtype other than float32/bfloat16, or set without
 //     stochastic_rounding (other levels keep the state in the weights' dtype);
-//   - scaler values out of range (check_dynamic_scaling): a loss scale <= 0
+//   - scaler values out of range: a loss scale <= 0
 //     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
 //     growth_interval or hysteresis < 1 or above 2^31-1 (int32 counters),
 //     min_loss_scale > max_loss_scale.
@@ -77,12 +80,7 @@ inline constexpr OptLevel O6 = OptLevel::O6;  // bfloat16 weights, no masters, s
 // "O0".."O5". Anything else is an error listing the valid names.
 OptLevel parse_opt_level(std::string_view name);
 const char* to_string(OptLevel level);
-// Every level, in table order.
-std::vector<OptLevel> all_opt_levels();
 
-// float16 or bfloat16: the dtypes amp computes in. Inline: every casting
-// call asks.
-inline bool is_low_precision(c10::ScalarType dtype) { return dtype == c10::kHalf || dtype == c10::kBFloat16; }
 
 // What the optimizer steps and how gradients are scaled.
 struct LossScale {
@@ -93,12 +91,12 @@ struct LossScale {
   static LossScale Static(double scale) { return {false, scale}; }
 };
 
-// What a dynamic scaler does when gradients overflow with the scale already at
-// min_loss_scale: keep skipping steps at the floor, or throw.
-enum class AtFloor : uint8_t { kHold, kRaise };
-
 // Knobs of dynamic loss scaling (Apex, GradScaler, DeepSpeed, Megatron).
 struct DynamicScaling {
+  // What a dynamic scaler does when gradients overflow with the scale
+  // already at min_loss_scale: keep skipping steps at the floor, or throw.
+  enum class AtFloor : uint8_t { kHold, kRaise };
+
   double growth_factor = 2.0;     // scale *= growth_factor after growth_interval clean steps
   double backoff_factor = 0.5;    // scale *= backoff_factor on overflow
   int64_t growth_interval = 2000;
@@ -173,15 +171,6 @@ struct Properties {
   // cannot patch forward, so the dispatcher does what Apex's forward patch did).
   bool intercepts_ops() const;
 };
-
-// Applies `overrides` to `level`'s defaults and validates the result. The
-// model's device picks O2/O3's cast_model_type (its low-precision dtype).
-Properties resolve_properties(OptLevel level, const PropertyOverrides& overrides,
-                              c10::DeviceType model_device = c10::DeviceType::CUDA);
-
-// Throws c10::Error naming the field when a knob is out of range (the
-// ranges listed above); Options and LossScaler::set_dynamic_scaling use it.
-void check_dynamic_scaling(const DynamicScaling& scaling);
 
 // A short multi-line table of the resolved properties (printed at verbosity 1).
 std::string describe(const Properties& properties);

@@ -45,8 +45,9 @@ class LossScaling : public LossScaler {
   void update_with_hysteresis(const at::Tensor& found_inf);
 };
 
-// The guard's side of a scaler amp handed out (amp creates every scaler as
-// a LossScaling).
-inline LossScaling& mechanics(LossScaler& scaler) { return static_cast<LossScaling&>(scaler); }
+// The live initialization's scaler of `loss_id`, its guard side (for tests
+// and tools that drive or inspect the mechanics). Errors: amp is not
+// initialized; loss_id out of range.
+LossScaling& live_scaling(int loss_id = 0);
 
 }  // namespace amp::internal

@@ -1,5 +1,6 @@
-// ModelRef and OptimizerRef: how amp takes the program's models and
-// optimizers - the way the program already holds them.
+// Internal: how amp takes the program's models and optimizers - the way the
+// program already holds them. Programs never name these types: they pass
+// their objects, and these adapters convert implicitly.
 //
 //   Net model;                                         // by value (LibTorch's MNIST example)
 //   torch::optim::Adam optimizer(model.parameters());  // by value
@@ -27,9 +28,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace amp {
+namespace amp::internal {
 
-namespace refs {
 
 template <class T>
 struct SharedPointee {
@@ -59,20 +59,18 @@ inline constexpr bool kIsOptimizer =
 template <class T>
 inline constexpr bool kAlwaysFalse = false;
 
-}  // namespace refs
-
 class ModelRef {
  public:
-  template <class T, std::enable_if_t<refs::kIsObject<T, torch::nn::Module>, int> = 0>
+  template <class T, std::enable_if_t<kIsObject<T, torch::nn::Module>, int> = 0>
   ModelRef(T& module) : module_(&module) {}  // NOLINT: implicit by design
   template <class T, std::enable_if_t<std::is_base_of_v<torch::nn::Module, T>, int> = 0>
   ModelRef(const std::shared_ptr<T>& module) : module_(module.get()) {}  // NOLINT
   template <class T>
   ModelRef(const torch::nn::ModuleHolder<T>& holder)  // NOLINT
       : module_(holder.is_empty() ? nullptr : holder.ptr().get()) {}
-  template <class T, std::enable_if_t<!refs::kIsModel<T>, int> = 0>
+  template <class T, std::enable_if_t<!kIsModel<T>, int> = 0>
   ModelRef(const T&) {  // NOLINT
-    static_assert(refs::kAlwaysFalse<T>,
+    static_assert(kAlwaysFalse<T>,
                   "amp: pass a model as the program holds it: a torch::nn::Module object "
                   "(Net model;), a TORCH_MODULE holder, or a std::shared_ptr to a module");
   }
@@ -86,13 +84,13 @@ class ModelRef {
 
 class OptimizerRef {
  public:
-  template <class T, std::enable_if_t<refs::kIsObject<T, torch::optim::Optimizer>, int> = 0>
+  template <class T, std::enable_if_t<kIsObject<T, torch::optim::Optimizer>, int> = 0>
   OptimizerRef(T& optimizer) : optimizer_(&optimizer) {}  // NOLINT: implicit by design
   template <class T, std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, T>, int> = 0>
   OptimizerRef(const std::shared_ptr<T>& optimizer) : optimizer_(optimizer.get()) {}  // NOLINT
-  template <class T, std::enable_if_t<!refs::kIsOptimizer<T>, int> = 0>
+  template <class T, std::enable_if_t<!kIsOptimizer<T>, int> = 0>
   OptimizerRef(const T&) {  // NOLINT
-    static_assert(refs::kAlwaysFalse<T>,
+    static_assert(kAlwaysFalse<T>,
                   "amp: pass an optimizer as the program holds it: a torch::optim::Optimizer "
                   "object (torch::optim::Adam optimizer(...);), a reference to one, or a "
                   "std::shared_ptr to one");
@@ -121,4 +119,41 @@ class RefList {
 using ModelRefs = RefList<ModelRef>;
 using OptimizerRefs = RefList<OptimizerRef>;
 
-}  // namespace amp
+// amp::initialize's forms: what a model or optimizer argument may be, and
+// whether initialize returns it.
+template <class T>
+struct VectorElement {
+  using type = void;
+};
+template <class T>
+struct VectorElement<std::vector<T>> {
+  using type = T;
+};
+template <class T>
+using Element = typename VectorElement<std::decay_t<T>>::type;
+
+// Shared pointers and holders: what initialize hands back.
+template <class T>
+inline constexpr bool kIsHandle =
+    kIsSharedPtr<T, torch::nn::Module> || kIsSharedPtr<T, torch::optim::Optimizer> ||
+    std::is_base_of_v<torch::detail::ModuleHolderIndicator, std::decay_t<T>>;
+template <class T>
+inline constexpr bool kReturnable = kIsHandle<T> || kIsHandle<Element<T>>;
+
+template <class T>
+inline constexpr bool kIsModels =
+    kIsModel<T> || std::is_same_v<Element<T>, ModelRef> || kIsModel<Element<T>>;
+template <class T>
+inline constexpr bool kIsOptimizers =
+    kIsOptimizer<T> || std::is_same_v<Element<T>, OptimizerRef> || kIsOptimizer<Element<T>>;
+
+template <class Ref, class T>
+std::vector<Ref> to_refs(T& x) {
+  if constexpr (std::is_void_v<Element<T>>) {
+    return {Ref(x)};
+  } else {
+    return std::vector<Ref>(x.begin(), x.end());
+  }
+}
+
+}  // namespace amp::internal

@@ -1,0 +1,70 @@
+// DataParallel (Options::data_parallel): train data-parallel over a c10d
+// process group with the single-process loop as written - amp averages each
+// guard's gradients across the ranks while backward runs, and with `shard`
+// spreads O2/O5's float32 masters, the optimizer's state and the gradients
+// over the ranks (ZeRO-2). How it works, what each rank holds, and the
+// rules of sharding: docs/guide.md, "Data-parallel training".
+//
+//   amp::Options options = amp::O2;
+//   options.data_parallel.group = process_group;   // ProcessGroupGloo, ProcessGroupNCCL, ...
+//   options.data_parallel.shard = true;            // optional: ZeRO-2
+//   amp::initialize(model, optimizer, options);
+//
+// Errors (c10::Error, at initialize, nothing changed): both
+// data_parallel.group and reduce_overflow set; reduce_dtype not float32,
+// float16 or bfloat16; bucket_bytes < 1; gather_timeout < 1 ms; sparse
+// gradients (Embedding with sparse=true) with a group. With shard: no group;
+// a level that steps the model's own weights (not O2, O5 or O6 with
+// stochastic rounding); no optimizer; an optimizer other than SGD, Adam,
+// AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups
+// or optimizers; an optimizer that already holds state (load it after
+// initialize with amp::load_checkpoint). At a guard's opening (shard): a
+// model parameter with a gradient (a backward outside scale_loss). At the
+// guard's end: a parameter whose gradient was accumulated twice in one
+// guard (two backward passes through it; run them in separate guards, or
+// with delay_unscale); a sparse gradient; the process group's own errors. A
+// data-parallel guard inside a CUDA graph capture (scale_loss.h). At an op
+// of a forward (shard, after LibTorch's own step): the other ranks did not
+// join the weights' all-gather within gather_timeout (the gather stays
+// started; the next op over the weights waits for it again).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <cstdint>
+
+namespace amp {
+
+struct DataParallel {
+  // The ranks' c10d backend (ProcessGroupGloo, ProcessGroupNCCL; for a
+  // c10d::ProcessGroup pass group->getDefaultBackend()). Null: one process.
+  c10::intrusive_ptr<c10d::Backend> group;
+  // The dtype gradients travel in: float32, or float16/bfloat16 for half
+  // the bytes (each rank's gradient is divided by the world size before the
+  // sum then, so the sum stays in range).
+  at::ScalarType reduce_dtype = at::kFloat;
+  // Gradient bytes per bucket (in reduce_dtype); DDP's default.
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  // O2/O5: spread the float32 master weights, the optimizer state and the
+  // gradients over the ranks; O6: its bfloat16 weights' steps, state and
+  // gradients (ZeRO stage 2; docs/guide.md, "Data-parallel training").
+  bool shard = false;
+  // With shard, gradient accumulation (delay_unscale): true reduce-scatters
+  // every micro-batch (ZeRO-2: no rank holds whole gradients); false keeps
+  // each rank's whole float32 sum until the last micro-batch and reduces
+  // once (ZeRO-1: 1/k of the traffic for k micro-batches, whole gradients
+  // held in between).
+  bool shard_gradients = true;
+  // With shard and LibTorch's own optimizers, the weights a step changed are
+  // all-gathered in the next forward, which every rank must run: a rank that
+  // waits this long for the others there stops with an error saying so (a
+  // forward on one rank alone) instead of hanging. Bounds the host's waits
+  // (CPU tensors); on a CUDA device the wait is the stream's. amp's fused
+  // optimizers gather at the end of their step and never wait in a forward.
+  std::chrono::milliseconds gather_timeout{std::chrono::seconds(60)};
+};
+
+}  // namespace amp

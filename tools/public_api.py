@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Lists the names a program gets from one of amp's public headers.
+
+Follows the header's <amp/...> includes, and lists every type, function,
+variable and alias declared at namespace scope in `amp` or `amp::optim`
+(amp::internal and amp::detail hold what programs never name). With --max N
+it exits 1 when there are more than N. Run from the repository root:
+
+  python3 tools/public_api.py amp/amp.h --max 40
+
+A reading of the declarations, not a compiler: headers keep one
+declaration per statement, as they do now.
+"""
+import argparse
+import os
+import re
+import sys
+
+ROOTS = ["amp/include", "opt_levels/include"]
+PUBLIC = {"amp", "amp::optim"}
+INCLUDE = re.compile(r"^\s*#\s*include\s+<(amp/[^>]+)>", re.M)
+TOKEN = re.compile(r"namespace\s+([\w:]+)\s*\{|\{|\}|;")
+TYPE = re.compile(r"(?:class|struct|enum\s+class|enum)\s+(?:\[\[\w+\]\]\s+)?(\w+)\s*(?:final\s*)?(?::[^{;]*)?$")
+ALIAS = re.compile(r"\busing\s+(\w+)\s*=")
+VARIABLE = re.compile(r"\b(?:constexpr|const)\s+[\w:<>, ]+?\s+(\w+)\s*=")
+FUNCTION = re.compile(r"(\w+)\s*\((?:[^()]|\([^()]*\))*\)\s*(?:const\s*)?(?:noexcept\s*)?(?:->\s*[\w:<>]+\s*)?$")
+NOT_FUNCTIONS = {"operator", "decltype", "static_assert", "sizeof", "if", "for", "while", "return"}
+
+
+def resolve(header, root):
+    for base in ROOTS:
+        path = os.path.join(root, base, header)
+        if os.path.exists(path):
+            return path
+    raise SystemExit(f"public_api: <{header}> not found under {ROOTS}")
+
+
+def headers_of(start, root):
+    seen, todo = [], [start]
+    while todo:
+        header = todo.pop()
+        if header not in seen:
+            seen.append(header)
+            with open(resolve(header, root), encoding="utf-8") as f:
+                todo.extend(INCLUDE.findall(f.read()))
+    return seen
+
+
+def declared(text):
+    """(scope, name) for each declaration at namespace scope in `text`."""
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"^\s*#[^\n]*", "", text, flags=re.M)
+    scopes = []  # a namespace's name, or None for any other brace
+    start = 0
+    for token in TOKEN.finditer(text):
+        statement = " ".join(text[start:token.start()].split())
+        start = token.end()
+        in_namespaces = all(s is not None for s in scopes)
+        scope = "::".join(scopes) if in_namespaces else None
+        if token.group(1):
+            scopes.append(token.group(1))
+            continue
+        if scope is not None and statement and not statement.startswith("template <>"):
+            statement = re.sub(r"^template\s*<[^;{]*?>\s*", "", statement)
+            for pattern in (TYPE, ALIAS, VARIABLE, FUNCTION):
+                m = pattern.search(statement)
+                if m and (pattern is not TYPE or token.group(0) == "{"):
+                    if m.group(1) not in NOT_FUNCTIONS and not statement.startswith(("friend", "return")):
+                        yield scope, m.group(1)
+                    break
+        if token.group(0) == "{":
+            scopes.append(None)
+        elif token.group(0) == "}" and scopes:
+            scopes.pop()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("header", help="e.g. amp/amp.h")
+    parser.add_argument("--max", type=int, help="fail when there are more names than this")
+    parser.add_argument("--root", default=".", help="the repository root")
+    args = parser.parse_args()
+    names = {}
+    for header in headers_of(args.header, args.root):
+        with open(resolve(header, args.root), encoding="utf-8") as f:
+            for scope, name in declared(f.read()):
+                if scope in PUBLIC:
+                    names.setdefault(f"{scope}::{name}", header)
+    for name, header in sorted(names.items(), key=lambda item: (item[1], item[0])):
+        print(f"{header:28} {name}")
+    print(f"public_api: {len(names)} names reachable from <{args.header}>")
+    if args.max is not None and len(names) > args.max:
+        print(f"public_api: more than {args.max}; move what programs need less to another umbrella "
+              "header, or what they never name to amp::internal", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
