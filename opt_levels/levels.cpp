@@ -68,6 +68,7 @@ std::string describe(const Properties& p) {
       << (p.loss_scale.dynamic ? "dynamic" : std::to_string(p.loss_scale.value)) << "\n"
       << "  cast_model_outputs    " << c10::toString(p.cast_model_outputs) << "\n"
       << "  stochastic_rounding   " << (p.stochastic_rounding ? "True" : "False") << "\n"
+      << "  fp8                   " << (p.fp8 ? "True (linear GEMMs in float8)" : "False") << "\n"
       << "  low precision dtype   CPU " << c10::toString(p.cpu_dtype) << ", CUDA "
       << c10::toString(p.cuda_dtype) << "\n";
   return out.str();

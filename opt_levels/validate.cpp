@@ -144,6 +144,12 @@ Properties internal::resolve_properties(OptLevel level, const PropertyOverrides&
                 "Remove the override, or use O6.");
   }
   p.optimizer_state_dtype = o.optimizer_state_dtype.value_or(p.stochastic_rounding ? c10::kBFloat16 : c10::kFloat);
+  p.fp8 = o.fp8.value_or(false);
+  TORCH_CHECK(!p.fp8 || (p.opt_level == OptLevel::O5 && p.master_weights && p.cast_model_type == c10::kBFloat16 &&
+                         !p.stochastic_rounding),
+              "amp: fp8 runs linear layers' GEMMs in float8 on top of O5 (a bfloat16 model with float32 "
+              "masters); under ", name, " it does not apply. Use opt_level O5 with fp8 = true, "
+              "without overriding master_weights or cast_model_type.");
   return p;
 }
 

@@ -16,6 +16,7 @@ LAYERS = [
     ("support", "logging, profiler ranges, host reads, graph-capture state"),
     ("autograd", "graph pieces shared by recomputation and provenance"),
     ("model", "converted models and their weights"),
+    ("fp8", "float8 GEMMs: per-operand scaling, the linear layer's forward and backward"),
     ("interception", "dispatcher kernels, cast policies and tables, the cast cache"),
     ("optim", "optimizer kinds and state, gradient slots, unscaling, fused kernels"),
     ("step", "scale_loss, loss scalers, the step's state machine and participants"),

@@ -75,6 +75,33 @@ struct Options : PropertyOverrides {
   // measured slower at that shape on this device (measured_policy.h): O1
   // that never costs more than it gives. Off: op for op native autocast.
   bool measured_policy = false;
+  // With the fp8 property (opt_levels.h): how the float8 GEMMs scale their
+  // operands. Per GEMM, each operand (input, weight, incoming gradient) has
+  // its own scale, kept on the device: the operand is multiplied by it,
+  // saturated to the format's largest value and rounded to float8, and the
+  // GEMM multiplies the result by the inverse scales.
+  //   kDelayed (Transformer Engine's delayed scaling): the scale comes from
+  //     the amax history of earlier iterations: amax = the history's max
+  //     (kMax) or its latest entry (kMostRecent), and
+  //       scale = fp8_max / amax / 2^margin
+  //     (kept as it was where amax is 0 or not finite); each iteration's
+  //     amax enters the history when its guard commits, which rolls it by
+  //     one. Before the first commit a GEMM scales by its current amax.
+  //   kCurrent: every call scales by its operand's own amax (the same formula).
+  // kHybrid: e4m3 for the forward's operands, e5m2 for gradients (TE's
+  // HYBRID); kE4M3: e4m3 for all three. Errors (at initialize):
+  // amax_history_len < 1 or margin < 0.
+  struct Fp8Scaling {
+    enum class Recipe : uint8_t { kDelayed, kCurrent };
+    enum class Format : uint8_t { kHybrid, kE4M3 };
+    enum class Amax : uint8_t { kMax, kMostRecent };
+    Recipe recipe = Recipe::kDelayed;
+    Format format = Format::kHybrid;
+    int64_t amax_history_len = 16;
+    Amax amax_compute = Amax::kMax;
+    int margin = 0;
+  };
+  Fp8Scaling fp8_scaling;
 };
 
 }  // namespace amp

@@ -24,16 +24,16 @@ std::mutex g_live_mutex;
 std::shared_ptr<Context> g_live;
 
 std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights,
-                                       ForwardLog* forward_log) {
+                                       ForwardLog* forward_log, Fp8Gemms* fp8) {
   if (!p.intercepts_ops()) return {};
   const bool weights_decide = p.weights_decide_op_dtype();
   const bool fp32_ops = p.runs_fp32_policies();
   ModelWeights* lowered = weights->mode() == ModelWeights::Mode::kNone ? nullptr : weights;
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
-       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered, forward_log},
+       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered, forward_log, fp8},
       {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
-       fp32_ops, o.allow_banned, true, lowered, forward_log},
+       fp32_ops, o.allow_banned, true, lowered, forward_log, fp8},
   };
 }
 
@@ -48,7 +48,8 @@ Context::Context(const Properties& properties, const Options& options, const Reg
       options_(options),
       forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
                                                                               : nullptr),
-      casting_(casting_for(properties, options, weights.get(), forward_log_.get())),
+      fp8_(properties.fp8 ? std::make_unique<Fp8Gemms>(options.fp8_scaling) : nullptr),
+      casting_(casting_for(properties, options, weights.get(), forward_log_.get(), fp8_.get())),
       owner_(std::this_thread::get_id()),
       sharded_(std::move(sharded)),
       weights_(std::move(weights)) {
@@ -96,6 +97,10 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   if (options.overflow_provenance) {
     provenance_ = std::make_unique<ProvenanceParticipant>();
     participants_.push_back(provenance_.get());
+  }
+  if (fp8_) {
+    fp8_step_ = std::make_unique<Fp8Step>(*fp8_);
+    participants_.push_back(fp8_step_.get());
   }
 }
 

@@ -13,7 +13,9 @@
 #include "distributed/gradient_reducer.h"
 #include "distributed/sharded_optimizer.h"
 #include "interception/casting_session.h"
+#include "fp8/fp8_gemms.h"
 #include "recompute/recompute_session.h"
+#include "step/fp8_step.h"
 #include "step/step_session.h"
 
 #include <torch/optim/optimizer.h>
@@ -100,6 +102,8 @@ class Context final : public CastingSession, public StepSession, public Recomput
   ShardedMasters* sharded() const { return sharded_.get(); }
   // Data parallel, telemetry and provenance, in the order guards run them.
   const std::vector<StepParticipant*>& participants() const override { return participants_; }
+  // The fp8 property's GEMM sites; null without it.
+  Fp8Gemms* fp8() const { return fp8_.get(); }
   // Adds `participant` after those initialize made: guards opened from now
   // on run its hooks last (and unwind it first). It must outlive them.
   void join(StepParticipant& participant) { participants_.push_back(&participant); }
@@ -110,6 +114,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   Properties properties_;
   Options options_;
   std::unique_ptr<ForwardLog> forward_log_;  // before casting_, which points to it
+  std::unique_ptr<Fp8Gemms> fp8_;            // before casting_, which points to it
   std::vector<DeviceCasting> casting_;
   std::vector<std::shared_ptr<internal::LossScaling>> scalers_;  // shared: amp::loss_scaler()
   std::vector<SkipLog> skip_logs_;
@@ -127,6 +132,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
   std::unique_ptr<DataParallelStep> data_parallel_;
   std::unique_ptr<ProvenanceParticipant> provenance_;
+  std::unique_ptr<Fp8Step> fp8_step_;
   std::vector<StepParticipant*> participants_;
   std::exception_ptr deferred_error_;
   std::mutex workers_mutex_;

@@ -196,6 +196,13 @@ void check_data_parallel(const Options& o, const Modules& models) {
               "buckets. Use sparse=false.");
 }
 
+// Options::fp8_scaling, checked whatever the level (a typo stays visible).
+void check_fp8_scaling(const Options::Fp8Scaling& f) {
+  TORCH_CHECK(f.amax_history_len >= 1, "amp: Options::fp8_scaling.amax_history_len must be at least 1, got ",
+              f.amax_history_len, " (Transformer Engine's default is 1024; amp's 16).");
+  TORCH_CHECK(f.margin >= 0, "amp: Options::fp8_scaling.margin must be >= 0, got ", f.margin, ".");
+}
+
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
 // of 1, which never skips), marked disabled.
 Properties disabled_properties(c10::Device device) {
@@ -357,6 +364,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   const Properties properties = options.enabled ? requested : disabled_properties(device);
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
+  check_fp8_scaling(options.fp8_scaling);
   if (options.enabled) check_sharding(options, properties, optimizers);
   check_rounding_optimizers(optimizers, properties);
   check_storages(models);

@@ -45,6 +45,8 @@
 //     anything but bfloat16 (it rounds updates into bf16 weights: use O6);
 //   - optimizer_state_dtype other than float32/bfloat16, or set without
 //     stochastic_rounding (other levels keep the state in the weights' dtype);
+//   - fp8=true at any level but O5 (or with O5's masters or bfloat16 model
+//     overridden);
 //   - scaler values out of range: a loss scale <= 0
 //     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
 //     growth_interval or hysteresis < 1 or above 2^31-1 (int32 counters),
@@ -132,6 +134,10 @@ struct PropertyOverrides {
   // (Adam's moments, SGD's momentum), float32 or bfloat16 (O6: bfloat16,
   // rounded stochastically too).
   std::optional<c10::ScalarType> optimizer_state_dtype;
+  // On top of O5: linear layers' GEMMs (forward and both gradients) in
+  // float8 with per-tensor scales (Options::fp8_scaling), through
+  // at::_scaled_mm; everything else as O5 (bfloat16, float32 masters).
+  std::optional<bool> fp8;
 };
 
 // A level with its overrides applied and validated.
@@ -150,6 +156,7 @@ struct Properties {
   DynamicScaling dynamic_scaling;
   bool stochastic_rounding = false;
   c10::ScalarType optimizer_state_dtype = c10::kFloat;  // read with stochastic_rounding
+  bool fp8 = false;  // linear GEMMs in float8 (O5's model and masters)
 
   // False when Options::enabled is false: the loop runs as plain float32
   // (O0's properties: no casts, no loss scaling, no skipped steps).

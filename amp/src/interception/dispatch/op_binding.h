@@ -14,6 +14,7 @@
 namespace amp::detail {
 
 class ForwardLog;
+class Fp8Gemms;
 class ModelWeights;
 
 // How amp casts on one device while an Interceptor lives. Fixed for its life.
@@ -34,6 +35,9 @@ struct DeviceCasting {
   // Where forward ops record for overflow provenance (forward_watch.h);
   // null when it is off.
   ForwardLog* forward_log = nullptr;
+  // The fp8 property: linear layers' GEMMs in float8 (fp8/fp8_gemms.h);
+  // null without it.
+  Fp8Gemms* fp8 = nullptr;
 };
 
 // One intercepted (operator, device) pair. Its address is stable for the

@@ -13,6 +13,7 @@
 #include "interception/dispatch/cast.h"
 #include "interception/dispatch/cast_decision.h"
 #include "interception/dispatch/forward_watch.h"
+#include "interception/dispatch/fp8_call.h"
 #include "interception/dispatch/op_binding.h"
 #include "interception/measured_policy.h"
 
@@ -140,6 +141,11 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     using Action = CastDecision::Action;
     switch (decision.action) {
       case Action::kCastTo:
+        if constexpr (Fp8Call<Op>::kApplies) {  // the fp8 property
+          if (Fp8Gemms* fp8 = binding_->casting->fp8; fp8 != nullptr && decision.to == at::kBFloat16) {
+            if (auto out = Fp8Call<Op>::call(*fp8, decision.to, binding_->casting->device, args...)) return *out;
+          }
+        }
         return CastCall<Op>::call(decision.to, binding_->casting->device, args...);
       case Action::kSetOptDtype:
         return Op::call(set_opt_dtype(args)...);

@@ -1,0 +1,90 @@
+#include "fp8/fp8_linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <memory>
+#include <utility>
+
+namespace amp::detail {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// _scaled_mm wants its second operand column-major.
+at::Tensor column_major(const at::Tensor& t) { return t.t().contiguous().t(); }
+
+struct Fp8LinearBackward final : Node {
+  std::shared_ptr<Fp8Site> site;
+  at::Tensor input8, input_inv, weight8, weight_inv;
+  std::vector<int64_t> input_sizes, bias_sizes;
+  at::ScalarType input_dtype, weight_dtype, bias_dtype;
+
+  std::string name() const override { return "amp::Fp8LinearBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(3);
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return out;
+    const at::Tensor grad2 = grad.reshape({-1, grad.size(-1)});
+    const auto [grad8, grad_inv] = site->grad_output.quantize(grad2);
+    if (task_should_compute_output(0)) {  // [N, out] . [out, in]
+      out[0] = at::_scaled_mm(grad8, column_major(weight8), grad_inv, weight_inv, std::nullopt, std::nullopt,
+                              input_dtype)
+                   .reshape(input_sizes);
+    }
+    if (task_should_compute_output(1)) {  // [out, N] . [N, in]
+      out[1] = at::_scaled_mm(grad8.t().contiguous(), column_major(input8), grad_inv, input_inv, std::nullopt,
+                              std::nullopt, weight_dtype);
+    }
+    if (task_should_compute_output(2)) out[2] = at::sum_to(grad2, bias_sizes).to(bias_dtype);
+    return out;
+  }
+};
+
+}  // namespace
+
+at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      std::shared_ptr<Fp8Site> site) {
+  const at::Tensor input2 = input.reshape({-1, input.size(-1)}).contiguous();
+  auto [input8, input_inv] = site->input.quantize(input2.detach());
+  auto [weight8, weight_inv] = site->weight.quantize(weight.detach());
+  at::Tensor output;
+  {
+    at::NoGradGuard no_grad;
+    output = at::_scaled_mm(input8, weight8.t(), input_inv, weight_inv, std::nullopt, std::nullopt,
+                            input.scalar_type());
+    if (bias && bias->defined()) output.add_(*bias);
+    std::vector<int64_t> sizes = input.sizes().vec();
+    sizes.back() = weight.size(0);
+    output = output.reshape(sizes);
+  }
+  const bool with_bias = bias && bias->defined();
+  if (at::GradMode::is_enabled() &&
+      (input.requires_grad() || weight.requires_grad() || (with_bias && bias->requires_grad()))) {
+    auto node = std::make_shared<Fp8LinearBackward>();
+    node->site = std::move(site);
+    node->input8 = std::move(input8);
+    node->input_inv = std::move(input_inv);
+    node->weight8 = std::move(weight8);
+    node->weight_inv = std::move(weight_inv);
+    node->input_sizes = input.sizes().vec();
+    node->input_dtype = input.scalar_type();
+    node->weight_dtype = weight.scalar_type();
+    node->bias_dtype = with_bias ? bias->scalar_type() : input.scalar_type();
+    if (with_bias) node->bias_sizes = bias->sizes().vec();
+    node->set_next_edges(torch::autograd::collect_next_edges(input, weight, with_bias ? *bias : at::Tensor()));
+    torch::autograd::set_history(output, node);
+  }
+  return output;
+}
+
+bool fp8_shapes_fit(const at::Tensor& input, const at::Tensor& weight) {
+  if (!input.is_cuda()) return true;
+  return input.size(-1) % 16 == 0 && weight.size(0) % 16 == 0;
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,73 @@
+#include "fp8/fp8_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+namespace amp::detail {
+namespace {
+
+double largest(at::ScalarType format) {
+  switch (format) {
+    case at::kFloat8_e4m3fn:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+    case at::kFloat8_e5m2:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
+    default:
+      TORCH_CHECK(false, "amp: float8 scaling needs float8_e4m3fn or float8_e5m2, got ", format);
+  }
+}
+
+}  // namespace
+
+Fp8Scaler::Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format)
+    : recipe_(recipe), format_(format), fp8_max_(largest(format)) {}
+
+void Fp8Scaler::place(const at::Tensor& like) {
+  if (scale_.defined() && scale_.device() == like.device()) return;
+  const auto options = like.options().dtype(at::kFloat);
+  if (scale_.defined()) {  // the model moved: its scaling moves with it
+    scale_ = scale_.to(like.device());
+    history_ = history_.to(like.device());
+    updated_ = updated_.to(like.device());
+    return;
+  }
+  scale_ = at::ones({1}, options);
+  history_ = at::zeros({recipe_.amax_history_len}, options);
+  updated_ = at::zeros({1}, options);
+}
+
+// TE's formula; where amax is 0 or not finite the scale stays `otherwise`.
+at::Tensor Fp8Scaler::scale_from(const at::Tensor& amax, const at::Tensor& otherwise) const {
+  const at::Tensor fresh = (fp8_max_ / amax) / std::ldexp(1.0, recipe_.margin);
+  return at::where(amax.gt(0).logical_and(amax.isfinite()), fresh, otherwise);
+}
+
+std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x) {
+  place(x);
+  const at::Tensor amax = x.abs().max().to(at::kFloat).reshape({1});
+  at::Tensor scale;
+  if (recipe_.recipe == Options::Fp8Scaling::Recipe::kCurrent) {
+    scale = scale_from(amax, scale_);
+  } else {
+    history_.narrow(0, 0, 1).copy_(at::maximum(history_.narrow(0, 0, 1), amax));
+    scale = at::where(updated_.gt(0), scale_, scale_from(amax, scale_));  // no history yet: current
+  }
+  const at::Tensor scaled = (x.to(at::kFloat) * scale).clamp_(-fp8_max_, fp8_max_);
+  return {scaled.to(format_), scale.reciprocal().reshape({})};
+}
+
+void Fp8Scaler::update() {
+  if (!scale_.defined() || recipe_.recipe == Options::Fp8Scaling::Recipe::kCurrent) return;
+  const at::Tensor amax = recipe_.amax_compute == Options::Fp8Scaling::Amax::kMax
+                              ? history_.max().reshape({1})
+                              : history_.narrow(0, 0, 1).clone();
+  scale_.copy_(scale_from(amax, scale_));
+  updated_.copy_(at::maximum(updated_, amax.gt(0).logical_and(amax.isfinite()).to(at::kFloat)));
+  history_.copy_(history_.roll(-1, 0));
+  history_.narrow(0, 0, 1).zero_();
+}
+
+}  // namespace amp::detail

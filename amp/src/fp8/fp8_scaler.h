@@ -1,0 +1,47 @@
+// Private: one operand's float8 scaling at one GEMM site - Transformer
+// Engine's FP8 meta (a scale and an amax history), kept on the device.
+// The recipe and its formula: Options::Fp8Scaling (options.h).
+#pragma once
+
+#include <amp/options.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace amp::detail {
+
+class Fp8Scaler {
+ public:
+  // `format`: at::kFloat8_e4m3fn or at::kFloat8_e5m2.
+  Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format);
+
+  // `x` multiplied by the scale, saturated to +-fp8_max and rounded to the
+  // format, and the inverse scale (a 0-dim float32 tensor) the GEMM applies.
+  // Records x's amax for the next update (the largest of the iteration's
+  // calls). No host sync.
+  std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x);
+
+  // Once an iteration (delayed scaling): the next scale from the history,
+  // then the history rolls by one. No host sync.
+  void update();
+
+  at::ScalarType format() const { return format_; }
+  double fp8_max() const { return fp8_max_; }
+  // float32 [1]; float32 [amax_history_len], latest first.
+  const at::Tensor& scale() const { return scale_; }
+  const at::Tensor& amax_history() const { return history_; }
+
+ private:
+  at::Tensor scale_from(const at::Tensor& amax, const at::Tensor& otherwise) const;
+  void place(const at::Tensor& like);
+
+  Options::Fp8Scaling recipe_;
+  at::ScalarType format_;
+  double fp8_max_;
+  at::Tensor scale_;    // the delayed scale
+  at::Tensor history_;  // [0]: this iteration's amax so far
+  at::Tensor updated_;  // float32 [1]: 1 once an update set scale_ from a history
+};
+
+}  // namespace amp::detail

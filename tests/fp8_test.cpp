@@ -1,0 +1,289 @@
+// The fp8 property: per-operand scaling as the recipe states it (exact
+// scale sequences), saturation, a linear layer's forward and gradients
+// against float64, and training a plain model with no edit beside O5.
+#include "test_util.h"
+
+#include "fp8/fp8_linear.h"
+#include "fp8/fp8_scaler.h"
+#include "session/context.h"
+
+#include <cmath>
+#include <deque>
+
+namespace amp::testing {
+namespace {
+
+using Fp8Scaling = Options::Fp8Scaling;
+constexpr double kE4m3Max = 448.0;
+constexpr double kE5m2Max = 57344.0;
+
+// A tensor whose largest magnitude is `amax`.
+at::Tensor with_amax(double amax) { return torch::tensor({amax / 4, -amax, amax / 2}, torch::kFloat); }
+
+float scale_of(const detail::Fp8Scaler& s) { return s.scale().item<float>(); }
+
+// The recipe's scale for the window of amaxes, computed on the host.
+float expected_scale(const std::deque<double>& window, Fp8Scaling::Amax compute, int margin, double max) {
+  const double amax = compute == Fp8Scaling::Amax::kMax ? *std::max_element(window.begin(), window.end()) : window.back();
+  return static_cast<float>((static_cast<float>(max) / static_cast<float>(amax)) / std::ldexp(1.0, margin));
+}
+
+struct RecipeCase {
+  Fp8Scaling::Amax compute;
+  int margin;
+  int64_t history;
+};
+
+class DelayedScalingTest : public ::testing::TestWithParam<RecipeCase> {};
+
+TEST_P(DelayedScalingTest, AKnownAmaxSequenceGivesTheRecipesScaleSequence) {
+  const RecipeCase c = GetParam();
+  Fp8Scaling recipe;
+  recipe.amax_compute = c.compute;
+  recipe.margin = c.margin;
+  recipe.amax_history_len = c.history;
+  detail::Fp8Scaler scaler(recipe, at::kFloat8_e4m3fn);
+  const std::vector<double> amaxes = {2, 4, 1, 1, 1, 0.5, 8, 3};
+  std::deque<double> window;
+  float used = static_cast<float>((kE4m3Max / 2.0) / std::ldexp(1.0, c.margin));  // before any update: current
+  for (size_t i = 0; i < amaxes.size(); ++i) {
+    const auto [x8, inverse] = scaler.quantize(with_amax(amaxes[i]));
+    EXPECT_FLOAT_EQ(inverse.item<float>(), 1.0f / used) << "iteration " << i;
+    // Saturated, never NaN: an amax above the delayed scale's range clamps.
+    const at::Tensor expected = (with_amax(amaxes[i]) * used).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
+    EXPECT_TRUE(BitEqual(x8, expected)) << "iteration " << i;
+    scaler.update();
+    window.push_back(amaxes[i]);
+    if (static_cast<int64_t>(window.size()) > c.history) window.pop_front();
+    used = expected_scale(window, c.compute, c.margin, kE4m3Max);
+    EXPECT_FLOAT_EQ(scale_of(scaler), used) << "after iteration " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, DelayedScalingTest,
+                         ::testing::Values(RecipeCase{Fp8Scaling::Amax::kMax, 0, 3},
+                                           RecipeCase{Fp8Scaling::Amax::kMax, 1, 1},
+                                           RecipeCase{Fp8Scaling::Amax::kMostRecent, 0, 4},
+                                           RecipeCase{Fp8Scaling::Amax::kMax, 2, 16}));
+
+TEST(Fp8ScalerTest, CallsOfOneIterationShareTheHistorysFirstSlot) {
+  detail::Fp8Scaler scaler(Fp8Scaling{}, at::kFloat8_e5m2);
+  scaler.quantize(with_amax(3));
+  scaler.quantize(with_amax(5));  // a second micro-batch, or a recomputed block
+  scaler.quantize(with_amax(1));
+  EXPECT_FLOAT_EQ(scaler.amax_history()[0].item<float>(), 5.0f);
+  scaler.update();
+  EXPECT_FLOAT_EQ(scale_of(scaler), static_cast<float>(kE5m2Max) / 5.0f);
+  EXPECT_FLOAT_EQ(scaler.amax_history()[0].item<float>(), 0.0f);
+}
+
+TEST(Fp8ScalerTest, ZeroOrNonFiniteAmaxKeepsTheScale) {
+  detail::Fp8Scaler scaler(Fp8Scaling{}, at::kFloat8_e4m3fn);
+  scaler.quantize(with_amax(7));
+  scaler.update();
+  const float before = scale_of(scaler);
+  scaler.quantize(torch::zeros({4}));
+  scaler.update();
+  EXPECT_FLOAT_EQ(scale_of(scaler), before);  // the history still holds 7
+  Fp8Scaling latest;
+  latest.amax_compute = Fp8Scaling::Amax::kMostRecent;
+  detail::Fp8Scaler recent(latest, at::kFloat8_e4m3fn);
+  recent.quantize(with_amax(7));
+  recent.update();
+  const auto [x8, inverse] = recent.quantize(torch::tensor({1.0f, std::numeric_limits<float>::infinity()}));
+  EXPECT_FLOAT_EQ(x8.to(at::kFloat)[1].item<float>(), static_cast<float>(kE4m3Max));  // saturated
+  recent.update();
+  EXPECT_FLOAT_EQ(scale_of(recent), static_cast<float>(kE4m3Max) / 7.0f);
+}
+
+TEST(Fp8ScalerTest, CurrentScalingScalesEachCallByItsOwnAmax) {
+  Fp8Scaling current;
+  current.recipe = Fp8Scaling::Recipe::kCurrent;
+  detail::Fp8Scaler scaler(current, at::kFloat8_e4m3fn);
+  for (double amax : {2.0, 100.0, 0.25}) {
+    const auto [x8, inverse] = scaler.quantize(with_amax(amax));
+    EXPECT_FLOAT_EQ(inverse.item<float>(), 1.0f / (static_cast<float>(kE4m3Max) / static_cast<float>(amax)));
+    EXPECT_FLOAT_EQ(x8.to(at::kFloat).abs().max().item<float>(), static_cast<float>(kE4m3Max));
+  }
+}
+
+// ---- One linear layer against float64 ---------------------------------------
+
+// `t` rounded as the GEMM sees it: scaled, saturated, in `format`, unscaled.
+at::Tensor as_fp8(const at::Tensor& t, at::ScalarType format, double max) {
+  const double scale = max / t.abs().max().item<double>();
+  return (t.to(at::kDouble) * scale).clamp(-max, max).to(at::kFloat).to(format).to(at::kDouble) / scale;
+}
+
+struct FormatCase {
+  Fp8Scaling::Format format;
+  at::ScalarType backward;
+  double backward_max;
+};
+
+class Fp8LinearTest : public ::testing::TestWithParam<FormatCase> {};
+
+TEST_P(Fp8LinearTest, ForwardAndBothGradientsMatchFloat64OfTheRoundedOperands) {
+  torch::manual_seed(3);
+  const FormatCase c = GetParam();
+  Fp8Scaling recipe;
+  recipe.recipe = Fp8Scaling::Recipe::kCurrent;
+  recipe.format = c.format;
+  auto site = std::make_shared<detail::Fp8Site>(recipe, at::kFloat8_e4m3fn, c.backward);
+  const at::Tensor x = torch::randn({2, 8, 32}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor w = (torch::randn({24, 32}) * 0.2).to(at::kBFloat16).requires_grad_();
+  const at::Tensor b = torch::randn({24}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor y = detail::fp8_linear(x, w, b, site);
+  ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 8, 24}));
+  const at::Tensor g = torch::randn({2, 8, 24}).to(at::kBFloat16);
+  y.backward(g);
+
+  const at::Tensor x8 = as_fp8(x.detach().reshape({16, 32}), at::kFloat8_e4m3fn, kE4m3Max);
+  const at::Tensor w8 = as_fp8(w.detach(), at::kFloat8_e4m3fn, kE4m3Max);
+  const at::Tensor g8 = as_fp8(g.reshape({16, 24}), c.backward, c.backward_max);
+  const at::Tensor y64 = x8.matmul(w8.t()) + b.detach().to(at::kDouble);
+  const at::Tensor dx64 = g8.matmul(w8);
+  const at::Tensor dw64 = g8.t().matmul(x8);
+  // The GEMMs accumulate in float32 and round once to bfloat16 (2^-8
+  // relative); the bias adds one more bfloat16 rounding.
+  auto within = [](const at::Tensor& got, const at::Tensor& want, const at::Tensor& magnitude) {
+    const at::Tensor err = (got.to(at::kDouble).reshape(want.sizes()) - want).abs();
+    return (err <= magnitude * std::ldexp(1.0, -7) + 1e-6).all().item<bool>();
+  };
+  EXPECT_TRUE(within(y, y64, x8.abs().matmul(w8.abs().t()) + b.detach().abs().to(at::kDouble)));
+  EXPECT_TRUE(within(x.grad(), dx64, g8.abs().matmul(w8.abs())));
+  EXPECT_TRUE(within(w.grad(), dw64, g8.abs().t().matmul(x8.abs())));
+  EXPECT_TRUE(within(b.grad(), g.reshape({16, 24}).to(at::kDouble).sum(0), g.reshape({16, 24}).to(at::kDouble).abs().sum(0)));
+  // Against the unrounded operands: within float8's rounding (e4m3 2^-4,
+  // e5m2 2^-3 relative per operand) of each product's magnitude.
+  const double u4 = std::ldexp(1.0, -4), ub = c.backward == at::kFloat8_e5m2 ? std::ldexp(1.0, -3) : u4;
+  const at::Tensor xd = x.detach().reshape({16, 32}).to(at::kDouble), wd = w.detach().to(at::kDouble);
+  const at::Tensor gd = g.reshape({16, 24}).to(at::kDouble);
+  const at::Tensor y_err = (y.detach().reshape({16, 24}).to(at::kDouble) - (xd.matmul(wd.t()) + b.detach().to(at::kDouble))).abs();
+  EXPECT_TRUE((y_err <= xd.abs().matmul(wd.abs().t()) * (2 * u4 + u4 * u4 + std::ldexp(1.0, -7)) + 0.02).all().item<bool>());
+  const at::Tensor dw_err = (w.grad().to(at::kDouble) - gd.t().matmul(xd)).abs();
+  EXPECT_TRUE((dw_err <= gd.abs().t().matmul(xd.abs()) * (u4 + ub + u4 * ub + std::ldexp(1.0, -7))).all().item<bool>());
+  // And it is float8, not bfloat16: the rounding shows.
+  EXPECT_GT(y_err.max().item<double>(), 0.0);
+  EXPECT_FALSE(BitEqual(y.detach(), torch::linear(x.detach(), w.detach(), b.detach())));
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, Fp8LinearTest,
+                         ::testing::Values(FormatCase{Fp8Scaling::Format::kHybrid, at::kFloat8_e5m2, kE5m2Max},
+                                           FormatCase{Fp8Scaling::Format::kE4M3, at::kFloat8_e4m3fn, kE4m3Max}));
+
+// ---- The property in training ------------------------------------------------
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(32, 64))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 64))),
+        fc3(register_module("fc3", torch::nn::Linear(64, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(Mlp);
+
+class Fp8TrainingTest : public AmpTest {
+ protected:
+  // Trains a fresh Mlp on a fixed task; returns the mean loss of the last 10 steps.
+  double train(Options options, int steps, std::vector<float>* first_scales = nullptr) {
+    torch::manual_seed(0);
+    Mlp model;
+    amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(3e-3));
+    initialize(model, optimizer, quiet(options));
+    const at::Tensor inputs = torch::randn({512, 32});
+    const at::Tensor targets = inputs.narrow(1, 0, 4).argmax(1);
+    double tail = 0;
+    for (int step = 0; step < steps; ++step) {
+      const at::Tensor x = inputs.narrow(0, (step * 64) % 512, 64), y = targets.narrow(0, (step * 64) % 512, 64);
+      optimizer.zero_grad();
+      const at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x).to(at::kFloat), y);
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      if (first_scales && step == 0) {
+        const auto site = detail::live_context()->fp8()->site_of(model->fc1->weight);
+        first_scales->push_back(site ? site->input.scale().item<float>() : 0.0f);
+      }
+      if (step >= steps - 10) tail += loss.item<double>() / 10;
+    }
+    sites_ = detail::live_context()->fp8() ? detail::live_context()->fp8()->sites() : 0;
+    deinitialize();
+    return tail;
+  }
+  int64_t sites_ = 0;
+};
+
+TEST_F(Fp8TrainingTest, APlainModelTrainsInFloat8BesideO5WithNoEdit) {
+  const double o5 = train(O5, 150);
+  Options fp8 = O5;
+  fp8.fp8 = true;
+  const double with_fp8 = train(fp8, 150);
+  EXPECT_EQ(sites_, 3);      // every Linear ran in float8
+  EXPECT_LT(with_fp8, 0.05);  // it learned (ln 4 = 1.39 at the start; O5 reaches 0.008)
+  EXPECT_NEAR(with_fp8, o5, 0.1 * o5 + 0.001);
+}
+
+TEST_F(Fp8TrainingTest, EveryLinearLayerRunsInFloat8AndTheGuardUpdatesItsScales) {
+  torch::manual_seed(0);
+  Mlp model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  Options options = O5;
+  options.fp8 = true;
+  initialize(model, optimizer, quiet(options));
+  EXPECT_NE(describe(properties()).find("fp8                   True"), std::string::npos);
+  detail::Fp8Gemms& gemms = *detail::live_context()->fp8();
+  const at::Tensor x = torch::randn({64, 32});
+  const int64_t syncs_before = host_syncs();
+  for (int step = 0; step < 3; ++step) {
+    optimizer.zero_grad();
+    const at::Tensor out = model->forward(x);
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    {
+      scale_loss scaled(out.to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }
+  EXPECT_EQ(host_syncs(), syncs_before);  // healthy steps: none added
+  EXPECT_EQ(gemms.sites(), 3);            // one per layer, the same every iteration
+  EXPECT_EQ(gemms.fallbacks(), 0);
+  const auto site = gemms.site_of(model->fc2->weight);
+  ASSERT_NE(site, nullptr);
+  // Three commits: the history holds three iterations' amaxes (slot 0 is
+  // the next one's), and the scales come from them.
+  EXPECT_GT(site->grad_output.amax_history().narrow(0, 1, 15).gt(0).sum().item<int64_t>(), 0);
+  EXPECT_FLOAT_EQ(site->weight.scale().item<float>(),
+                  static_cast<float>(kE4m3Max) / site->weight.amax_history().max().item<float>());
+}
+
+TEST_F(Fp8TrainingTest, Fp8OutsideO5OrBadScalingIsRefusedAndNothingChanges) {
+  Mlp model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  for (OptLevel level : {O1, O2, O4, O6}) {
+    Options options = level;
+    options.fp8 = true;
+    EXPECT_AMP_ERROR(initialize(model, optimizer, quiet(options)), "fp8 runs linear layers' GEMMs in float8 on top of O5");
+    EXPECT_FALSE(is_initialized());
+  }
+  Options no_masters = O5;
+  no_masters.fp8 = true;
+  no_masters.master_weights = false;
+  EXPECT_AMP_ERROR(initialize(model, optimizer, quiet(no_masters)), "on top of O5");
+  Options bad = O5;
+  bad.fp8 = true;
+  bad.fp8_scaling.amax_history_len = 0;
+  EXPECT_AMP_ERROR(initialize(model, optimizer, quiet(bad)), "amax_history_len must be at least 1");
+  bad.fp8_scaling.amax_history_len = 4;
+  bad.fp8_scaling.margin = -1;
+  EXPECT_AMP_ERROR(initialize(model, optimizer, quiet(bad)), "margin must be >= 0");
+  EXPECT_FALSE(is_initialized());
+  EXPECT_EQ(model->fc1->weight.scalar_type(), at::kFloat);
+}
+
+}  // namespace
+}  // namespace amp::testing
