@@ -27,7 +27,8 @@
 #include <iostream>
 
 ABSL_FLAG(std::string, opt_level, "O1",
-          "amp opt level: O0, O1, O2, O3, O4 (O1 bf16), O5 (O2 bf16), O6 (bf16 without float32 masters)");
+          "amp opt level: O0, O1, O2, O3, O4 (O1 bf16), O5 (O2 bf16), O6 (bf16 without float32 masters), "
+          "O5+fp8 (O5 with linear layers in float8)");
 ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16 (default: bf16 on CPU, fp16 on CUDA)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
 ABSL_FLAG(int, epochs, 1, "training epochs");

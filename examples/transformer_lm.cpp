@@ -20,7 +20,7 @@
 #include <chrono>
 #include <iostream>
 
-ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O6");
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O6, or O5+fp8 (O5 with linear layers in float8)");
 ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
 ABSL_FLAG(int, steps, 500, "training steps");

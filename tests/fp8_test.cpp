@@ -287,3 +287,56 @@ TEST_F(Fp8TrainingTest, Fp8OutsideO5OrBadScalingIsRefusedAndNothingChanges) {
 
 }  // namespace
 }  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// On the GPU machine: the same layer on the device's float8 kernel, against
+// the CPU's (which the tests above check against float64), and a training
+// step at O5+fp8 with its shapes fallback counted.
+TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  try {
+    const at::Tensor probe = torch::zeros({16, 16}, torch::kCUDA).to(at::kFloat8_e4m3fn);
+    const at::Tensor one = torch::ones({}, torch::kCUDA);
+    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
+  } catch (const c10::Error& e) {
+    GTEST_SKIP() << "this GPU has no float8 GEMM kernel (compute capability 8.9+): " << e.what_without_backtrace();
+  }
+  torch::manual_seed(5);
+  Fp8Scaling recipe;
+  recipe.recipe = Fp8Scaling::Recipe::kCurrent;
+  const at::Tensor x = torch::randn({64, 64}).to(at::kBFloat16), w = (torch::randn({32, 64}) * 0.1).to(at::kBFloat16);
+  auto cpu_site = std::make_shared<detail::Fp8Site>(recipe, at::kFloat8_e4m3fn, at::kFloat8_e5m2);
+  auto cuda_site = std::make_shared<detail::Fp8Site>(recipe, at::kFloat8_e4m3fn, at::kFloat8_e5m2);
+  const at::Tensor on_cpu = detail::fp8_linear(x, w, std::nullopt, cpu_site);
+  const at::Tensor on_cuda = detail::fp8_linear(x.cuda(), w.cuda(), std::nullopt, cuda_site).cpu();
+  EXPECT_TRUE(AllClose({on_cuda.to(at::kFloat)}, {on_cpu.to(at::kFloat)}, 1e-2, 1e-2));
+  Options options = O5;
+  options.fp8 = true;
+  const double loss = [&] {
+    torch::manual_seed(0);
+    Mlp model;
+    model->to(torch::kCUDA);
+    amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(3e-3));
+    initialize(model, optimizer, quiet(options));
+    const at::Tensor inputs = torch::randn({64, 32}, torch::kCUDA);
+    at::Tensor last;
+    for (int step = 0; step < 20; ++step) {
+      optimizer.zero_grad();
+      last = model->forward(inputs).to(at::kFloat).pow(2).mean();
+      {
+        scale_loss scaled(last, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    EXPECT_EQ(detail::live_context()->fp8()->fallbacks(), 20);  // fc3's 4 outputs: not a multiple of 16
+    EXPECT_EQ(detail::live_context()->fp8()->sites(), 2);
+    return last.item<double>();
+  }();
+  EXPECT_TRUE(std::isfinite(loss));
+}
+
+}  // namespace
+}  // namespace amp::testing

@@ -14,7 +14,7 @@ seeds=${1:-0 1}; shift || true
 echo "| seed | level | test accuracy % | time per epoch s | skipped steps |"
 echo "|---:|---|---:|---:|---:|"
 for seed in $seeds; do
-  for level in O0 O1 O2 O3 O4 O5 O6; do
+  for level in O0 O1 O2 O3 O4 O5 O6 O5+fp8; do
     summary=$("$example" --opt_level=$level --seed=$seed --verbosity=0 --train_limit=0 "$@" | tail -n 1)
     # summary: opt_level O1  test accuracy 90.79%  time/epoch 14.4 s  skipped steps 0  peak RSS ...
     read -r accuracy epoch_s skipped < <(sed -E 's/.*accuracy ([0-9.]+)%.*epoch ([0-9.]+) s.*steps ([0-9]+).*/\1 \2 \3/' <<<"$summary")

@@ -53,7 +53,9 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
                          c10::Device device, int verbosity) {
   amp::Options options;
   try {
-    options = amp::Options(opt_level);
+    const bool fp8 = opt_level == "O5+fp8";  // O5 with linear layers' GEMMs in float8
+    options = amp::Options(fp8 ? std::string("O5") : opt_level);
+    if (fp8) options.fp8 = true;
   } catch (const c10::Error& e) {
     throw std::invalid_argument("--opt_level: " + std::string(e.what_without_backtrace()));
   }

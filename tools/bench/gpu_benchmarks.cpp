@@ -3,7 +3,8 @@
 // (12 layers, width 768, 12 heads, sequence 1024, batch 8), each at
 //   FP32 (TF32 off, and on) | native LibTorch autocast + hand-written
 //   GradScaler loop | amp O1 | O2 | O3 (dynamic scale; AdamW eps 1e-4 in
-//   float16, where 1e-8 is 0) | O4 | O5 | amp O1 and O2 with LibTorch's own
+//   float16, where 1e-8 is 0) | O4 | O5 | O5+fp8 (linear layers in float8) |
+//   amp O1 and O2 with LibTorch's own
 //   AdamW step
 // in float16 and bfloat16 (O4/O5: bfloat16 only), measured side by side in
 // one run, every row but the last two with amp's fused AdamW (native and
@@ -88,13 +89,14 @@ TORCH_MODULE(ResNet18);
 
 // --- Harness ---------------------------------------------------------------------------
 
-enum class Mode { kFp32, kFp32Tf32, kNative, kO1, kO2, kO3, kO4, kO5, kO1Own, kO2Own };
+enum class Mode { kFp32, kFp32Tf32, kNative, kO1, kO2, kO3, kO4, kO5, kO5Fp8, kO1Own, kO2Own };
 const char* name(Mode m) {
   switch (m) {
     case Mode::kFp32: return "FP32 (TF32 off)";
     case Mode::kFp32Tf32: return "FP32 (TF32 on)";
     case Mode::kO4: return "amp O4";
     case Mode::kO5: return "amp O5";
+    case Mode::kO5Fp8: return "amp O5+fp8";
     case Mode::kNative: return "native autocast + GradScaler loop";
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
@@ -166,8 +168,9 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
     amp::Options options = mode == Mode::kO1 || mode == Mode::kO1Own   ? amp::O1
                            : mode == Mode::kO2 || mode == Mode::kO2Own ? amp::O2
                            : mode == Mode::kO4                         ? amp::O4
-                           : mode == Mode::kO5                         ? amp::O5
+                           : mode == Mode::kO5 || mode == Mode::kO5Fp8 ? amp::O5
                                                                        : amp::O3;
+    if (mode == Mode::kO5Fp8) options.fp8 = true;
     options.verbosity = 0;
     options.cuda_dtype = low;
     if (mode == Mode::kO3) options.loss_scale = amp::LossScale::Dynamic();
@@ -276,8 +279,8 @@ int main(int argc, char** argv) {
       std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
       std::map<Mode, Result> r;
       for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4,
-                        Mode::kO5, Mode::kO1Own, Mode::kO2Own}) {
-        const bool bf16_level = mode == Mode::kO4 || mode == Mode::kO5;
+                        Mode::kO5, Mode::kO5Fp8, Mode::kO1Own, Mode::kO2Own}) {
+        const bool bf16_level = mode == Mode::kO4 || mode == Mode::kO5 || mode == Mode::kO5Fp8;
         if (bf16_level && low != at::kBFloat16) continue;
         r[mode] = measure(w, mode, low, warmup, timed);
       }

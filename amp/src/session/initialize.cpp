@@ -13,6 +13,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <torch/nn/modules/embedding.h>
 
@@ -203,6 +204,21 @@ void check_fp8_scaling(const Options::Fp8Scaling& f) {
   TORCH_CHECK(f.margin >= 0, "amp: Options::fp8_scaling.margin must be >= 0, got ", f.margin, ".");
 }
 
+// The fp8 property on a device without float8 GEMMs fails here, not in
+// the first forward: one tiny _scaled_mm asks the device.
+void check_fp8_kernels(c10::Device device) {
+  if (!device.is_cuda()) return;  // the CPU emulates them
+  try {
+    const at::Tensor probe = at::zeros({16, 16}, at::TensorOptions(device)).to(at::kFloat8_e4m3fn);
+    const at::Tensor one = at::ones({}, at::TensorOptions(device));
+    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "amp: fp8 needs float8 GEMM kernels on ", device, " (CUDA compute capability 8.9 "
+                "or newer: Ada, Hopper), which this device lacks: ", e.what_without_backtrace(),
+                " Use O5 without fp8 here.");
+  }
+}
+
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
 // of 1, which never skips), marked disabled.
 Properties disabled_properties(c10::Device device) {
@@ -365,6 +381,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
   check_fp8_scaling(options.fp8_scaling);
+  if (properties.fp8) check_fp8_kernels(device);
   if (options.enabled) check_sharding(options, properties, optimizers);
   check_rounding_optimizers(optimizers, properties);
   check_storages(models);
