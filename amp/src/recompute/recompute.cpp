@@ -238,11 +238,11 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
                 "inside a CUDA graph capture: its rerun sets the random generators' states from the host. "
                 "Capture without recomputation.");
   }
-  const std::shared_ptr<detail::RecomputeSession> context = detail::live_recompute_session();
-  if (context) {
+  const std::shared_ptr<detail::RecomputeSession> session = detail::live_recompute_session();
+  if (session) {
     std::unordered_set<const c10::TensorImpl*> listed;
     for (const auto& b : buffers) listed.insert(b.second.unsafeGetTensorImpl());
-    for (const auto& b : context->model_buffers()) {
+    for (const auto& b : session->model_buffers()) {
       if (!listed.count(b.second.unsafeGetTensorImpl())) buffers.push_back(b);
     }
   }
@@ -298,8 +298,8 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   saved.block_outputs = outputs.size();
   auto node = std::make_shared<detail::RecomputeNode>(std::move(saved));
   node->set_next_edges(std::move(next));
-  if (context && context->forward_log() != nullptr) {
-    detail::adopt_recomputed_records(*context->forward_log(), boundary.inside, node, *context->parameter_names());
+  if (session && session->forward_log() != nullptr) {
+    detail::adopt_recomputed_records(*session->forward_log(), boundary.inside, node, *session->parameter_names());
   }
 
   std::vector<at::Tensor> results;

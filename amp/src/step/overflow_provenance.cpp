@@ -248,8 +248,8 @@ void watch_recomputed_nodes(const Node& node, const std::vector<Node*>& inside) 
 namespace amp {
 
 std::optional<OverflowReport> last_overflow(internal::OptimizerRef optimizer) {
-  const auto context = detail::require_step_session("amp::last_overflow");
-  const auto report = context->require_step(optimizer.get(), "amp::last_overflow").last_overflow();
+  const auto session = detail::require_step_session("amp::last_overflow");
+  const auto report = session->require_step(optimizer.get(), "amp::last_overflow").last_overflow();
   if (!report) return std::nullopt;
   return *report;
 }

@@ -154,18 +154,18 @@ const detail::TelemetryRecorder& recorder_of(const detail::StepSession& session,
 }  // namespace
 
 std::optional<PrecisionTelemetry> precision_telemetry(internal::OptimizerRef optimizer) {
-  const auto context = detail::require_step_session("amp::precision_telemetry");
-  const auto& recorder = recorder_of(*context, "amp::precision_telemetry");
-  context->require_step(optimizer.get(), "amp::precision_telemetry");
+  const auto session = detail::require_step_session("amp::precision_telemetry");
+  const auto& recorder = recorder_of(*session, "amp::precision_telemetry");
+  session->require_step(optimizer.get(), "amp::precision_telemetry");
   return recorder.read(*optimizer.get());
 }
 
 std::vector<double> scale_history(int loss_id) {
-  const auto context = detail::require_step_session("amp::scale_history");
-  const auto& recorder = recorder_of(*context, "amp::scale_history");
-  TORCH_CHECK(loss_id >= 0 && loss_id < context->num_losses(), "amp: scale_history got loss_id ", loss_id,
-              ", but amp was initialized with num_losses=", context->num_losses(), " (loss_id 0..",
-              context->num_losses() - 1, ").");
+  const auto session = detail::require_step_session("amp::scale_history");
+  const auto& recorder = recorder_of(*session, "amp::scale_history");
+  TORCH_CHECK(loss_id >= 0 && loss_id < session->num_losses(), "amp: scale_history got loss_id ", loss_id,
+              ", but amp was initialized with num_losses=", session->num_losses(), " (loss_id 0..",
+              session->num_losses() - 1, ").");
   return recorder.scale_history(loss_id);
 }
 

@@ -30,7 +30,6 @@
 
 namespace amp::internal {
 
-
 template <class T>
 struct SharedPointee {
   using type = void;
