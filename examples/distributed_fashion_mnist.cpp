@@ -167,7 +167,7 @@ int train(int rank, int world, const std::string& store_path) {
   if (rank != 0) return 0;
   progress.finish();
   std::printf("world_size %d  opt_level %s  shard %d  test accuracy %.2f%%  skipped steps %lld  peak RSS %.0f MiB  "
-              "peak allocated %.1f MiB (rank 0)\n", world, amp::to_string(options.opt_level),
+              "peak allocated %.1f MiB (rank 0)\n", world, examples::level_name(options).c_str(),
               options.data_parallel.shard ? 1 : 0, 100.0 * correct / test.images.size(0),
               static_cast<long long>(skipped), examples::peak_rss_mib(), examples::peak_allocated_mib(c10::kCPU));
   std::printf("bytes per parameter on the fullest rank (measured): masters %.2f  optimizer state %.2f  "

@@ -132,7 +132,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
   }
   std::printf("opt_level %s  test accuracy %.2f%%  time/epoch %.1f s  ms/step %.1f  skipped steps %lld  "
               "peak RSS %.0f MiB  peak allocated %.1f MiB\n",
-              amp::to_string(options.opt_level), accuracy(model, test, device, 512),
+              examples::level_name(options).c_str(), accuracy(model, test, device, 512),
               epochs > 0 ? seconds / epochs : 0.0, step > 0 ? 1000 * seconds / step : 0.0,
               static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib(),
               examples::peak_allocated_mib(device));

@@ -124,7 +124,7 @@ int run() {
   auto skipped = [](torch::optim::Optimizer& o) { return static_cast<long long>(amp::skipped_steps(o)); };
   std::printf("opt_level %s  loss D %.3f  loss G %.3f  loss scales %g %g %g  skipped steps D %lld G %lld  "
               "peak RSS %.0f MiB  peak allocated %.1f MiB\n",
-              amp::to_string(options.opt_level), loss_d, loss_g, amp::loss_scaler(0)->scale(), amp::loss_scaler(1)->scale(),
+              examples::level_name(options).c_str(), loss_d, loss_g, amp::loss_scaler(0)->scale(), amp::loss_scaler(1)->scale(),
               amp::loss_scaler(2)->scale(), skipped(opt_d), skipped(opt_g), examples::peak_rss_mib(),
               examples::peak_allocated_mib(device));
   if (check) std::printf("gradient check: %d steps, worst relative error vs float64 D %.2e G %.2e\n", steps, worst_d, worst_g);

@@ -102,7 +102,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   progress.finish();
   std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB  "
               "peak allocated %.1f MiB\n",
-              amp::to_string(options.opt_level), last_loss, last_loss / std::log(2.0),
+              examples::level_name(options).c_str(), last_loss, last_loss / std::log(2.0),
               steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib(), examples::peak_allocated_mib(device));
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());

@@ -77,6 +77,10 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
   return options;
 }
 
+std::string level_name(const amp::Options& options) {
+  return std::string(amp::to_string(options.opt_level)) + (options.fp8.value_or(false) ? "+fp8" : "");
+}
+
 bool use_fused_optimizer(const std::string& flag, const amp::Options& options) {
   if (flag == "fused") return true;
   if (flag == "libtorch") return false;

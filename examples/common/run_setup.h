@@ -18,6 +18,8 @@ namespace examples {
 amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
                          c10::Device device, int verbosity = 1);
 c10::Device parse_device(const std::string& device);
+// The level as --opt_level names it: "O5+fp8" with the fp8 property.
+std::string level_name(const amp::Options& options);
 
 // A program's main: parses the Abseil flags, starts counting the CPU
 // allocator's bytes (amp::track_allocations), runs `run` and turns exceptions
