@@ -340,3 +340,117 @@ TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
 
 }  // namespace
 }  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// amp's checkpoints carry the scales and histories: a run resumed from one
+// continues bit for bit as the uninterrupted run (without them its first
+// step would scale by the current amax instead of the history's).
+TEST_F(Fp8TrainingTest, ACheckpointResumesTheScalesBitExactly) {
+  const std::string path = ::testing::TempDir() + "/fp8_resume.pt";
+  Options options = O5;
+  options.fp8 = true;
+  const at::Tensor inputs = torch::randn({64, 32}, torch::TensorOptions().dtype(at::kFloat));
+  auto run = [&](Mlp& model, amp::optim::FusedAdam& optimizer, int steps) {
+    for (int step = 0; step < steps; ++step) {
+      optimizer.zero_grad();
+      const at::Tensor loss = model->forward(inputs.narrow(0, step * 8 % 32, 32)).to(at::kFloat).pow(2).mean();
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+  };
+  torch::manual_seed(1);
+  Mlp model;
+  amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
+  initialize(model, optimizer, quiet(options));
+  run(model, optimizer, 4);
+  save_checkpoint(path, {model}, {optimizer});
+  run(model, optimizer, 3);
+  const at::Tensor scale = detail::live_context()->fp8()->site_of(model->fc2->weight)->grad_output.scale().clone();
+  std::vector<at::Tensor> expected;
+  for (const auto& p : master_params(optimizer)) expected.push_back(p.detach().clone());
+  deinitialize();
+
+  torch::manual_seed(2);  // other weights: the checkpoint must bring them back
+  Mlp resumed;
+  amp::optim::FusedAdam resumed_optimizer(resumed->parameters(), torch::optim::AdamOptions(1e-2));
+  initialize(resumed, resumed_optimizer, quiet(options));
+  load_checkpoint(path, {resumed}, {resumed_optimizer});
+  run(resumed, resumed_optimizer, 3);
+  EXPECT_TRUE(BitEqual(detail::live_context()->fp8()->site_of(resumed->fc2->weight)->grad_output.scale(), scale));
+  const auto got = master_params(resumed_optimizer);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(BitEqual(got[i], expected[i])) << "parameter " << i;
+}
+
+TEST_F(Fp8TrainingTest, AStateWithFp8ScalesIsRefusedWithoutFp8OrWithAnotherHistory) {
+  Options options = O5;
+  options.fp8 = true;
+  Mlp model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  initialize(model, optimizer, quiet(options));
+  optimizer.zero_grad();
+  {
+    scale_loss scaled(model->forward(torch::randn({8, 32})).to(at::kFloat).sum(), optimizer);
+    scaled.backward();
+  }
+  torch::serialize::OutputArchive out;
+  save_state(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  deinitialize();
+  auto load = [&] {
+    std::istringstream in(bytes.str());
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    load_state(archive);
+  };
+  initialize(model, optimizer, quiet(O5));
+  EXPECT_AMP_ERROR(load(), "amp runs without it; initialize with fp8 = true");
+  deinitialize();
+  options.fp8_scaling.amax_history_len = 8;
+  initialize(model, optimizer, quiet(options));
+  EXPECT_AMP_ERROR(load(), "amax_history_len is 8");
+  EXPECT_EQ(detail::live_context()->fp8()->sites(), 0);  // nothing loaded
+}
+
+}  // namespace
+}  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// Gradient accumulation: the micro-batches of one step share the history's
+// first slot; only the guard that ends the accumulation rolls it.
+TEST_F(Fp8TrainingTest, MicroBatchesShareOneHistorySlotUntilTheLastGuard) {
+  Options options = O5;
+  options.fp8 = true;
+  torch::manual_seed(0);
+  Mlp model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  initialize(model, optimizer, quiet(options));
+  optimizer.zero_grad();
+  const at::Tensor x = torch::randn({3, 16, 32});
+  for (int micro = 0; micro < 3; ++micro) {
+    const at::Tensor loss = model->forward(x[micro] * (micro + 1)).to(at::kFloat).pow(2).mean();
+    scale_loss scaled(loss, optimizer, {/*loss_id=*/0, /*delay_unscale=*/micro < 2});
+    scaled.backward();
+    const at::Tensor history = detail::live_context()->fp8()->site_of(model->fc1->weight)->input.amax_history();
+    if (micro < 2) {
+      EXPECT_GT(history[0].item<float>(), 0.0f);
+      EXPECT_EQ(history.narrow(0, 1, 15).count_nonzero().item<int64_t>(), 0) << "micro-batch " << micro;
+    }
+  }
+  const at::Tensor history = detail::live_context()->fp8()->site_of(model->fc1->weight)->input.amax_history();
+  EXPECT_EQ(history[0].item<float>(), 0.0f);  // rolled once, by the last guard
+  EXPECT_EQ(history.count_nonzero().item<int64_t>(), 1);
+  // The slot holds the largest of the three micro-batches' amaxes (the third's inputs, in bfloat16).
+  EXPECT_FLOAT_EQ(history[15].item<float>(), (x[2] * 3).to(at::kBFloat16).abs().max().to(at::kFloat).item<float>());
+}
+
+}  // namespace
+}  // namespace amp::testing

@@ -3,7 +3,9 @@
 // amp's state is every loss scaler (scale, growth tracker, hysteresis
 // tracker) plus the opt level and num_losses it was made with, and with
 // stochastic rounding (O6) the rounding's seed and step count, so a resumed
-// run draws what the uninterrupted one would. Master weights (O2/O5) travel
+// run draws what the uninterrupted one would, and with the fp8 property
+// every float8 GEMM's scales and amax histories, by its weight's name, so a
+// resumed run scales as the uninterrupted one would. Master weights (O2/O5) travel
 // with the optimizer: torch::save(*optimizer) includes them.
 //
 // Resume recipe (as in Apex): initialize with the same options, then load the
@@ -22,7 +24,9 @@
 // missing or mistyped entry; a different num_losses or opt level than the
 // live initialization; static/dynamic scaling mismatch; a rounding entry
 // when amp runs without stochastic rounding, or one that is not a seed and
-// a step count >= 0.
+// a step count >= 0; fp8 scales when amp runs without fp8, for a weight
+// that is no parameter of initialize's models, or with an amax history of
+// another length than Options::fp8_scaling's.
 #pragma once
 
 #include <torch/serialize/archive.h>

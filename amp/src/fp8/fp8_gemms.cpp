@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+#include <vector>
+
 namespace amp::detail {
 
 Fp8Gemms::Fp8Gemms(const Options::Fp8Scaling& recipe)
@@ -34,6 +37,72 @@ void Fp8Gemms::update() {
     site->input.update();
     site->weight.update();
     site->grad_output.update();
+  }
+}
+
+namespace {
+
+constexpr const char* kRoles[] = {"input", "weight", "grad_output"};
+
+Fp8Scaler& role(Fp8Site& site, int i) { return i == 0 ? site.input : i == 1 ? site.weight : site.grad_output; }
+
+}  // namespace
+
+void Fp8Gemms::save(torch::serialize::OutputArchive& archive, const Names& names) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  torch::serialize::OutputArchive all(archive.compilation_unit());
+  int64_t count = 0;
+  for (const auto& [layer, site] : sites_) {
+    auto name = names.find(layer);
+    TORCH_CHECK(name != names.end(), "amp: an fp8 GEMM site belongs to a weight that is not a parameter of "
+                "initialize's models; its scales cannot be saved by name.");
+    torch::serialize::OutputArchive entry(archive.compilation_unit());
+    entry.write("name", c10::IValue(name->second));
+    for (int i = 0; i < 3; ++i) {
+      torch::serialize::OutputArchive scaler(archive.compilation_unit());
+      role(*site, i).save(scaler);
+      entry.write(kRoles[i], scaler);
+    }
+    all.write("site" + std::to_string(count++), entry);
+  }
+  all.write("count", at::scalar_tensor(count, at::kLong));
+  archive.write("fp8", all);
+}
+
+void Fp8Gemms::load(torch::serialize::InputArchive& archive, const Names& names) {
+  torch::serialize::InputArchive all;
+  if (!archive.try_read("fp8", all)) return;  // a state saved without fp8: the scales start afresh
+  at::Tensor count;
+  TORCH_CHECK(all.try_read("count", count) && count.numel() == 1, "amp: the state's fp8 entry has no count.");
+  std::unordered_map<std::string, const c10::TensorImpl*> by_name;
+  for (const auto& [impl, name] : names) by_name.emplace(name, impl);
+  std::vector<std::pair<const c10::TensorImpl*, torch::serialize::InputArchive>> entries;
+  Fp8Site probe(recipe_, forward_, backward_);  // checks entries against the recipe
+  for (int64_t i = 0; i < count.item<int64_t>(); ++i) {  // check all before changing any
+    torch::serialize::InputArchive entry;
+    TORCH_CHECK(all.try_read("site" + std::to_string(i), entry), "amp: the state's fp8 entry lacks site ", i, ".");
+    c10::IValue name;
+    TORCH_CHECK(entry.try_read("name", name) && name.isString(), "amp: the state's fp8 site ", i, " has no name.");
+    auto layer = by_name.find(name.toStringRef());
+    TORCH_CHECK(layer != by_name.end(), "amp: the state holds fp8 scales for '", name.toStringRef(), "', which is "
+                "no parameter of the models passed to amp::initialize; load it into the same models.");
+    for (int r = 0; r < 3; ++r) {
+      torch::serialize::InputArchive scaler;
+      TORCH_CHECK(entry.try_read(kRoles[r], scaler), "amp: the state's fp8 site '", name.toStringRef(), "' lacks its ",
+                  kRoles[r], " scaling.");
+      role(probe, r).check_saved(scaler, name.toStringRef() + " (" + kRoles[r] + ")");
+    }
+    entries.emplace_back(layer->second, std::move(entry));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [layer, entry] : entries) {
+    auto& site = sites_[layer];
+    if (!site) site = std::make_shared<Fp8Site>(recipe_, forward_, backward_);
+    for (int r = 0; r < 3; ++r) {
+      torch::serialize::InputArchive scaler;
+      entry.read(kRoles[r], scaler);
+      role(*site, r).restore(scaler);
+    }
   }
 }
 

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 namespace amp::detail {
@@ -29,6 +30,15 @@ class Fp8Gemms {
 
   // Delayed scaling: every site's next scales. No host sync.
   void update();
+
+  // amp's state: every site under its weight's parameter name, in the
+  // archive entry "fp8". load() checks everything before it changes
+  // anything. Errors: a name `names` does not know; a malformed entry; an
+  // amax history of another length than the recipe's.
+  using Names = std::unordered_map<const c10::TensorImpl*, std::string>;
+  void save(torch::serialize::OutputArchive& archive, const Names& names) const;
+  void load(torch::serialize::InputArchive& archive, const Names& names);
+  static bool is_entry(const std::string& key) { return key == "fp8"; }
 
   int64_t sites() const;
   int64_t fallbacks() const;

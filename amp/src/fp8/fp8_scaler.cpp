@@ -70,4 +70,35 @@ void Fp8Scaler::update() {
   history_.narrow(0, 0, 1).zero_();
 }
 
+void Fp8Scaler::save(torch::serialize::OutputArchive& archive) const {
+  const at::Tensor none = at::empty({0});
+  archive.write("scale", scale_.defined() ? scale_.cpu() : none);
+  archive.write("amax_history", history_.defined() ? history_.cpu() : none);
+  archive.write("updated", updated_.defined() ? updated_.cpu() : none);
+}
+
+void Fp8Scaler::check_saved(torch::serialize::InputArchive& archive, const std::string& what) const {
+  at::Tensor scale, history, updated;
+  TORCH_CHECK(archive.try_read("scale", scale) && archive.try_read("amax_history", history) &&
+                  archive.try_read("updated", updated),
+              "amp: the state's fp8 entry for ", what, " lacks its scale, amax_history or updated tensor.");
+  if (scale.numel() == 0) return;  // saved before the site's first forward
+  TORCH_CHECK(scale.numel() == 1 && updated.numel() == 1 && scale.scalar_type() == at::kFloat,
+              "amp: the state's fp8 scale for ", what, " is malformed.");
+  TORCH_CHECK(history.dim() == 1 && history.size(0) == recipe_.amax_history_len, "amp: the state's fp8 amax "
+              "history for ", what, " holds ", history.numel(), " entries, but Options::fp8_scaling."
+              "amax_history_len is ", recipe_.amax_history_len, "; initialize with the checkpoint's fp8_scaling.");
+}
+
+void Fp8Scaler::restore(torch::serialize::InputArchive& archive) {
+  at::Tensor scale, history, updated;
+  archive.read("scale", scale);
+  archive.read("amax_history", history);
+  archive.read("updated", updated);
+  if (scale.numel() == 0) return;
+  scale_ = scale;
+  history_ = history;
+  updated_ = updated;
+}
+
 }  // namespace amp::detail

@@ -6,6 +6,9 @@
 #include <amp/options.h>
 
 #include <ATen/core/Tensor.h>
+#include <torch/serialize/archive.h>
+
+#include <string>
 
 #include <utility>
 
@@ -25,6 +28,14 @@ class Fp8Scaler {
   // Once an iteration (delayed scaling): the next scale from the history,
   // then the history rolls by one. No host sync.
   void update();
+
+  // amp's state (persistence/state.cpp): the scale, the history and whether
+  // an update has set the scale. restore() takes what save() wrote, after
+  // check_saved() accepted it; the tensors move to the operand's device at
+  // its next quantize.
+  void save(torch::serialize::OutputArchive& archive) const;
+  void check_saved(torch::serialize::InputArchive& archive, const std::string& what) const;
+  void restore(torch::serialize::InputArchive& archive);
 
   at::ScalarType format() const { return format_; }
   double fp8_max() const { return fp8_max_; }

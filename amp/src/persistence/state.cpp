@@ -51,6 +51,7 @@ void save_state(torch::serialize::OutputArchive& archive) {
     archive.write("loss_scaler" + std::to_string(i), scaler);
   }
   if (detail::StochasticRounding* rounding = context->rounding()) rounding->save(archive);
+  if (detail::Fp8Gemms* fp8 = context->fp8()) fp8->save(archive, *context->parameter_names());
 }
 
 void load_state(torch::serialize::InputArchive& archive) {
@@ -67,7 +68,9 @@ void load_state(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(!detail::StochasticRounding::is_entry(key) || context->rounding() != nullptr, "amp: the "
                 "state holds the stochastic rounding streams of a run with stochastic_rounding (O6), but "
                 "amp runs without it; initialize with the checkpoint's opt_level and overrides.");
-    const bool known = key == "opt_level" || key == "num_losses" ||
+    TORCH_CHECK(!detail::Fp8Gemms::is_entry(key) || context->fp8() != nullptr, "amp: the state holds the fp8 "
+                "scales of a run with the fp8 property, but amp runs without it; initialize with fp8 = true.");
+    const bool known = key == "opt_level" || key == "num_losses" || detail::Fp8Gemms::is_entry(key) ||
                        (key.rfind("loss_scaler", 0) == 0 && key.size() > 11) ||
                        (detail::StochasticRounding::is_entry(key) && context->rounding() != nullptr);
     TORCH_CHECK(known, "amp: unexpected entry '", key, "' in amp's state; was the archive written by "
@@ -82,6 +85,7 @@ void load_state(torch::serialize::InputArchive& archive) {
     loaded.push_back(context->scaler(i));
     loaded.back().load(scaler);
   }
+  if (detail::Fp8Gemms* fp8 = context->fp8()) fp8->load(archive, *context->parameter_names());
   if (detail::StochasticRounding* rounding = context->rounding()) rounding->load(archive);
   for (int i = 0; i < context->num_losses(); ++i) context->scaler(i) = loaded[i];
 }
