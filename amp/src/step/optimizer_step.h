@@ -17,8 +17,8 @@
 // the host when it ends; after an overflow (GuardOutcome::kOverflow) the
 // optimizer loses its gradients, so its own step() changes nothing. A guard
 // whose optimizers are all amp's fused ones (fused.h) hands over the device
-// verdict instead (kOnDevice), which is queued; their step() hands the combined flag to the kernels
-// and leaves a pending step - the one queue - until the verdicts reach the
+// verdict instead (kOnDevice), which is queued; their step() hands the
+// combined flag to the kernels and leaves a pending step - the one queue - until the verdicts reach the
 // host (settle): then the step is counted or, if skipped, the state it
 // created is dropped and gradients it left are discarded (a loop that never
 // zeroes must not carry inf/NaN into the next step).
