@@ -454,3 +454,45 @@ TEST_F(Fp8TrainingTest, MicroBatchesShareOneHistorySlotUntilTheLastGuard) {
 
 }  // namespace
 }  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// keep_fp32 layers compute in float32, so they never reach float8; a
+// recomputed block's rerun uses its forward's scales, so gradients are the
+// same bits as without recomputation.
+TEST_F(Fp8TrainingTest, KeptFloat32LayersOptOutAndRecomputationChangesNoBit) {
+  Options options = O5;
+  options.fp8 = true;
+  auto master_grads = [&](bool recomputed, bool keep_fc2) {
+    torch::manual_seed(4);
+    Mlp model;
+    amp::optim::FusedAdam optimizer(model->parameters());
+    Options o = options;
+    if (keep_fc2) o.keep_fp32 = [&model](const torch::nn::Module& m) { return &m == model->fc2.get(); };
+    initialize(model, optimizer, quiet(o));
+    const at::Tensor x = torch::randn({16, 32});
+    auto middle = [&](const at::Tensor& h) { return torch::relu(model->fc2(torch::relu(model->fc1(h)))); };
+    const at::Tensor hidden = recomputed ? recompute(middle, x) : middle(x);
+    {
+      scale_loss scaled(model->fc3(hidden).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    std::vector<at::Tensor> grads;
+    for (const auto& p : master_params(optimizer)) grads.push_back(p.grad().clone());
+    const int64_t sites = detail::live_context()->fp8()->sites();
+    deinitialize();
+    return std::make_pair(grads, sites);
+  };
+  const auto [kept, kept_sites] = master_grads(false, true);
+  EXPECT_EQ(kept_sites, 2);  // fc1 and fc3; fc2 ran in float32
+  const auto [plain, plain_sites] = master_grads(false, false);
+  const auto [rerun, rerun_sites] = master_grads(true, false);
+  EXPECT_EQ(plain_sites, 3);
+  EXPECT_EQ(rerun_sites, 3);
+  ASSERT_EQ(plain.size(), rerun.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(BitEqual(rerun[i], plain[i])) << "gradient " << i;
+}
+
+}  // namespace
+}  // namespace amp::testing
