@@ -496,3 +496,41 @@ TEST_F(Fp8TrainingTest, KeptFloat32LayersOptOutAndRecomputationChangesNoBit) {
 
 }  // namespace
 }  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// A custom autograd function that asks for float32 (custom_fwd) keeps its
+// GEMMs out of float8, as it keeps them out of bfloat16.
+struct Fp32Projection : torch::autograd::Function<Fp32Projection> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor weight) {
+    custom_fwd fwd(ctx, at::kFloat);
+    x = fwd.cast(x), weight = fwd.cast(weight);
+    ctx->save_for_backward({x, weight});
+    return torch::mm(x, weight.t());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    custom_bwd bwd(ctx);
+    const auto saved = ctx->get_saved_variables();
+    return {grads[0].mm(saved[1]), grads[0].t().mm(saved[0])};
+  }
+};
+
+TEST_F(Fp8TrainingTest, CustomFwdInFloat32OptsOutOfFloat8) {
+  Options options = O5;
+  options.fp8 = true;
+  Mlp model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  initialize(model, optimizer, quiet(options));
+  const at::Tensor x = torch::randn({8, 32});
+  const at::Tensor inside = Fp32Projection::apply(x, model->fc1->weight);
+  EXPECT_EQ(inside.scalar_type(), at::kFloat);
+  EXPECT_EQ(detail::live_context()->fp8()->sites(), 0);
+  const at::Tensor outside = torch::mm(x, model->fc1->weight.t());  // the same GEMM under amp's casts
+  EXPECT_EQ(outside.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(detail::live_context()->fp8()->sites(), 1);
+}
+
+}  // namespace
+}  // namespace amp::testing
