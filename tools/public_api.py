@@ -36,13 +36,13 @@ def resolve(header, root):
 
 
 def headers_of(start, root):
-    seen, todo = [], [start]
-    while todo:
-        header = todo.pop()
+    seen, pending = [], [start]
+    while pending:
+        header = pending.pop()
         if header not in seen:
             seen.append(header)
             with open(resolve(header, root), encoding="utf-8") as f:
-                todo.extend(INCLUDE.findall(f.read()))
+                pending.extend(INCLUDE.findall(f.read()))
     return seen
 
 
