@@ -33,6 +33,11 @@ struct OpStats {
   int64_t casts = 0;       // tensors cast, cache misses included
   int64_t cache_hits = 0;  // weight casts served from the cast cache
   int64_t bytes_cast = 0;  // bytes of the cast copies made
+  // The fp8 property (opt_levels.h): calls run as scaled float8 GEMMs, and
+  // calls that qualified but whose shapes the device's float8 kernel cannot
+  // take (on CUDA: dimensions not multiples of 16), run in bfloat16.
+  int64_t float8 = 0;
+  int64_t float8_fallbacks = 0;
 };
 
 class OpStatsRecorder {
@@ -48,7 +53,8 @@ class OpStatsRecorder {
 };
 
 // The rows as a Markdown table: op, device, policy, input dtypes, output
-// dtype, calls, casts, cache hits, bytes cast (what tools/precision_report
+// dtype, calls, casts, cache hits, bytes cast, and where any row has them
+// the float8 and float8 fallback counts (what tools/precision_report
 // prints).
 std::string format_op_stats(const std::vector<OpStats>& rows);
 

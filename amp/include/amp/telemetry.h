@@ -31,9 +31,22 @@
 // count) and keeps the scale it ran with; healthy steps add no host sync.
 // Reading makes one copy to the host per call.
 //
+// With the fp8 property (opt_levels.h) it also tallies every float8
+// operand - each linear layer's input, weight and incoming gradient - over
+// an iteration: how many elements the scale pushed past the format's
+// largest value (saturated: clamped to it) and how many nonzero ones
+// rounded to zero (flushed). fp8_telemetry() returns each operand's latest
+// iteration a guard ended:
+//
+//   for (const auto& t : amp::fp8_telemetry())
+//     std::cout << t.layer << " " << t.operand << " " << t.saturated_fraction() << "\n";
+//
+// That costs a few more kernels per quantization, on the device.
+//
 // Errors (c10::Error): amp is not initialized; Options::precision_telemetry
 // is off (set it to true); an optimizer that was not passed to the live
-// amp::initialize; a loss_id outside 0..num_losses-1.
+// amp::initialize; a loss_id outside 0..num_losses-1; fp8_telemetry()
+// without the fp8 property (set PropertyOverrides::fp8 at O5).
 #pragma once
 
 #include <amp/internal/refs.h>
@@ -73,11 +86,30 @@ struct PrecisionTelemetry {
   std::vector<GroupTelemetry> groups;  // one per param group of the optimizer
 };
 
+// One float8 operand of one linear layer over its latest iteration.
+struct Fp8TensorTelemetry {
+  std::string layer;    // the layer's weight, by name ("fc1.weight")
+  std::string operand;  // "input", "weight" or "grad_output"
+  c10::ScalarType format = c10::kFloat8_e4m3fn;
+  int64_t calls = 0;      // quantizations (a weight: once an iteration, then reused)
+  int64_t numel = 0;      // elements quantized over the calls
+  double amax = 0;        // the largest |x| (inf/NaN when one held it)
+  double scale = 0;       // the scale of the latest call
+  int64_t saturated = 0;  // elements with |x * scale| above the format's largest value
+  int64_t flushed = 0;    // nonzero elements that rounded to zero
+  double saturated_fraction() const { return numel > 0 ? static_cast<double>(saturated) / numel : 0.0; }
+  double flushed_fraction() const { return numel > 0 ? static_cast<double>(flushed) / numel : 0.0; }
+};
+
 // What the latest guard over `optimizer` recorded; nullopt before the first.
 std::optional<PrecisionTelemetry> precision_telemetry(internal::OptimizerRef optimizer);
 
 // The scale each guard of loss `loss_id` ran its backward with, oldest
 // first (at most the latest 10000).
 std::vector<double> scale_history(int loss_id = 0);
+
+// Every float8 operand's latest iteration, by layer name and operand;
+// empty before the first guard that ended an iteration.
+std::vector<Fp8TensorTelemetry> fp8_telemetry();
 
 }  // namespace amp

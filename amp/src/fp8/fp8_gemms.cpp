@@ -1,31 +1,38 @@
 #include "fp8/fp8_gemms.h"
 
+#include "support/host_read.h"
+
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace amp::detail {
 
-Fp8Gemms::Fp8Gemms(const Options::Fp8Scaling& recipe)
+Fp8Gemms::Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally)
     : recipe_(recipe),
+      tally_(tally),
       forward_(at::kFloat8_e4m3fn),
       backward_(recipe.format == Options::Fp8Scaling::Format::kHybrid ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn) {}
 
+std::shared_ptr<Fp8Site> Fp8Gemms::make_site() const {
+  return std::make_shared<Fp8Site>(recipe_, forward_, backward_, tally_);
+}
+
+void Fp8Gemms::fall_back() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++fallbacks_;
+}
+
 at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const c10::TensorImpl* layer) {
-  if (!fp8_shapes_fit(input, weight)) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++fallbacks_;
-    }
-    return at::linear(input, weight, bias);
-  }
   std::shared_ptr<Fp8Site> site;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& slot = sites_[layer];
-    if (!slot) slot = std::make_shared<Fp8Site>(recipe_, forward_, backward_);
+    if (!slot) slot = make_site();
     site = slot;
   }
   return fp8_linear(input, weight, bias, std::move(site));
@@ -44,7 +51,11 @@ namespace {
 
 constexpr const char* kRoles[] = {"input", "weight", "grad_output"};
 
-Fp8Scaler& role(Fp8Site& site, int i) { return i == 0 ? site.input : i == 1 ? site.weight : site.grad_output; }
+// kRoles[i] of a site (const or not).
+template <class Site>
+auto& role(Site& site, int i) {
+  return i == 0 ? site.input : i == 1 ? site.weight : site.grad_output;
+}
 
 }  // namespace
 
@@ -97,13 +108,50 @@ void Fp8Gemms::load(torch::serialize::InputArchive& archive, const Names& names)
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [layer, entry] : entries) {
     auto& site = sites_[layer];
-    if (!site) site = std::make_shared<Fp8Site>(recipe_, forward_, backward_);
+    if (!site) site = make_site();
     for (int r = 0; r < 3; ++r) {
       torch::serialize::InputArchive scaler;
       entry.read(kRoles[r], scaler);
       role(*site, r).restore(scaler);
     }
   }
+}
+
+std::vector<Fp8TensorTelemetry> Fp8Gemms::telemetry(const Names& names) const {
+  std::vector<Fp8TensorTelemetry> out;
+  std::vector<at::Tensor> recorded;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [layer, site] : sites_) {
+      auto name = names.find(layer);
+      if (name == names.end()) continue;
+      for (int i = 0; i < 3; ++i) {
+        const Fp8Scaler& scaler = role(*site, i);
+        const Fp8Tally& tally = scaler.completed_tally();
+        if (tally.calls == 0) continue;
+        Fp8TensorTelemetry t;
+        t.layer = name->second;
+        t.operand = kRoles[i];
+        t.format = scaler.format();
+        t.calls = tally.calls;
+        t.numel = tally.numel;
+        out.push_back(std::move(t));
+        recorded.insert(recorded.end(), {tally.counts, tally.amax, tally.scale});
+      }
+    }
+  }
+  const std::vector<double> values = read_to_host(recorded);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double* v = values.data() + 4 * i;  // saturated, flushed, amax, scale
+    out[i].saturated = static_cast<int64_t>(v[0]);
+    out[i].flushed = static_cast<int64_t>(v[1]);
+    out[i].amax = v[2];
+    out[i].scale = v[3];
+  }
+  std::sort(out.begin(), out.end(), [](const Fp8TensorTelemetry& a, const Fp8TensorTelemetry& b) {
+    return std::tie(a.layer, a.operand) < std::tie(b.layer, b.operand);
+  });
+  return out;
 }
 
 int64_t Fp8Gemms::sites() const {

@@ -2,8 +2,10 @@
 // weight), created by the layer's first forward, and their update once an
 // iteration (the step participant in step/fp8_step.h calls it when a guard
 // commits). GEMMs whose shapes the device cannot take in float8 run in
-// bfloat16 and are counted.
+// bfloat16 (the interception kernel checks fits() first) and are counted.
 #pragma once
+
+#include <amp/telemetry.h>
 
 #include "fp8/fp8_linear.h"
 
@@ -14,28 +16,42 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 #include <unordered_map>
 
 namespace amp::detail {
 
 class Fp8Gemms {
  public:
-  explicit Fp8Gemms(const Options::Fp8Scaling& recipe);
+  // `tally`: keep what each operand's quantizations held
+  // (Options::precision_telemetry).
+  Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally);
 
-  // at::linear for the interception kernel, the site being `layer`'s (its
-  // weight parameter): in float8 when the shapes fit (fp8_linear.h), else
-  // at::linear as given (counted).
+  // Whether the device takes input [..., in] x weight [out, in] in float8;
+  // where it does not, the caller runs the GEMM as the policy says and
+  // counts it with fall_back().
+  static bool fits(const at::Tensor& input, int64_t out_features) { return fp8_shapes_fit(input, out_features); }
+  void fall_back();
+
+  // at::linear for the interception kernel in float8 (shapes that fit),
+  // the site being `layer`'s (its weight parameter).
   at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                     const c10::TensorImpl* layer);
 
-  // Delayed scaling: every site's next scales. No host sync.
+  // When a guard ends an iteration: every operand that ran since the last
+  // update completes its tally and takes its next scale. No host sync.
   void update();
+
+  // The completed tallies (amp/telemetry.h), each site named by its
+  // weight; one copy to the host. Sites of weights `names` lacks are
+  // skipped.
+  using Names = std::unordered_map<const c10::TensorImpl*, std::string>;
+  std::vector<Fp8TensorTelemetry> telemetry(const Names& names) const;
 
   // amp's state: every site under its weight's parameter name, in the
   // archive entry "fp8". load() checks everything before it changes
   // anything. Errors: a name `names` does not know; a malformed entry; an
   // amax history of another length than the recipe's.
-  using Names = std::unordered_map<const c10::TensorImpl*, std::string>;
   void save(torch::serialize::OutputArchive& archive, const Names& names) const;
   void load(torch::serialize::InputArchive& archive, const Names& names);
   static bool is_entry(const std::string& key) { return key == "fp8"; }
@@ -47,7 +63,10 @@ class Fp8Gemms {
   std::shared_ptr<Fp8Site> site_of(const at::Tensor& weight) const;
 
  private:
+  std::shared_ptr<Fp8Site> make_site() const;
+
   Options::Fp8Scaling recipe_;
+  bool tally_;
   at::ScalarType forward_, backward_;
   mutable std::mutex mutex_;
   std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Fp8Site>> sites_;

@@ -51,7 +51,7 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
                       std::shared_ptr<Fp8Site> site) {
   const at::Tensor input2 = input.reshape({-1, input.size(-1)}).contiguous();
   auto [input8, input_inv] = site->input.quantize(input2.detach());
-  auto [weight8, weight_inv] = site->weight.quantize(weight.detach());
+  auto [weight8, weight_inv] = site->quantized_weight(weight);
   at::Tensor output;
   {
     at::NoGradGuard no_grad;
@@ -82,9 +82,32 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
   return output;
 }
 
-bool fp8_shapes_fit(const at::Tensor& input, const at::Tensor& weight) {
+std::pair<at::Tensor, at::Tensor> Fp8Site::quantized_weight(const at::Tensor& w) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const void* data = w.const_data_ptr();
+  const uint32_t version = w._version();
+  if (cached_.first.defined() && data == cached_data_ && version == cached_version_ &&
+      weight.generation() == cached_generation_ && w.scalar_type() == cached_dtype_) {
+    return cached_;
+  }
+  cached_ = weight.quantize(w.detach());
+  cached_data_ = data;
+  cached_version_ = version;
+  cached_generation_ = weight.generation();
+  cached_dtype_ = w.scalar_type();
+  ++quantizations_;
+  return cached_;
+}
+
+int64_t Fp8Site::weight_quantizations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return quantizations_;
+}
+
+bool fp8_shapes_fit(const at::Tensor& input, int64_t out_features) {
   if (!input.is_cuda()) return true;
-  return input.size(-1) % 16 == 0 && weight.size(0) % 16 == 0;
+  const int64_t in = input.size(-1), rows = in > 0 ? input.numel() / in : 0;
+  return in % 16 == 0 && out_features % 16 == 0 && rows % 16 == 0;
 }
 
 }  // namespace amp::detail

@@ -8,15 +8,34 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <mutex>
 #include <optional>
+#include <utility>
 
 namespace amp::detail {
 
 // One linear layer's scaling.
 struct Fp8Site {
-  Fp8Site(const Options::Fp8Scaling& recipe, at::ScalarType forward, at::ScalarType backward)
-      : input(recipe, forward), weight(recipe, forward), grad_output(recipe, backward) {}
+  Fp8Site(const Options::Fp8Scaling& recipe, at::ScalarType forward, at::ScalarType backward, bool tally = false)
+      : input(recipe, forward, tally), weight(recipe, forward, tally), grad_output(recipe, backward, tally) {}
   Fp8Scaler input, weight, grad_output;
+
+  // The weight quantized, made once while the weight (its storage and
+  // version) and its scale stay the same: once an iteration, however many
+  // calls read it (micro-batches, a recomputed block's rerun, a shared
+  // layer).
+  std::pair<at::Tensor, at::Tensor> quantized_weight(const at::Tensor& weight);
+  int64_t weight_quantizations() const;
+
+ private:
+  mutable std::mutex mutex_;
+  const void* cached_data_ = nullptr;
+  uint32_t cached_version_ = 0;
+  int64_t cached_generation_ = -1;
+  at::ScalarType cached_dtype_ = at::kFloat;
+  std::pair<at::Tensor, at::Tensor> cached_;
+  int64_t quantizations_ = 0;
 };
 
 // input [..., in] x weight [out, in]^T (+ bias [out]), as at::linear, in
@@ -27,8 +46,10 @@ struct Fp8Site {
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       std::shared_ptr<Fp8Site> site);
 
-// Whether the device's float8 kernel takes these shapes: on CUDA the
-// inner and outer dimensions must be multiples of 16; the CPU takes any.
-bool fp8_shapes_fit(const at::Tensor& input, const at::Tensor& weight);
+// Whether the device's float8 kernel takes an input [..., in] times a
+// weight [out, in]: on CUDA every GEMM of the forward and backward needs
+// its inner and outer dimensions multiples of 16 - in, out and the rows of
+// the input (the weight gradient's inner dimension); the CPU takes any.
+bool fp8_shapes_fit(const at::Tensor& input, int64_t out_features);
 
 }  // namespace amp::detail

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 namespace amp::detail {
 namespace {
@@ -22,8 +23,8 @@ double largest(at::ScalarType format) {
 
 }  // namespace
 
-Fp8Scaler::Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format)
-    : recipe_(recipe), format_(format), fp8_max_(largest(format)) {}
+Fp8Scaler::Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format, bool tally)
+    : recipe_(recipe), format_(format), fp8_max_(largest(format)), tallying_(tally) {}
 
 void Fp8Scaler::place(const at::Tensor& like) {
   if (scale_.defined() && scale_.device() == like.device()) return;
@@ -47,20 +48,45 @@ at::Tensor Fp8Scaler::scale_from(const at::Tensor& amax, const at::Tensor& other
 
 std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x) {
   place(x);
+  dirty_ = true;
   const at::Tensor amax = x.abs().max().to(at::kFloat).reshape({1});
   at::Tensor scale;
   if (recipe_.recipe == Options::Fp8Scaling::Recipe::kCurrent) {
     scale = scale_from(amax, scale_);
   } else {
-    history_.narrow(0, 0, 1).copy_(at::maximum(history_.narrow(0, 0, 1), amax));
+    const at::Tensor slot = history_.narrow(0, 0, 1);
+    slot.copy_(at::maximum(slot, amax.nan_to_num(0, 0, 0)));
     scale = at::where(updated_.gt(0), scale_, scale_from(amax, scale_));  // no history yet: current
   }
-  const at::Tensor scaled = (x.to(at::kFloat) * scale).clamp_(-fp8_max_, fp8_max_);
-  return {scaled.to(format_), scale.reciprocal().reshape({})};
+  at::Tensor scaled = x.to(at::kFloat) * scale;
+  at::Tensor saturated;
+  if (tallying_) saturated = scaled.abs().gt(fp8_max_).sum();
+  const at::Tensor x8 = scaled.clamp_(-fp8_max_, fp8_max_).to(format_);
+  if (tallying_) tally(x, x8, saturated, amax, scale);
+  // amax - amax: 0 where x is finite, NaN where it is not.
+  return {x8, (scale.reciprocal() + (amax - amax)).reshape({})};
+}
+
+void Fp8Scaler::tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated,
+                      const at::Tensor& amax, const at::Tensor& scale) {
+  if (!tally_.counts.defined()) {
+    tally_.counts = at::zeros({2}, amax.options().dtype(at::kLong));
+    tally_.amax = at::zeros({1}, amax.options());
+  }
+  const at::Tensor flushed = x8.to(at::kFloat).eq(0).logical_and_(x.ne(0)).sum();
+  tally_.counts.add_(at::stack({saturated, flushed}));
+  tally_.amax = at::maximum(tally_.amax, amax);
+  tally_.scale = scale.clone();
+  tally_.calls += 1;
+  tally_.numel += x.numel();
 }
 
 void Fp8Scaler::update() {
-  if (!scale_.defined() || recipe_.recipe == Options::Fp8Scaling::Recipe::kCurrent) return;
+  if (!dirty_) return;
+  dirty_ = false;
+  ++generation_;
+  if (tallying_) completed_ = std::exchange(tally_, Fp8Tally{});
+  if (recipe_.recipe == Options::Fp8Scaling::Recipe::kCurrent) return;
   const at::Tensor amax = recipe_.amax_compute == Options::Fp8Scaling::Amax::kMax
                               ? history_.max().reshape({1})
                               : history_.narrow(0, 0, 1).clone();
@@ -96,6 +122,7 @@ void Fp8Scaler::restore(torch::serialize::InputArchive& archive) {
   archive.read("amax_history", history);
   archive.read("updated", updated);
   if (scale.numel() == 0) return;
+  ++generation_;
   scale_ = scale;
   history_ = history;
   updated_ = updated;

@@ -14,20 +14,39 @@
 
 namespace amp::detail {
 
+// What one operand's quantizations held over an iteration (with
+// Options::precision_telemetry): device tensors, read only when asked.
+struct Fp8Tally {
+  int64_t calls = 0, numel = 0;
+  at::Tensor counts;  // int64 [2]: saturated, flushed to zero
+  at::Tensor amax;    // float32 [1]: the largest |x|
+  at::Tensor scale;   // float32 [1]: the scale of the latest call
+};
+
 class Fp8Scaler {
  public:
-  // `format`: at::kFloat8_e4m3fn or at::kFloat8_e5m2.
-  Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format);
+  // `format`: at::kFloat8_e4m3fn or at::kFloat8_e5m2. `tally`: keep an
+  // Fp8Tally of every iteration.
+  Fp8Scaler(const Options::Fp8Scaling& recipe, at::ScalarType format, bool tally = false);
 
   // `x` multiplied by the scale, saturated to +-fp8_max and rounded to the
   // format, and the inverse scale (a 0-dim float32 tensor) the GEMM applies.
   // Records x's amax for the next update (the largest of the iteration's
-  // calls). No host sync.
+  // calls). An x holding an inf or NaN gets a NaN inverse scale, so the
+  // GEMM's product is not finite and the loss scaler sees the overflow that
+  // saturation would hide; its amax stays out of the history. No host sync.
   std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x);
 
-  // Once an iteration (delayed scaling): the next scale from the history,
-  // then the history rolls by one. No host sync.
+  // Once an iteration, if quantize() ran since the last update: the tally
+  // completes, and with delayed scaling the next scale comes from the
+  // history, which then rolls by one. No host sync.
   void update();
+  // Counts the updates that changed anything: what a quantization made
+  // before a later generation is stale.
+  int64_t generation() const { return generation_; }
+
+  // The tally of the latest iteration an update completed (empty before).
+  const Fp8Tally& completed_tally() const { return completed_; }
 
   // amp's state (persistence/state.cpp): the scale, the history and whether
   // an update has set the scale. restore() takes what save() wrote, after
@@ -46,6 +65,8 @@ class Fp8Scaler {
  private:
   at::Tensor scale_from(const at::Tensor& amax, const at::Tensor& otherwise) const;
   void place(const at::Tensor& like);
+  void tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated, const at::Tensor& amax,
+             const at::Tensor& scale);
 
   Options::Fp8Scaling recipe_;
   at::ScalarType format_;
@@ -53,6 +74,10 @@ class Fp8Scaler {
   at::Tensor scale_;    // the delayed scale
   at::Tensor history_;  // [0]: this iteration's amax so far
   at::Tensor updated_;  // float32 [1]: 1 once an update set scale_ from a history
+  bool dirty_ = false;  // quantize() ran since the last update
+  int64_t generation_ = 0;
+  bool tallying_;
+  Fp8Tally tally_, completed_;
 };
 
 }  // namespace amp::detail

@@ -7,6 +7,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -47,6 +48,8 @@ void add_op_stats(const OpStats& row) {
     it->second.casts += row.casts;
     it->second.cache_hits += row.cache_hits;
     it->second.bytes_cast += row.bytes_cast;
+    it->second.float8 += row.float8;
+    it->second.float8_fallbacks += row.float8_fallbacks;
   }
 }
 
@@ -77,13 +80,18 @@ void OpStatsRecorder::reset() {
 
 std::string format_op_stats(const std::vector<OpStats>& rows) {
   std::ostringstream out;
-  out << "| op | device | policy | input dtypes | output | calls | casts | cache hits | bytes cast |\n"
-      << "|---|---|---|---|---|---:|---:|---:|---:|\n";
+  const bool float8 = std::any_of(rows.begin(), rows.end(),
+                                  [](const OpStats& r) { return r.float8 > 0 || r.float8_fallbacks > 0; });
+  out << "| op | device | policy | input dtypes | output | calls | casts | cache hits | bytes cast |"
+      << (float8 ? " float8 | float8 fallbacks |" : "") << "\n"
+      << "|---|---|---|---|---|---:|---:|---:|---:|" << (float8 ? "---:|---:|" : "") << "\n";
   for (const OpStats& r : rows) {
     out << "| " << r.op << " | " << c10::DeviceTypeName(r.device, /*lower_case=*/true) << " | "
         << to_string(r.policy) << (r.in_backward ? " (backward)" : "") << " | " << r.input_dtypes
         << " | " << r.output_dtype << " | " << r.calls << " | " << r.casts << " | " << r.cache_hits
-        << " | " << r.bytes_cast << " |\n";
+        << " | " << r.bytes_cast << " |";
+    if (float8) out << " " << r.float8 << " | " << r.float8_fallbacks << " |";
+    out << "\n";
   }
   return out.str();
 }

@@ -48,7 +48,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
       options_(options),
       forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
                                                                               : nullptr),
-      fp8_(properties.fp8 ? std::make_unique<Fp8Gemms>(options.fp8_scaling) : nullptr),
+      fp8_(properties.fp8 ? std::make_unique<Fp8Gemms>(options.fp8_scaling, options.precision_telemetry) : nullptr),
       casting_(casting_for(properties, options, weights.get(), forward_log_.get(), fp8_.get())),
       owner_(std::this_thread::get_id()),
       sharded_(std::move(sharded)),

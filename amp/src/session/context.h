@@ -102,8 +102,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   ShardedMasters* sharded() const { return sharded_.get(); }
   // Data parallel, telemetry and provenance, in the order guards run them.
   const std::vector<StepParticipant*>& participants() const override { return participants_; }
-  // The fp8 property's GEMM sites; null without it.
-  Fp8Gemms* fp8() const { return fp8_.get(); }
+  Fp8Gemms* fp8() const override { return fp8_.get(); }
   // Adds `participant` after those initialize made: guards opened from now
   // on run its hooks last (and unwind it first). It must outlive them.
   void join(StepParticipant& participant) { participants_.push_back(&participant); }

@@ -169,4 +169,12 @@ std::vector<double> scale_history(int loss_id) {
   return recorder.scale_history(loss_id);
 }
 
+std::vector<Fp8TensorTelemetry> fp8_telemetry() {
+  const auto session = detail::require_step_session("amp::fp8_telemetry");
+  recorder_of(*session, "amp::fp8_telemetry");
+  TORCH_CHECK(session->fp8() != nullptr, "amp: amp::fp8_telemetry needs the fp8 property, which is off. Set "
+              "PropertyOverrides::fp8 = true at O5 when calling amp::initialize.");
+  return session->fp8()->telemetry(*session->parameter_names());
+}
+
 }  // namespace amp

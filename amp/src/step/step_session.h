@@ -7,6 +7,7 @@
 #include <amp/internal/loss_scaling.h>
 #include <amp/options.h>
 
+#include "fp8/fp8_gemms.h"
 #include "model/model_weights.h"
 #include "optim/stochastic_rounding.h"
 #include "step/optimizer_step.h"
@@ -49,6 +50,8 @@ class StepSession {
   virtual ForwardLog* forward_log() const = 0;
   // Options::precision_telemetry's records; null when it is off.
   virtual TelemetryRecorder* telemetry() const = 0;
+  // The fp8 property's GEMM sites; null without it.
+  virtual Fp8Gemms* fp8() const = 0;
   // How the fused optimizers round updates into bf16 weights
   // (Properties::stochastic_rounding); null without it.
   virtual StochasticRounding* rounding() const = 0;

@@ -38,4 +38,8 @@ void CallRecord::add_cache_hit() {
   if (CallRecord* r = t_current) r->row_.cache_hits += 1;
 }
 
+void CallRecord::add_float8(bool fell_back) {
+  if (CallRecord* r = t_current) (fell_back ? r->row_.float8_fallbacks : r->row_.float8) += 1;
+}
+
 }  // namespace amp::detail

@@ -56,10 +56,15 @@ class CallRecord {
   static void note_cache_hit() {
     if (C10_UNLIKELY(recording())) add_cache_hit();
   }
+  // A qualifying GEMM ran in float8, or fell back to bfloat16 for its shapes.
+  static void note_float8(bool fell_back) {
+    if (C10_UNLIKELY(recording())) add_float8(fell_back);
+  }
 
  private:
   static void add_cast(const at::Tensor& copy);
   static void add_cache_hit();
+  static void add_float8(bool fell_back);
 
   OpStats row_;
   CallRecord* previous_;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "fp8/fp8_gemms.h"
+#include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
 
 #include <ATen/ops/addmm_ops.h>
@@ -30,6 +31,15 @@ inline const c10::TensorImpl* weight_key(const at::Tensor& t) {
   return t.is_view() ? t._base().unsafeGetTensorImpl() : t.unsafeGetTensorImpl();
 }
 
+// Whether a qualifying call runs in float8: its shapes fit the device's
+// kernel (else it runs as the policy says); both counted per op.
+inline bool in_float8(Fp8Gemms& fp8, const at::Tensor& input, int64_t out_features) {
+  const bool fits = Fp8Gemms::fits(input, out_features);
+  if (!fits) fp8.fall_back();
+  CallRecord::note_float8(/*fell_back=*/!fits);
+  return fits;
+}
+
 template <class Op>
 struct Fp8Call {
   static constexpr bool kApplies = false;
@@ -41,7 +51,7 @@ struct Fp8Call<at::_ops::linear> {
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias) {
-    if (!is_layer_weight(weight) || input.dim() < 1) return std::nullopt;
+    if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(fp8, input, weight.size(0))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor, std::optional<at::Tensor>> cast(to, device);
     return fp8.linear(cast(input), cast(weight), cast(bias), weight_key(weight));
   }
@@ -53,7 +63,10 @@ struct Fp8Call<at::_ops::addmm> {
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                                         const at::Scalar& beta, const at::Scalar& alpha) {
-    if (!is_layer_weight(mat2) || !beta.equal(1) || !alpha.equal(1) || self.dim() > 1) return std::nullopt;
+    if (!is_layer_weight(mat2) || !beta.equal(1) || !alpha.equal(1) || self.dim() > 1 ||
+        !in_float8(fp8, mat1, mat2.size(1))) {
+      return std::nullopt;
+    }
     ArgCastFor<at::Tensor, at::Tensor, at::Tensor> cast(to, device);
     const at::Tensor& bias = cast(self);
     return fp8.linear(cast(mat1), cast(mat2).t(), bias, weight_key(mat2));
@@ -65,7 +78,7 @@ struct Fp8Call<at::_ops::mm> {
   static constexpr bool kApplies = true;
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& self, const at::Tensor& mat2) {
-    if (!is_layer_weight(mat2)) return std::nullopt;
+    if (!is_layer_weight(mat2) || !in_float8(fp8, self, mat2.size(1))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
     return fp8.linear(cast(self), cast(mat2).t(), std::nullopt, weight_key(mat2));
   }
@@ -76,7 +89,7 @@ struct Fp8Call<at::_ops::matmul> {
   static constexpr bool kApplies = true;
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& self, const at::Tensor& other) {
-    if (!is_layer_weight(other) || self.dim() < 2) return std::nullopt;
+    if (!is_layer_weight(other) || self.dim() < 2 || !in_float8(fp8, self, other.size(1))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
     return fp8.linear(cast(self), cast(other).t(), std::nullopt, weight_key(other));
   }
