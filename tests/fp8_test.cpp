@@ -91,7 +91,8 @@ TEST(Fp8ScalerTest, ZeroOrNonFiniteAmaxKeepsTheScale) {
   recent.quantize(with_amax(7));
   recent.update();
   const auto [x8, inverse] = recent.quantize(torch::tensor({1.0f, std::numeric_limits<float>::infinity()}));
-  EXPECT_FLOAT_EQ(x8.to(at::kFloat)[1].item<float>(), static_cast<float>(kE4m3Max));  // saturated
+  EXPECT_FLOAT_EQ(x8.to(at::kFloat)[1].item<float>(), static_cast<float>(kE4m3Max));  // saturated,
+  EXPECT_TRUE(std::isnan(inverse.item<float>()));  // but the product will not be finite
   recent.update();
   EXPECT_FLOAT_EQ(scale_of(recent), static_cast<float>(kE4m3Max) / 7.0f);
 }

@@ -60,7 +60,7 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
     if (bias && bias->defined()) output.add_(*bias);
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes.back() = weight.size(0);
-    output = output.reshape(sizes);
+    output = at::_unsafe_view(output, sizes);  // not a view: autograd takes it as the node's own output
   }
   const bool with_bias = bias && bias->defined();
   if (at::GradMode::is_enabled() &&

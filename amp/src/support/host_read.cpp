@@ -19,6 +19,9 @@ void count_host_read() { g_host_reads.fetch_add(1, std::memory_order_relaxed); }
 int64_t host_reads() { return g_host_reads.load(std::memory_order_relaxed); }
 
 std::vector<double> read_to_host(const std::vector<at::Tensor>& tensors) {
+  // amp's own ops, not the user's forward: overflow provenance must not
+  // take this copy of an earlier report's inf/NaN for a new overflow.
+  at::NoGradGuard no_grad;
   // Per device: its tensors' values in one buffer, and where each starts in the result.
   std::map<std::string, std::pair<std::vector<at::Tensor>, std::vector<size_t>>> by_device;
   std::vector<size_t> starts;
