@@ -33,6 +33,7 @@
 //                             weights are the masters rounded), "stale", or
 //                             "error <seconds>: <message>" (0)
 //     gather_timeout_ms=N     data_parallel.gather_timeout (60000)
+//     fp8=0|1                 1: the fp8 property (level=O5) (0)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -107,7 +108,8 @@ int main(int argc, char** argv) {
                                            {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
                                            {"shard_gradients", "1"}, {"recompute", "0"},
-                                           {"alone_forward", "0"}, {"gather_timeout_ms", "60000"}};
+                                           {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
+                                           {"fp8", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -147,6 +149,7 @@ int main(int argc, char** argv) {
   amp::Options options = flags["level"];
   options.verbosity = 0;
   options.loss_scale = amp::LossScale::Dynamic();  // O5 too, so that every level skips the overflow
+  if (flags["fp8"] == "1") options.fp8 = true;
   if (reduce == "builtin") {
     options.data_parallel.group = group;
     options.data_parallel.reduce_dtype = parse_dtype(flags["reduce_dtype"]);

@@ -283,6 +283,25 @@ TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
   }
 }
 
+// The fp8 property under sharding: each rank scales its own operands (its
+// rows' amaxes), the gathered weights are quantized once an iteration, and
+// the one rank's overflow - an inf gradient entering a float8 GEMM - is
+// skipped everywhere. Sharded equals replicated bit for bit, and float8
+// moved the weights differently from O5's bfloat16 (it ran).
+TEST_F(RanksAsProcesses, ShardedFloat8TrainingIsBitForBitAsReplicated) {
+  const std::string args = "level=O5 fp8=1 optimizer=sgd";
+  const auto sharded = run_ranks(2, args + " shard=1");
+  expect_same_bits(sharded, run_ranks(2, args), "sharded vs replicated");
+  expect_same_bits({sharded[1]}, {sharded[0]}, "rank 1");
+  EXPECT_EQ(sharded[0].skipped, 1);
+  const auto bfloat16 = run_ranks(2, "level=O5 optimizer=sgd shard=1");
+  const double moved = (sharded[0].steps.back() - sharded[0].steps.front()).abs().max().item<double>();
+  EXPECT_GT(max_distance(sharded, bfloat16), 0);
+  // e5m2 gradients round each element by up to 1/8: the runs part by a
+  // fraction of what training moved, not by drift.
+  EXPECT_LE(max_distance(sharded, bfloat16), 0.25 * moved);
+}
+
 // O6 sharded: the pieces are the bfloat16 weights themselves, stepped by
 // amp's fused AdamW with stochastic rounding, each rank drawing its own
 // stream. Ranks agree, the overflow is skipped everywhere, the run stays
