@@ -109,6 +109,19 @@ TEST_F(Fp8CompositionTest, AnOverflowThroughAFloat8GemmIsSkippedAndNamed) {
   EXPECT_TRUE(report->forward->input_non_finite);
 }
 
+// A gradient penalty differentiates backward: refused with the fix, not
+// computed wrong (float8 operands carry no graph).
+TEST_F(Fp8CompositionTest, ASecondDerivativeThroughFloat8IsRefused) {
+  Mlp2 model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  initialize(model, optimizer, fp8_options());
+  const at::Tensor loss = model->forward(torch::randn({8, 32})).to(at::kFloat).pow(2).mean();
+  EXPECT_AMP_ERROR(torch::autograd::grad({loss}, {model->fc1->weight}, {}, /*retain_graph=*/true, /*create_graph=*/true),
+                   "cannot be differentiated again");
+  const auto first_order = torch::autograd::grad({loss}, {model->fc1->weight});  // the plain backward still runs
+  EXPECT_TRUE(first_order[0].isfinite().all().item<bool>());
+}
+
 // ---- Several losses, accumulation, the weight's quantization ----------------
 
 // Two models, two losses, two optimizers, a guard each (a GAN's shape):

@@ -7,8 +7,8 @@
 // rtol bounds the relative error of the update, which low-precision forward
 // and backward passes cause: 256 u for the unit roundoff u of the dtype amp
 // computes in (u = 2^-8 bfloat16, 2^-11 float16, u32 = 2^-24 float32 at
-// O0), at most 0.35, and 0.35 at O3, which also keeps optimizer state in
-// the low dtype. Rounding errors scale with the whole computation, not with
+// O0; with fp8, e5m2's 2^-3), at most 0.35, and 0.35 at O3, which also
+// keeps optimizer state in the low dtype. Rounding errors scale with the whole computation, not with
 // one tensor's update, so `share` adds the tensor's share of the update of
 // all stepped tensors: |all updates| * sqrt(numel / total numel). Some
 // values are ill-conditioned (a bias whose effect a later norm nearly
@@ -62,6 +62,7 @@ LevelRun level_run(const Program& p, OptLevel level) {
   // O6 rounds stochastically in amp's fused optimizers only; with
   // LibTorch's own it runs rounding to nearest (initialize refuses them otherwise).
   if (level == O6 && !p.fused_step) o.stochastic_rounding = false;
+  if (level == O5 && p.fp8) o.fp8 = true;
   const Properties defaults = internal::resolve_properties(level, o, c10::DeviceType::CPU);
   if (p.dynamic_scaling || defaults.loss_scale.dynamic) o.loss_scale = LossScale::Dynamic(p.init_scale);
   o.dynamic_scaling.growth_interval = p.growth_interval;
@@ -71,6 +72,7 @@ LevelRun level_run(const Program& p, OptLevel level) {
   const bool casts_model = resolved.cast_model_type && internal::is_low_precision(*resolved.cast_model_type);
   run.low_storage = casts_model && !resolved.master_weights;
   run.compute = casts_model || resolved.patch_torch_functions ? resolved.cpu_dtype : c10::kFloat;
+  run.fp8 = resolved.fp8;
   return run;
 }
 
@@ -175,7 +177,8 @@ std::string compare(const LevelRun& run, const Trace& expected, const Trace& ref
     why << "ran " << actual.values.size() << " iterations, expected " << reference.values.size();
     return why.str();
   }
-  const double u = unit_roundoff(run.compute);
+  // float8: the gradients' e5m2 rounds at 2^-3.
+  const double u = run.fp8 ? std::ldexp(1.0, -3) : unit_roundoff(run.compute);
   const double rtol = run.low_storage ? 0.35 : std::min(0.35, 256 * u);
   const double u32 = unit_roundoff(c10::kFloat);
   const double storage_u = run.low_storage ? u : unit_roundoff(c10::kFloat);

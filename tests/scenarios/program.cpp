@@ -269,6 +269,7 @@ Program generate_program(uint64_t seed) {
     r.nested = r.last - r.first >= 2 && draw.chance(0.5);
     m.recomputed = r;
   }
+  p.fp8 = !penalty && draw.chance(0.4);
   return p;
 }
 
@@ -307,7 +308,7 @@ std::string describe(const Program& p) {
       << ", O1-O3 dtype " << (p.float16 ? "float16" : "bfloat16") << ", scaling "
       << (p.dynamic_scaling ? "dynamic from " + std::to_string(p.init_scale) : std::string("level default"))
       << ", growth_interval " << p.growth_interval << ", " << (p.fused_step ? "fused" : "LibTorch's own")
-      << " optimizer step\n";
+      << " optimizer step" << (p.fp8 ? ", O5 with fp8" : "") << "\n";
   for (const Fault& f : p.faults) {
     out << "  fault: " << name(f.kind) << " at iteration " << f.iteration << " phase " << f.phase << " loss "
         << f.loss << " micro-batch " << f.micro_batch << "\n";

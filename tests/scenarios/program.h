@@ -12,6 +12,8 @@
 // NaN injected into a loss's gradients, an exception inside a guard, and a
 // save/restore of everything mid-run (in this process or a fresh one).
 //
+// O5 may run with the fp8 property.
+//
 // Every program is well formed for plain LibTorch in float64 (the oracle):
 // each guard lists every optimizer that steps in its phase and owns a model
 // its loss reaches, and gradients that leak into a model stepped elsewhere
@@ -113,6 +115,10 @@ struct Program {
   // or LibTorch's own classes, whose guards read each verdict on the host
   // and discard an overflowed guard's gradients.
   bool fused_step = true;
+  // O5 runs with the fp8 property: Linear blocks' GEMMs in float8. Never
+  // with a gradient penalty (a float8 backward cannot be differentiated
+  // again).
+  bool fp8 = false;
 };
 
 Program generate_program(uint64_t seed);

@@ -45,6 +45,7 @@ struct LevelRun {
   Options options;          // for amp::initialize
   bool low_storage;         // parameters stored in the low dtype (O3)
   c10::ScalarType compute;  // the dtype amp computes in (float32 at O0)
+  bool fp8 = false;         // Linear blocks' GEMMs in float8 (O5 with the fp8 property)
 };
 LevelRun level_run(const Program& program, OptLevel level);
 

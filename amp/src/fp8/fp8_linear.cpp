@@ -26,6 +26,11 @@ struct Fp8LinearBackward final : Node {
   std::string name() const override { return "amp::Fp8LinearBackward"; }
 
   variable_list apply(variable_list&& grads) override {
+    // The float8 operands carry no graph: a second derivative would be
+    // silently wrong.
+    TORCH_CHECK(!at::GradMode::is_enabled(), "amp: the backward of a float8 GEMM (the fp8 property) cannot be "
+                "differentiated again, as create_graph=true (a gradient penalty) asks. Keep the layers that loss "
+                "reaches out of float8 (Options::keep_fp32, or a custom_fwd float32 region), or train without fp8.");
     variable_list out(3);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return out;
