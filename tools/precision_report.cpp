@@ -2,7 +2,8 @@
 // amp and prints every intercepted op - operator, input dtypes, output dtype,
 // policy applied, calls, casts, cache hits, bytes cast - and amp's gradient
 // telemetry per layer (telemetry.h): underflow at the loss scale, zeros and
-// the largest magnitude; then memory: bytes per parameter of weights,
+// the largest magnitude, and with the fp8 property each float8 operand's
+// saturated and flushed fractions; then memory: bytes per parameter of weights,
 // masters, gradients and optimizer state, and the allocator's bytes over an
 // iteration. Read it to answer "why is this op in fp16?", "what does the low
 // dtype lose of this layer's gradient?" and "where do my bytes go?".
@@ -133,12 +134,13 @@ int run() {
     iterate(optimizer, loss_of_forward);
     telemetry = amp::precision_telemetry(optimizer);
     std::cout << "Precision report: one training iteration of the " << name << " model at "
-              << amp::to_string(options.opt_level) << " on " << device << " (batch " << batch << ")\n\n"
+              << examples::level_name(options) << " on " << device << " (batch " << batch << ")\n\n"
               << amp::format_op_stats(recorder.stats());
   }
   const amp::CastCounts counts = amp::cast_counts();
   std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n\n";
   if (telemetry) examples::print_telemetry(std::cout, *telemetry);
+  if (amp::properties().fp8) examples::print_fp8_telemetry(std::cout << "\n", amp::fp8_telemetry());
   print_memory(std::cout, optimizer, loss_of_forward, device);
   // Shapes that fit the hardware: the layers to pad for the low dtype here.
   const c10::ScalarType low = amp::properties().low_precision_dtype(device.type());

@@ -117,6 +117,20 @@ void print_telemetry(std::ostream& out, const amp::PrecisionTelemetry& telemetry
   }
 }
 
+void print_fp8_telemetry(std::ostream& out, const std::vector<amp::Fp8TensorTelemetry>& tensors) {
+  char line[256];
+  out << "Float8 operands, latest iteration:\n"
+      << "| layer | operand | format | calls | elements | scale | amax | saturated | flushed to zero |\n"
+      << "|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const amp::Fp8TensorTelemetry& t : tensors) {
+    std::snprintf(line, sizeof(line), "| %s | %s | %s | %lld | %lld | %.4g | %.3g | %.4f%% | %.4f%% |\n",
+                  t.layer.c_str(), t.operand.c_str(), c10::toString(t.format), static_cast<long long>(t.calls),
+                  static_cast<long long>(t.numel), t.scale, t.amax, 100 * t.saturated_fraction(),
+                  100 * t.flushed_fraction());
+    out << line;
+  }
+}
+
 void print_measured_policy(std::ostream& out) {
   const std::vector<amp::MeasuredChoice> choices = amp::measured_policy();
   size_t kept = 0;

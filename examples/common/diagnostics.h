@@ -44,5 +44,8 @@ void print_injection_outcome(std::ostream& out, torch::optim::Optimizer& optimiz
 void print_measured_policy(std::ostream& out);
 // Per parameter: elements, underflow, zeros, amax; with group totals.
 void print_telemetry(std::ostream& out, const amp::PrecisionTelemetry& telemetry);
+// With the fp8 property: per layer and operand, the format, scale, amax and
+// the fractions saturated and flushed to zero (amp::fp8_telemetry).
+void print_fp8_telemetry(std::ostream& out, const std::vector<amp::Fp8TensorTelemetry>& tensors);
 
 }  // namespace examples
