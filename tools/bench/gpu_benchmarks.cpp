@@ -14,7 +14,15 @@
 // syncs per step (amp::host_syncs; the native loop reads found_inf once),
 // steps skipped and the final loss (a diverged row cannot pass as fast),
 // and the transformer's model FLOP utilisation against the card's measured
-// bf16 matmul throughput.
+// bf16 matmul throughput. The transformer's vocabulary is GPT-2's padded to
+// 50304 (a multiple of 64, as nanoGPT does), so its largest GEMM, the
+// output layer, fits the float8 kernel's multiples of 16.
+//
+// Then the fp8 property's GEMMs at the transformer's shapes: one Linear
+// layer's training step (forward, both gradients, AdamW) at O5 and at
+// O5+fp8, and the bare float8 kernel's throughput as a fraction of the
+// card's float8 ceiling (an 8192^3 _scaled_mm) - what float8 can give, and
+// what amp's scaling and casts leave of it.
 //
 //   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
 #include <amp/amp.h>
@@ -26,6 +34,7 @@
 #include "common/char_transformer.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
@@ -223,6 +232,72 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   return result;
 }
 
+// Mean milliseconds of `fn` over `timed` calls after `warmup`, by CUDA events.
+double time_ms(int warmup, int timed, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < timed; ++i) fn();
+  stop.record();
+  stop.synchronize();
+  return start.elapsed_time(stop) / timed;
+}
+
+// TFLOP/s of the bare float8 GEMM [rows, in] x [in, out] (bfloat16 out).
+double scaled_mm_tflops(int64_t rows, int64_t in, int64_t out) {
+  const auto cuda = torch::TensorOptions(torch::kCUDA);
+  const at::Tensor a = torch::randn({rows, in}, cuda).to(at::kFloat8_e4m3fn);
+  const at::Tensor b = torch::randn({out, in}, cuda).to(at::kFloat8_e4m3fn).t();
+  const at::Tensor one = torch::ones({}, cuda);
+  const double ms = time_ms(3, 20, [&] { at::_scaled_mm(a, b, one, one, std::nullopt, std::nullopt, at::kBFloat16); });
+  return 2.0 * rows * in * out / (ms / 1e3) / 1e12;
+}
+
+// One Linear(in, out) layer's training step on [rows, in] at O5, with and
+// without the fp8 property: milliseconds.
+double linear_step_ms(int64_t rows, int64_t in, int64_t out, bool fp8) {
+  torch::nn::Linear layer(in, out);
+  layer->to(torch::kCUDA);
+  auto optimizer = std::make_shared<amp::optim::FusedAdamW>(layer->parameters(), torch::optim::AdamWOptions(1e-4));
+  amp::Options options = amp::O5;
+  options.fp8 = fp8;
+  options.verbosity = 0;
+  amp::Handle handle;
+  handle.initialize(layer, optimizer, options);
+  const at::Tensor x = torch::randn({rows, in}, torch::kCUDA);
+  return time_ms(5, 20, [&] {
+    optimizer->zero_grad();
+    {
+      amp::scale_loss scaled(layer->forward(x).to(at::kFloat).mean(), optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+  });
+}
+
+void fp8_gemm_table() {
+  if (at::cuda::getCurrentDeviceProperties()->major * 10 + at::cuda::getCurrentDeviceProperties()->minor < 89) {
+    std::printf("\nfloat8 GEMMs: this GPU has no float8 kernel (compute capability 8.9+)\n");
+    return;
+  }
+  const double ceiling = scaled_mm_tflops(8192, 8192, 8192);
+  std::printf("\nfloat8 GEMMs at the transformer's shapes (8192 tokens); float8 ceiling (8192^3 _scaled_mm) "
+              "%.0f TFLOP/s\n| GEMM | in x out | bare float8 TFLOP/s | of the ceiling | layer step O5 ms | "
+              "O5+fp8 ms | speedup |\n|---|---|---:|---:|---:|---:|---:|\n", ceiling);
+  struct Shape {
+    const char* name;
+    int64_t in, out;
+  };
+  for (const Shape& g : {Shape{"attention qkv", 768, 2304}, Shape{"attention out", 768, 768},
+                         Shape{"MLP up", 768, 3072}, Shape{"MLP down", 3072, 768}, Shape{"output layer", 768, 50304}}) {
+    const double tflops = scaled_mm_tflops(8192, g.in, g.out);
+    const double o5 = linear_step_ms(8192, g.in, g.out, false), fp8 = linear_step_ms(8192, g.in, g.out, true);
+    std::printf("| %s | %lld x %lld | %.0f | %.0f%% | %.3f | %.3f | %.2f |\n", g.name, static_cast<long long>(g.in),
+                static_cast<long long>(g.out), tflops, 100 * tflops / ceiling, o5, fp8, o5 / fp8);
+    std::fflush(stdout);
+  }
+}
+
 double bf16_matmul_tflops() {
   const auto a = torch::randn({8192, 8192}, torch::TensorOptions(torch::kCUDA).dtype(torch::kBFloat16));
   for (int i = 0; i < 3; ++i) torch::mm(a, a);
@@ -245,8 +320,8 @@ int main(int argc, char** argv) {
   const std::string models = argc > 3 ? argv[3] : "resnet,gpt";
   at::globalContext().setBenchmarkCuDNN(true);
 
-  examples::TransformerConfig gpt{50257, 1024, 768, 12, 12};
-  const double gpt_params = 12 * 12.0 * 768 * 768 + 50257.0 * 768 * 2 + 1024.0 * 768;
+  examples::TransformerConfig gpt{50304, 1024, 768, 12, 12};
+  const double gpt_params = 12 * 12.0 * 768 * 768 + 50304.0 * 768 * 2 + 1024.0 * 768;
   const double gpt_tokens = 8 * 1024.0;
   std::vector<Workload> workloads;
   if (models.find("resnet") != std::string::npos) {
@@ -295,5 +370,6 @@ int main(int argc, char** argv) {
       std::fflush(stdout);  // each table as it is measured
     }
   }
+  if (models.find("gpt") != std::string::npos) fp8_gemm_table();
   return 0;
 }
