@@ -8,7 +8,10 @@
 //      with the number of foreach/_amp_ calls per step;
 //   4. peak memory of one Fashion-MNIST CNN training step at O0-O3;
 //   5. Adam step with overflow check: amp's fused step vs amp with LibTorch's
-//      own step vs the same sequences by hand, with host syncs per step.
+//      own step vs the same sequences by hand, with host syncs per step;
+//   6. the character transformer's training step (transformer_lm's model,
+//      batch 32 x 64): FP32 vs LibTorch's native at::autocast in bfloat16
+//      vs amp O1 - amp's share of O1's time is its distance from native.
 #include <amp/amp.h>
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
@@ -16,6 +19,7 @@
 #include <amp/testing.h>
 
 #include "bench_util.h"
+#include "common/char_transformer.h"
 #include "common/fashion_mnist_net.h"
 
 #include <absl/flags/flag.h>
@@ -34,7 +38,7 @@
 ABSL_FLAG(int, repetitions, 15, "repetitions per measurement (the median is reported)");
 ABSL_FLAG(int, calls, 20000, "op calls per dispatch measurement");
 ABSL_FLAG(int, scaler_params, 200, "parameter tensors in the scaler benchmarks");
-ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory, fused");
+ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory, fused, transformer");
 
 namespace {
 
@@ -451,6 +455,72 @@ void fused_step_cost() {
   row("hand-written: _amp_ calls + host read + torch::optim::Adam", by_hand_own, 1);
 }
 
+void transformer_step() {
+  torch::manual_seed(0);
+  examples::CharTransformer model;
+  auto optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(), 1e-3);
+  const at::Tensor windows = torch::randint(0, 256, {32, 65}, at::kLong);
+  const at::Tensor inputs = windows.narrow(1, 0, 64), targets = windows.narrow(1, 1, 64).reshape({-1});
+  auto loss_of_forward = [&] { return torch::cross_entropy_loss(model->forward(inputs).reshape({-1, 256}), targets); };
+  auto fp32_step = [&] {
+    optimizer->zero_grad();
+    loss_of_forward().backward();
+    optimizer->step();
+  };
+  auto native_step = [&] {
+    optimizer->zero_grad();
+    at::Tensor loss;
+    {
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      loss = loss_of_forward();
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    loss.backward();
+    optimizer->step();
+  };
+  auto amp_step = [&] {
+    optimizer->zero_grad();
+    {
+      amp::scale_loss scaled(loss_of_forward(), optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+  };
+  // amp and native autocast cannot be on at once. Each variant runs a run
+  // of steps in a row - two untimed, to reach its own steady state (a step
+  // right after another variant's pays for the allocator's other block
+  // sizes: up to 15% here), then five timed - and the variants take turns
+  // in rotating order, so drift on a shared machine reaches each alike.
+  std::vector<double> fp32, native, by_amp;
+  const int blocks = std::max(3, absl::GetFlag(FLAGS_repetitions) / 2);
+  auto run = [](const std::function<void()>& step, std::vector<double>& times) {
+    step(), step();
+    for (int i = 0; i < 5; ++i) times.push_back(bench::ns_once([] {}, step));
+  };
+  for (int block = 0; block < blocks; ++block) {
+    for (int turn = 0; turn < 3; ++turn) {
+      switch ((block + turn) % 3) {
+        case 0: run(fp32_step, fp32); break;
+        case 1: run(native_step, native); break;
+        default: {
+          amp::Handle handle;
+          handle.initialize(model, optimizer, quiet(amp::O1));
+          run(amp_step, by_amp);
+        }
+      }
+    }
+  }
+  const double n = median(native);
+  std::printf("\n6. Character transformer training step (2 blocks, width 64, batch 32 x 64, AdamW; median of %d "
+              "steps each)\n| variant | ms/step | ratio to native autocast |\n|---|---:|---:|\n",
+              5 * blocks);
+  std::printf("| FP32 | %.2f | %.2f |\n", median(fp32) / 1e6, median(fp32) / n);
+  std::printf("| native at::autocast, bfloat16 | %.2f | 1.00 |\n", n / 1e6);
+  std::printf("| amp O1 (bfloat16) | %.2f | %.2f |\n", median(by_amp) / 1e6, median(by_amp) / n);
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("amp CPU benchmarks: dispatch overhead, scaler cost, O2 step, memory.");
   absl::ParseCommandLine(argc, argv);
@@ -465,5 +535,6 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "master") master_cost();
   if (only.empty() || only == "memory") peak_memory();
   if (only.empty() || only == "fused") fused_step_cost();
+  if (only.empty() || only == "transformer") transformer_step();
   return 0;
 }
