@@ -23,6 +23,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
@@ -49,6 +50,9 @@ ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(bool, measured_policy, false,
           "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
+ABSL_FLAG(std::string, measured_policy_file, "",
+          "with --measured_policy: load the policy's table from this file if it exists (no measuring), save it "
+          "there after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
@@ -82,6 +86,10 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
   options.overflow_provenance = injection.enabled();
 
   amp::initialize(model, optimizer, options);
+  const std::string policy_file = absl::GetFlag(FLAGS_measured_policy_file);
+  if (options.measured_policy && !policy_file.empty() && std::filesystem::exists(policy_file)) {
+    amp::load_measured_policy(policy_file);
+  }
 
   if (!absl::GetFlag(FLAGS_resume).empty()) {
     amp::load_checkpoint(absl::GetFlag(FLAGS_resume), {model}, {optimizer});
@@ -136,7 +144,10 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
               epochs > 0 ? seconds / epochs : 0.0, step > 0 ? 1000 * seconds / step : 0.0,
               static_cast<long long>(amp::skipped_steps(optimizer)), examples::peak_rss_mib(),
               examples::peak_allocated_mib(device));
-  if (options.measured_policy) examples::print_measured_policy(std::cout);
+  if (options.measured_policy) {
+    examples::print_measured_policy(std::cout);
+    if (!absl::GetFlag(FLAGS_measured_policy_file).empty()) amp::save_measured_policy(absl::GetFlag(FLAGS_measured_policy_file));
+  }
   return 0;
 }
 

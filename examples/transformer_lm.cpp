@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 
 ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O6, or O5+fp8 (O5 with linear layers in float8)");
@@ -40,6 +41,9 @@ ABSL_FLAG(int, verbosity, 1, "amp verbosity");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(bool, measured_policy, false,
           "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
+ABSL_FLAG(std::string, measured_policy_file, "",
+          "with --measured_policy: load the policy's table from this file if it exists (no measuring), save it "
+          "there after training");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
           "what amp's overflow provenance says of it");
@@ -72,6 +76,10 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   const examples::NonFiniteInjection injection(absl::GetFlag(FLAGS_inject_non_finite), *model);
   options.overflow_provenance = injection.enabled();
   amp::initialize(model, optimizer, options);
+  const std::string policy_file = absl::GetFlag(FLAGS_measured_policy_file);
+  if (options.measured_policy && !policy_file.empty() && std::filesystem::exists(policy_file)) {
+    amp::load_measured_policy(policy_file);
+  }
 
   examples::Progress progress(50, steps);
   examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
@@ -106,7 +114,10 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
               steps > 0 ? 1000 * seconds / steps : 0.0, static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib(), examples::peak_allocated_mib(device));
   std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
-  if (options.measured_policy) examples::print_measured_policy(std::cout);
+  if (options.measured_policy) {
+    examples::print_measured_policy(std::cout);
+    if (!absl::GetFlag(FLAGS_measured_policy_file).empty()) amp::save_measured_policy(absl::GetFlag(FLAGS_measured_policy_file));
+  }
   return 0;
 }
 
