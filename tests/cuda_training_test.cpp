@@ -304,20 +304,7 @@ TEST_F(CudaTrainingTest, AStepCapturedInACudaGraphReplaysAsTheEagerSteps) {
     int s = 0;
     for (; s < kWarmUp; ++s) feed(s), step();
     (void)skipped_steps(optimizer);  // the warm-up's outcome known before capturing
-    at::cuda::CUDAGraph graph;
-    if (graphed) {
-      graph.capture_begin();
-      step();
-      graph.capture_end();
-    }
-    for (; s < kWarmUp + kSteps; ++s) {
-      feed(s);
-      if (graphed) {
-        graph.replay();
-      } else {
-        step();
-      }
-    }
+    eager_or_replayed(graphed, s, kWarmUp + kSteps, feed, step);
     Outcome out;
     out.skipped = skipped_steps(optimizer);
     out.last_skipped = last_step_skipped(optimizer);

@@ -8,7 +8,6 @@
 #include "fp8/fp8_linear.h"
 #include "session/context.h"
 
-#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -290,14 +289,7 @@ TEST_F(Fp8CompositionTest, TelemetryTalliesEveryFloat8Operand) {
 // captured in a CUDA graph replays as the eager steps, bit for bit: the
 // parameters, the scales and histories, an overflow skipped in the graph.
 TEST_F(Fp8CompositionTest, OnCudaAStepCapturedInAGraphReplaysAsTheEagerSteps) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
-  try {
-    const at::Tensor probe = torch::zeros({16, 16}, torch::kCUDA).to(at::kFloat8_e4m3fn);
-    const at::Tensor one = torch::ones({}, torch::kCUDA);
-    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
-  } catch (const c10::Error& e) {
-    GTEST_SKIP() << "this GPU has no float8 GEMM kernel (compute capability 8.9+): " << e.what_without_backtrace();
-  }
+  if (const std::string why = no_cuda_float8(); !why.empty()) GTEST_SKIP() << why;
   constexpr int kWarmUp = 3, kSteps = 6, kOverflowAt = 6;
   struct Outcome {
     std::vector<at::Tensor> params, scales;
@@ -329,16 +321,7 @@ TEST_F(Fp8CompositionTest, OnCudaAStepCapturedInAGraphReplaysAsTheEagerSteps) {
     int s = 0;
     for (; s < kWarmUp; ++s) feed(s), step();
     (void)skipped_steps(optimizer);
-    at::cuda::CUDAGraph graph;
-    if (graphed) {
-      graph.capture_begin();
-      step();
-      graph.capture_end();
-    }
-    for (; s < kWarmUp + kSteps; ++s) {
-      feed(s);
-      graphed ? graph.replay() : step();
-    }
+    eager_or_replayed(graphed, s, kWarmUp + kSteps, feed, step);
     Outcome out;
     out.skipped = skipped_steps(optimizer);
     out.params = clones(model->parameters());

@@ -296,14 +296,7 @@ namespace {
 // the CPU's (which the tests above check against float64), and a training
 // step at O5+fp8 with its shapes fallback counted.
 TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
-  try {
-    const at::Tensor probe = torch::zeros({16, 16}, torch::kCUDA).to(at::kFloat8_e4m3fn);
-    const at::Tensor one = torch::ones({}, torch::kCUDA);
-    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
-  } catch (const c10::Error& e) {
-    GTEST_SKIP() << "this GPU has no float8 GEMM kernel (compute capability 8.9+): " << e.what_without_backtrace();
-  }
+  if (const std::string why = no_cuda_float8(); !why.empty()) GTEST_SKIP() << why;
   torch::manual_seed(5);
   Fp8Scaling recipe;
   recipe.recipe = Fp8Scaling::Recipe::kCurrent;

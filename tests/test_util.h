@@ -11,11 +11,13 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <algorithm>
 #include <limits>
 #include <mutex>
@@ -195,5 +197,36 @@ struct TinyNetImpl : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 TORCH_MODULE(TinyNet);
+
+// Why a float8 CUDA test cannot run here ("" where it can: a CUDA device
+// whose _scaled_mm takes float8, compute capability 8.9+).
+inline std::string no_cuda_float8() {
+  if (!torch::cuda::is_available()) return "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  try {
+    const at::Tensor probe = torch::zeros({16, 16}, torch::kCUDA).to(at::kFloat8_e4m3fn);
+    const at::Tensor one = torch::ones({}, torch::kCUDA);
+    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
+  } catch (const c10::Error& e) {
+    return std::string("this GPU has no float8 GEMM kernel (compute capability 8.9+): ") + e.what_without_backtrace();
+  }
+  return "";
+}
+
+// Steps `first`..`last`-1 of a CUDA training run, each after feed(step):
+// run eagerly, or as replays of one capture of step() (on a side stream,
+// after the warm-up steps a capture needs).
+inline void eager_or_replayed(bool graphed, int first, int last, const std::function<void(int)>& feed,
+                              const std::function<void()>& step) {
+  at::cuda::CUDAGraph graph;
+  if (graphed) {
+    graph.capture_begin();
+    step();
+    graph.capture_end();
+  }
+  for (int s = first; s < last; ++s) {
+    feed(s);
+    graphed ? graph.replay() : step();
+  }
+}
 
 }  // namespace amp::testing
