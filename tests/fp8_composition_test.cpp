@@ -283,6 +283,31 @@ TEST_F(Fp8CompositionTest, TelemetryTalliesEveryFloat8Operand) {
   EXPECT_AMP_ERROR(fp8_telemetry(), "needs the fp8 property");
 }
 
+// A recomputed block quantizes its inputs again in backward, with the
+// forward's scales; telemetry counts each operand once.
+TEST_F(Fp8CompositionTest, ARecomputedBlockIsTalliedOnce) {
+  Options options = fp8_options();
+  options.precision_telemetry = true;
+  torch::manual_seed(5);
+  Mlp2 model;
+  amp::optim::FusedAdam optimizer(model->parameters());
+  initialize(model, optimizer, options);
+  const at::Tensor x = torch::randn({8, 32});
+  optimizer.zero_grad();
+  {
+    const at::Tensor out = recompute([&](const at::Tensor& h) { return model->forward(h); }, x);
+    scale_loss scaled(out.to(at::kFloat).pow(2).mean(), optimizer);
+    scaled.backward();
+  }
+  optimizer.step();
+  const std::vector<Fp8TensorTelemetry> tallies = fp8_telemetry();
+  ASSERT_EQ(tallies.size(), 6u);  // two layers, three operands
+  for (const Fp8TensorTelemetry& t : tallies) EXPECT_EQ(t.calls, 1) << t.layer << " " << t.operand;
+  EXPECT_EQ(tallies[1].layer, "fc1.weight");
+  EXPECT_EQ(tallies[1].operand, "input");
+  EXPECT_EQ(tallies[1].numel, 8 * 32);
+}
+
 // ---- CUDA graphs ------------------------------------------------------------------
 
 // A whole O5+fp8 step (forward, guard, fused step, the scales' update)

@@ -27,7 +27,7 @@ void Fp8Gemms::fall_back() {
 }
 
 at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            const c10::TensorImpl* layer) {
+                            const c10::TensorImpl* layer, bool rerun) {
   std::shared_ptr<Fp8Site> site;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -35,7 +35,7 @@ at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, c
     if (!slot) slot = make_site();
     site = slot;
   }
-  return fp8_linear(input, weight, bias, std::move(site));
+  return fp8_linear(input, weight, bias, std::move(site), rerun);
 }
 
 void Fp8Gemms::update() {

@@ -34,9 +34,10 @@ class Fp8Gemms {
   void fall_back();
 
   // at::linear for the interception kernel in float8 (shapes that fit),
-  // the site being `layer`'s (its weight parameter).
+  // the site being `layer`'s (its weight parameter); `rerun`: a recomputed
+  // block's rerun (fp8_linear).
   at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                    const c10::TensorImpl* layer);
+                    const c10::TensorImpl* layer, bool rerun);
 
   // When a guard ends an iteration: every operand that ran since the last
   // update completes its tally and takes its next scale. No host sync.

@@ -53,9 +53,9 @@ struct Fp8LinearBackward final : Node {
 }  // namespace
 
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      std::shared_ptr<Fp8Site> site) {
+                      std::shared_ptr<Fp8Site> site, bool rerun) {
   const at::Tensor input2 = input.reshape({-1, input.size(-1)}).contiguous();
-  auto [input8, input_inv] = site->input.quantize(input2.detach());
+  auto [input8, input_inv] = site->input.quantize(input2.detach(), /*tally=*/!rerun);
   auto [weight8, weight_inv] = site->quantized_weight(weight);
   at::Tensor output;
   {

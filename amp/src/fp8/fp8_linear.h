@@ -42,10 +42,11 @@ struct Fp8Site {
 // float8; the output and the gradients in the dtypes of input, weight and
 // bias. Backward: grad_input = grad . weight and grad_weight = grad^T .
 // input in float8 from the operands the forward quantized, grad_bias in
-// the gradient's dtype. Errors: a backward with create_graph=true (its
-// float8 operands have no graph to differentiate).
+// the gradient's dtype. `rerun`: a recomputed block's rerun (its input is
+// not tallied again). Errors: a backward with create_graph=true (its float8
+// operands have no graph to differentiate).
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      std::shared_ptr<Fp8Site> site);
+                      std::shared_ptr<Fp8Site> site, bool rerun = false);
 
 // Whether the device's float8 kernel takes an input [..., in] times a
 // weight [out, in]: on CUDA every GEMM of the forward and backward needs

@@ -46,7 +46,7 @@ at::Tensor Fp8Scaler::scale_from(const at::Tensor& amax, const at::Tensor& other
   return at::where(amax.gt(0).logical_and(amax.isfinite()), fresh, otherwise);
 }
 
-std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x) {
+std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool tally) {
   place(x);
   dirty_ = true;
   const at::Tensor amax = x.abs().max().to(at::kFloat).reshape({1});
@@ -59,15 +59,16 @@ std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x) {
     scale = at::where(updated_.gt(0), scale_, scale_from(amax, scale_));  // no history yet: current
   }
   at::Tensor scaled = x.to(at::kFloat) * scale;
+  const bool counted = tallying_ && tally;
   at::Tensor saturated;
-  if (tallying_) saturated = scaled.abs().gt(fp8_max_).sum();
+  if (counted) saturated = scaled.abs().gt(fp8_max_).sum();
   const at::Tensor x8 = scaled.clamp_(-fp8_max_, fp8_max_).to(format_);
-  if (tallying_) tally(x, x8, saturated, amax, scale);
+  if (counted) add_to_tally(x, x8, saturated, amax, scale);
   // amax - amax: 0 where x is finite, NaN where it is not.
   return {x8, (scale.reciprocal() + (amax - amax)).reshape({})};
 }
 
-void Fp8Scaler::tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated,
+void Fp8Scaler::add_to_tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated,
                       const at::Tensor& amax, const at::Tensor& scale) {
   if (!tally_.counts.defined()) {
     tally_.counts = at::zeros({2}, amax.options().dtype(at::kLong));

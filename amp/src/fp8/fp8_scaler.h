@@ -35,7 +35,9 @@ class Fp8Scaler {
   // calls). An x holding an inf or NaN gets a NaN inverse scale, so the
   // GEMM's product is not finite and the loss scaler sees the overflow that
   // saturation would hide; its amax stays out of the history. No host sync.
-  std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x);
+  // `tally`: false for a recomputed block's rerun, which quantizes again
+  // what its forward already counted.
+  std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, bool tally = true);
 
   // Once an iteration, if quantize() ran since the last update: the tally
   // completes, and with delayed scaling the next scale comes from the
@@ -65,8 +67,8 @@ class Fp8Scaler {
  private:
   at::Tensor scale_from(const at::Tensor& amax, const at::Tensor& otherwise) const;
   void place(const at::Tensor& like);
-  void tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated, const at::Tensor& amax,
-             const at::Tensor& scale);
+  void add_to_tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated, const at::Tensor& amax,
+                    const at::Tensor& scale);
 
   Options::Fp8Scaling recipe_;
   at::ScalarType format_;

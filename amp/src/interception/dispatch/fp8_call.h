@@ -35,7 +35,7 @@ inline const c10::TensorImpl* weight_key(const at::Tensor& t) {
 // kernel (else it runs as the policy says); both counted per op.
 inline bool in_float8(Fp8Gemms& fp8, const at::Tensor& input, int64_t out_features) {
   const bool fits = Fp8Gemms::fits(input, out_features);
-  if (!fits) fp8.fall_back();
+  if (!fits && !recomputing()) fp8.fall_back();  // a rerun's forward counted it
   CallRecord::note_float8(/*fell_back=*/!fits);
   return fits;
 }
@@ -53,7 +53,7 @@ struct Fp8Call<at::_ops::linear> {
                                         const std::optional<at::Tensor>& bias) {
     if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(fp8, input, weight.size(0))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor, std::optional<at::Tensor>> cast(to, device);
-    return fp8.linear(cast(input), cast(weight), cast(bias), weight_key(weight));
+    return fp8.linear(cast(input), cast(weight), cast(bias), weight_key(weight), recomputing());
   }
 };
 
@@ -69,7 +69,7 @@ struct Fp8Call<at::_ops::addmm> {
     }
     ArgCastFor<at::Tensor, at::Tensor, at::Tensor> cast(to, device);
     const at::Tensor& bias = cast(self);
-    return fp8.linear(cast(mat1), cast(mat2).t(), bias, weight_key(mat2));
+    return fp8.linear(cast(mat1), cast(mat2).t(), bias, weight_key(mat2), recomputing());
   }
 };
 
@@ -80,7 +80,7 @@ struct Fp8Call<at::_ops::mm> {
                                         const at::Tensor& self, const at::Tensor& mat2) {
     if (!is_layer_weight(mat2) || !in_float8(fp8, self, mat2.size(1))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
-    return fp8.linear(cast(self), cast(mat2).t(), std::nullopt, weight_key(mat2));
+    return fp8.linear(cast(self), cast(mat2).t(), std::nullopt, weight_key(mat2), recomputing());
   }
 };
 
@@ -91,7 +91,7 @@ struct Fp8Call<at::_ops::matmul> {
                                         const at::Tensor& self, const at::Tensor& other) {
     if (!is_layer_weight(other) || self.dim() < 2 || !in_float8(fp8, self, other.size(1))) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
-    return fp8.linear(cast(self), cast(other).t(), std::nullopt, weight_key(other));
+    return fp8.linear(cast(self), cast(other).t(), std::nullopt, weight_key(other), recomputing());
   }
 };
 
