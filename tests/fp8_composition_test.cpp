@@ -30,13 +30,6 @@ struct Mlp2Impl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp2);
 
-Options fp8_options() {
-  Options options = O5;
-  options.fp8 = true;
-  options.verbosity = 0;
-  return options;
-}
-
 detail::Fp8Gemms& gemms() { return *detail::live_context()->fp8(); }
 
 class Fp8CompositionTest : public AmpTest {};
@@ -199,13 +192,11 @@ TEST_F(Fp8CompositionTest, ThePrecisionReportCountsFloat8CallsPerOp) {
   OpStatsRecorder recorder;
   model->forward(torch::randn({8, 32}));
   model->forward(torch::randn({2, 4, 32}));  // 3-D: rows of every leading dimension
-  int64_t float8 = 0, fallbacks = 0;
   for (const OpStats& row : recorder.stats()) {
     // nn::Linear: addmm for 2-D inputs, matmul for others.
     if (row.op == "aten::addmm" || row.op == "aten::matmul") EXPECT_EQ(row.float8, row.calls) << row.input_dtypes;
-    float8 += row.float8;
-    fallbacks += row.float8_fallbacks;
   }
+  const auto [float8, fallbacks] = float8_calls(recorder);
   EXPECT_EQ(float8, 4);  // two layers, two forwards; the CPU takes any shape
   EXPECT_EQ(fallbacks, 0);
   const std::string table = format_op_stats(recorder.stats());

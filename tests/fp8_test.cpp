@@ -221,9 +221,7 @@ class Fp8TrainingTest : public AmpTest {
 
 TEST_F(Fp8TrainingTest, APlainModelTrainsInFloat8BesideO5WithNoEdit) {
   const double o5 = train(O5, 150);
-  Options fp8 = O5;
-  fp8.fp8 = true;
-  const double with_fp8 = train(fp8, 150);
+  const double with_fp8 = train(fp8_options(), 150);
   EXPECT_EQ(sites_, 3);      // every Linear ran in float8
   EXPECT_LT(with_fp8, 0.05);  // it learned (ln 4 = 1.39 at the start; O5 reaches 0.008)
   EXPECT_NEAR(with_fp8, o5, 0.1 * o5 + 0.001);
@@ -233,12 +231,12 @@ TEST_F(Fp8TrainingTest, EveryLinearLayerRunsInFloat8AndTheGuardUpdatesItsScales)
   torch::manual_seed(0);
   Mlp model;
   amp::optim::FusedAdam optimizer(model->parameters());
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   initialize(model, optimizer, quiet(options));
   EXPECT_NE(describe(properties()).find("fp8                   True"), std::string::npos);
   detail::Fp8Gemms& gemms = *detail::live_context()->fp8();
   const at::Tensor x = torch::randn({64, 32});
+  OpStatsRecorder recorder;
   const int64_t syncs_before = host_syncs();
   for (int step = 0; step < 3; ++step) {
     optimizer.zero_grad();
@@ -252,7 +250,7 @@ TEST_F(Fp8TrainingTest, EveryLinearLayerRunsInFloat8AndTheGuardUpdatesItsScales)
   }
   EXPECT_EQ(host_syncs(), syncs_before);  // healthy steps: none added
   EXPECT_EQ(gemms.sites(), 3);            // one per layer, the same every iteration
-  EXPECT_EQ(gemms.fallbacks(), 0);
+  EXPECT_EQ(float8_calls(recorder), std::make_pair(int64_t{9}, int64_t{0}));  // 3 layers x 3 steps, none fell back
   const auto site = gemms.site_of(model->fc2->weight);
   ASSERT_NE(site, nullptr);
   // Three commits: the history holds three iterations' amaxes (slot 0 is
@@ -286,11 +284,6 @@ TEST_F(Fp8TrainingTest, Fp8OutsideO5OrBadScalingIsRefusedAndNothingChanges) {
   EXPECT_EQ(model->fc1->weight.scalar_type(), at::kFloat);
 }
 
-}  // namespace
-}  // namespace amp::testing
-
-namespace amp::testing {
-namespace {
 
 // On the GPU machine: the same layer on the device's float8 kernel, against
 // the CPU's (which the tests above check against float64), and a training
@@ -306,8 +299,7 @@ TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
   const at::Tensor on_cpu = detail::fp8_linear(x, w, std::nullopt, cpu_site);
   const at::Tensor on_cuda = detail::fp8_linear(x.cuda(), w.cuda(), std::nullopt, cuda_site).cpu();
   EXPECT_TRUE(AllClose({on_cuda.to(at::kFloat)}, {on_cpu.to(at::kFloat)}, 1e-2, 1e-2));
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   const double loss = [&] {
     torch::manual_seed(0);
     Mlp model;
@@ -315,6 +307,7 @@ TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
     amp::optim::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(3e-3));
     initialize(model, optimizer, quiet(options));
     const at::Tensor inputs = torch::randn({64, 32}, torch::kCUDA);
+    OpStatsRecorder recorder;
     at::Tensor last;
     for (int step = 0; step < 20; ++step) {
       optimizer.zero_grad();
@@ -325,26 +318,20 @@ TEST_F(Fp8TrainingTest, OnCudaTheFloat8KernelMatchesTheCpusAndTrains) {
       }
       optimizer.step();
     }
-    EXPECT_EQ(detail::live_context()->fp8()->fallbacks(), 20);  // fc3's 4 outputs: not a multiple of 16
+    EXPECT_EQ(float8_calls(recorder).second, 20);  // fc3's 4 outputs: not a multiple of 16
     EXPECT_EQ(detail::live_context()->fp8()->sites(), 2);
     return last.item<double>();
   }();
   EXPECT_TRUE(std::isfinite(loss));
 }
 
-}  // namespace
-}  // namespace amp::testing
-
-namespace amp::testing {
-namespace {
 
 // amp's checkpoints carry the scales and histories: a run resumed from one
 // continues bit for bit as the uninterrupted run (without them its first
 // step would scale by the current amax instead of the history's).
 TEST_F(Fp8TrainingTest, ACheckpointResumesTheScalesBitExactly) {
   const std::string path = ::testing::TempDir() + "/fp8_resume.pt";
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   const at::Tensor inputs = torch::randn({64, 32}, torch::TensorOptions().dtype(at::kFloat));
   auto run = [&](Mlp& model, amp::optim::FusedAdam& optimizer, int steps) {
     for (int step = 0; step < steps; ++step) {
@@ -382,8 +369,7 @@ TEST_F(Fp8TrainingTest, ACheckpointResumesTheScalesBitExactly) {
 }
 
 TEST_F(Fp8TrainingTest, AStateWithFp8ScalesIsRefusedWithoutFp8OrWithAnotherHistory) {
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   Mlp model;
   amp::optim::FusedAdam optimizer(model->parameters());
   initialize(model, optimizer, quiet(options));
@@ -412,17 +398,11 @@ TEST_F(Fp8TrainingTest, AStateWithFp8ScalesIsRefusedWithoutFp8OrWithAnotherHisto
   EXPECT_EQ(detail::live_context()->fp8()->sites(), 0);  // nothing loaded
 }
 
-}  // namespace
-}  // namespace amp::testing
-
-namespace amp::testing {
-namespace {
 
 // Gradient accumulation: the micro-batches of one step share the history's
 // first slot; only the guard that ends the accumulation rolls it.
 TEST_F(Fp8TrainingTest, MicroBatchesShareOneHistorySlotUntilTheLastGuard) {
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   torch::manual_seed(0);
   Mlp model;
   amp::optim::FusedAdam optimizer(model->parameters());
@@ -446,18 +426,12 @@ TEST_F(Fp8TrainingTest, MicroBatchesShareOneHistorySlotUntilTheLastGuard) {
   EXPECT_FLOAT_EQ(history[15].item<float>(), (x[2] * 3).to(at::kBFloat16).abs().max().to(at::kFloat).item<float>());
 }
 
-}  // namespace
-}  // namespace amp::testing
-
-namespace amp::testing {
-namespace {
 
 // keep_fp32 layers compute in float32, so they never reach float8; a
 // recomputed block's rerun uses its forward's scales, so gradients are the
 // same bits as without recomputation.
 TEST_F(Fp8TrainingTest, KeptFloat32LayersOptOutAndRecomputationChangesNoBit) {
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   auto master_grads = [&](bool recomputed, bool keep_fc2) {
     torch::manual_seed(4);
     Mlp model;
@@ -488,11 +462,6 @@ TEST_F(Fp8TrainingTest, KeptFloat32LayersOptOutAndRecomputationChangesNoBit) {
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(BitEqual(rerun[i], plain[i])) << "gradient " << i;
 }
 
-}  // namespace
-}  // namespace amp::testing
-
-namespace amp::testing {
-namespace {
 
 // A custom autograd function that asks for float32 (custom_fwd) keeps its
 // GEMMs out of float8, as it keeps them out of bfloat16.
@@ -512,8 +481,7 @@ struct Fp32Projection : torch::autograd::Function<Fp32Projection> {
 };
 
 TEST_F(Fp8TrainingTest, CustomFwdInFloat32OptsOutOfFloat8) {
-  Options options = O5;
-  options.fp8 = true;
+  Options options = fp8_options();
   Mlp model;
   amp::optim::FusedAdam optimizer(model->parameters());
   initialize(model, optimizer, quiet(options));

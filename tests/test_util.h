@@ -9,6 +9,8 @@
 #include <amp/internal/loss_scaling.h>
 #include <amp/testing.h>
 
+#include "fp8/fp8_linear.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -202,14 +204,23 @@ TORCH_MODULE(TinyNet);
 // whose _scaled_mm takes float8, compute capability 8.9+).
 inline std::string no_cuda_float8() {
   if (!torch::cuda::is_available()) return "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
-  try {
-    const at::Tensor probe = torch::zeros({16, 16}, torch::kCUDA).to(at::kFloat8_e4m3fn);
-    const at::Tensor one = torch::ones({}, torch::kCUDA);
-    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
-  } catch (const c10::Error& e) {
-    return std::string("this GPU has no float8 GEMM kernel (compute capability 8.9+): ") + e.what_without_backtrace();
-  }
-  return "";
+  const std::string missing = detail::float8_unavailable(torch::kCUDA);
+  return missing.empty() ? "" : "this GPU has no float8 GEMM kernel (compute capability 8.9+): " + missing;
+}
+
+// O5 with the fp8 property, quiet.
+inline Options fp8_options() {
+  Options options = O5;
+  options.fp8 = true;
+  options.verbosity = 0;
+  return options;
+}
+
+// The float8 calls and fallbacks `recorder` saw, over every op.
+inline std::pair<int64_t, int64_t> float8_calls(const OpStatsRecorder& recorder) {
+  int64_t float8 = 0, fallbacks = 0;
+  for (const OpStats& row : recorder.stats()) float8 += row.float8, fallbacks += row.float8_fallbacks;
+  return {float8, fallbacks};
 }
 
 // Steps `first`..`last`-1 of a CUDA training run, each after feed(step):

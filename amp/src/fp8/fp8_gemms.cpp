@@ -21,11 +21,6 @@ std::shared_ptr<Fp8Site> Fp8Gemms::make_site() const {
   return std::make_shared<Fp8Site>(recipe_, forward_, backward_, tally_);
 }
 
-void Fp8Gemms::fall_back() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  ++fallbacks_;
-}
-
 at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const c10::TensorImpl* layer, bool rerun) {
   std::shared_ptr<Fp8Site> site;
@@ -157,11 +152,6 @@ std::vector<Fp8TensorTelemetry> Fp8Gemms::telemetry(const Names& names) const {
 int64_t Fp8Gemms::sites() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return static_cast<int64_t>(sites_.size());
-}
-
-int64_t Fp8Gemms::fallbacks() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return fallbacks_;
 }
 
 std::shared_ptr<Fp8Site> Fp8Gemms::site_of(const at::Tensor& weight) const {

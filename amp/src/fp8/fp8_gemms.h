@@ -2,7 +2,8 @@
 // weight), created by the layer's first forward, and their update once an
 // iteration (the step participant in step/fp8_step.h calls it when a guard
 // commits). GEMMs whose shapes the device cannot take in float8 run in
-// bfloat16 (the interception kernel checks fits() first) and are counted.
+// bfloat16: the interception kernel checks fp8_shapes_fit() first, and
+// the precision report counts them (OpStats::float8_fallbacks).
 #pragma once
 
 #include <amp/telemetry.h>
@@ -26,12 +27,6 @@ class Fp8Gemms {
   // `tally`: keep what each operand's quantizations held
   // (Options::precision_telemetry).
   Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally);
-
-  // Whether the device takes input [..., in] x weight [out, in] in float8;
-  // where it does not, the caller runs the GEMM as the policy says and
-  // counts it with fall_back().
-  static bool fits(const at::Tensor& input, int64_t out_features) { return fp8_shapes_fit(input, out_features); }
-  void fall_back();
 
   // at::linear for the interception kernel in float8 (shapes that fit),
   // the site being `layer`'s (its weight parameter); `rerun`: a recomputed
@@ -58,7 +53,6 @@ class Fp8Gemms {
   static bool is_entry(const std::string& key) { return key == "fp8"; }
 
   int64_t sites() const;
-  int64_t fallbacks() const;
   // The site of the layer whose weight parameter is `weight`, or null before
   // its first forward.
   std::shared_ptr<Fp8Site> site_of(const at::Tensor& weight) const;
@@ -71,7 +65,6 @@ class Fp8Gemms {
   at::ScalarType forward_, backward_;
   mutable std::mutex mutex_;
   std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Fp8Site>> sites_;
-  int64_t fallbacks_ = 0;
 };
 
 }  // namespace amp::detail

@@ -115,4 +115,16 @@ bool fp8_shapes_fit(const at::Tensor& input, int64_t out_features) {
   return in % 16 == 0 && out_features % 16 == 0 && rows % 16 == 0;
 }
 
+std::string float8_unavailable(c10::Device device) {
+  if (!device.is_cuda()) return "";
+  try {
+    const at::Tensor probe = at::zeros({16, 16}, at::TensorOptions(device)).to(at::kFloat8_e4m3fn);
+    const at::Tensor one = at::ones({}, at::TensorOptions(device));
+    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
 }  // namespace amp::detail

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace amp::detail {
@@ -53,5 +54,10 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
 // its inner and outer dimensions multiples of 16 - in, out and the rows of
 // the input (the weight gradient's inner dimension); the CPU takes any.
 bool fp8_shapes_fit(const at::Tensor& input, int64_t out_features);
+
+// Why `device` cannot run float8 GEMMs, or "" where it can: the CPU
+// emulates them; CUDA needs compute capability 8.9+ (Ada, Hopper). One
+// tiny _scaled_mm asks the device.
+std::string float8_unavailable(c10::Device device);
 
 }  // namespace amp::detail

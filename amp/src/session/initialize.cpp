@@ -5,6 +5,7 @@
 #include <amp/model_conversion.h>
 
 #include "session/context.h"
+#include "fp8/fp8_linear.h"
 #include "distributed/replicas.h"
 #include "support/log.h"
 #include "model/module_walk.h"
@@ -13,7 +14,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <torch/nn/modules/embedding.h>
 
@@ -205,18 +205,11 @@ void check_fp8_scaling(const Options::Fp8Scaling& f) {
 }
 
 // The fp8 property on a device without float8 GEMMs fails here, not in
-// the first forward: one tiny _scaled_mm asks the device.
+// the first forward.
 void check_fp8_kernels(c10::Device device) {
-  if (!device.is_cuda()) return;  // the CPU emulates them
-  try {
-    const at::Tensor probe = at::zeros({16, 16}, at::TensorOptions(device)).to(at::kFloat8_e4m3fn);
-    const at::Tensor one = at::ones({}, at::TensorOptions(device));
-    at::_scaled_mm(probe, probe.t(), one, one, std::nullopt, std::nullopt, at::kBFloat16);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "amp: fp8 needs float8 GEMM kernels on ", device, " (CUDA compute capability 8.9 "
-                "or newer: Ada, Hopper), which this device lacks: ", e.what_without_backtrace(),
-                " Use O5 without fp8 here.");
-  }
+  const std::string missing = detail::float8_unavailable(device);
+  TORCH_CHECK(missing.empty(), "amp: fp8 needs float8 GEMM kernels on ", device, " (CUDA compute capability 8.9 "
+              "or newer: Ada, Hopper), which this device lacks: ", missing, " Use O5 without fp8 here.");
 }
 
 // Options::enabled = false: O0's properties (fp32, no casts, a static scale
