@@ -185,8 +185,12 @@ TEST_F(CudaTest, FusedStepSkipsOnTheDeviceWithoutHostSyncs) {
 }
 
 // O3 on the GPU: float16 weights stepped by the fused kernels (state in
-// float16), skipping on the device without a host read, within float16
-// roundings of LibTorch's own step.
+// float16), skipping on the device without a host read. SGD stays within
+// float16 roundings of LibTorch's own step. AdamW does not: LibTorch's step
+// computes in float16, where (1 - beta2) * g^2 flushes to zero for small
+// gradients, and the fused kernel in float32 (0.66 apart after 4 steps). Its
+// values are checked against float64 arithmetic instead
+// (FusedStepTest.OnCudaLowPrecisionAdamWIsFloat32ArithmeticRoundedOnce).
 TEST_F(CudaTest, FusedStepStepsFloat16WeightsAtO3) {
   for (bool adam : {true, false}) {
     SCOPED_TRACE(adam ? "AdamW" : "SGD with momentum");
@@ -223,7 +227,7 @@ TEST_F(CudaTest, FusedStepStepsFloat16WeightsAtO3) {
       for (const auto& p : model->parameters()) params.push_back(p.detach().to(at::kFloat).cpu());
       finals.push_back(params);
     }
-    for (size_t i = 0; i < finals[0].size(); ++i) {
+    for (size_t i = 0; i < finals[0].size() && !adam; ++i) {
       EXPECT_TRUE(torch::allclose(finals[0][i], finals[1][i], 4e-3, 2e-3))
           << "parameter " << i << ": largest difference " << (finals[0][i] - finals[1][i]).abs().max().item<double>();
     }

@@ -222,6 +222,94 @@ TEST_F(FusedStepTest, LowPrecisionParametersStepOnTheDeviceToo) {
   EXPECT_TRUE(BitEqual(stepped, p)) << "ATen's CPU _fused_sgd_ now steps bfloat16: amp can use it at O3 on the CPU";
 }
 
+// ATen's fused AdamW on low-precision parameters (O3) computes in float32 and
+// rounds each result once into the parameter's dtype. Checked step by step
+// against that arithmetic in float64 from the step's own inputs (parameters,
+// unscaled gradients, stored moments): every parameter and moment within one
+// rounding. LibTorch's own step is no reference in float16: it computes in
+// float16, where (1 - beta2) * g^2 flushes to zero for |g| below 7.7e-3,
+// so the two differ by far more than a rounding (0.66 after 4 steps).
+void ExpectAdamWIsFloat32RoundedOnce(c10::Device device, at::ScalarType dtype) {
+  SCOPED_TRACE(std::string(c10::DeviceTypeName(device.type())) + " " + c10::toString(dtype));
+  torch::manual_seed(0);
+  TinyNet model;
+  model->to(device);
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  OptimizerPtr optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(), adamw);
+  Options options = O3;
+  options.verbosity = 0;
+  options.cpu_dtype = dtype;
+  options.cuda_dtype = dtype;
+  Handle handle;
+  std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
+  const double lr = adamw.lr(), wd = adamw.weight_decay(), eps = adamw.eps();
+  const auto [beta1, beta2] = adamw.betas();
+  // Rounding to nearest is within half a unit in the last place, and float32
+  // intermediates can tip a tie: one unit, 2^-10 (float16) or 2^-7
+  // (bfloat16) of the value, or the smallest subnormal near zero. Where terms
+  // cancel, float32's own roundings (a few units of 2^-24 of the terms) are
+  // larger than the result: they are allowed too.
+  const double rtol = dtype == at::kHalf ? 0x1p-10 : 0x1p-7;
+  const double atol = dtype == at::kHalf ? 0x1p-24 : 0x1p-133;
+  torch::manual_seed(1);
+  for (int step = 1; step <= 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    optimizer->zero_grad();
+    {
+      scale_loss scaled(model(torch::randn({16, 8}, device)).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    struct Inputs {
+      at::Tensor param, grad, exp_avg, exp_avg_sq;
+    };
+    std::vector<Inputs> before;
+    for (const auto& p : model->parameters()) {
+      ASSERT_EQ(p.scalar_type(), dtype);
+      auto it = optimizer->state().find(p.unsafeGetTensorImpl());
+      const auto* s = it == optimizer->state().end()
+                          ? nullptr
+                          : static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+      const auto to64 = [](const at::Tensor& t) { return t.detach().to(at::kCPU, at::kDouble); };
+      before.push_back({to64(p), to64(p.grad()), s ? to64(s->exp_avg()) : torch::zeros_like(to64(p)),
+                        s ? to64(s->exp_avg_sq()) : torch::zeros_like(to64(p))});
+    }
+    optimizer->step();
+    const auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Inputs& in = before[i];
+      const at::Tensor m = beta1 * in.exp_avg + (1 - beta1) * in.grad;
+      const at::Tensor v = beta2 * in.exp_avg_sq + (1 - beta2) * in.grad * in.grad;
+      const double bias1 = 1 - std::pow(beta1, step), bias2 = 1 - std::pow(beta2, step);
+      const at::Tensor decayed = in.param * (1 - lr * wd);
+      const at::Tensor update = (lr / bias1) * m / (v.sqrt() / std::sqrt(bias2) + eps);
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(
+          *optimizer->state().at(params[i].unsafeGetTensorImpl()));
+      // `terms`: the magnitudes the result was summed from.
+      const auto within_a_rounding = [&](const at::Tensor& stored, const at::Tensor& exact,
+                                         const at::Tensor& terms, const char* what) {
+        const at::Tensor error = (stored.to(at::kCPU, at::kDouble) - exact).abs();
+        const at::Tensor allowed = exact.abs() * rtol + terms * 0x1p-20 + atol;
+        EXPECT_TRUE(error.le(allowed).all().item<bool>())
+            << what << " of parameter " << i << ": largest excess " << (error - allowed).max().item<double>();
+      };
+      within_a_rounding(params[i], decayed - update, decayed.abs() + update.abs(), "value");
+      within_a_rounding(s.exp_avg(), m, (beta1 * in.exp_avg).abs() + ((1 - beta1) * in.grad).abs(), "exp_avg");
+      within_a_rounding(s.exp_avg_sq(), v, v, "exp_avg_sq");
+    }
+  }
+}
+
+TEST_F(FusedStepTest, LowPrecisionAdamWIsFloat32ArithmeticRoundedOnce) {
+  ExpectAdamWIsFloat32RoundedOnce(torch::kCPU, at::kBFloat16);
+  ExpectAdamWIsFloat32RoundedOnce(torch::kCPU, at::kHalf);
+}
+
+TEST_F(FusedStepTest, OnCudaLowPrecisionAdamWIsFloat32ArithmeticRoundedOnce) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  ExpectAdamWIsFloat32RoundedOnce(torch::kCUDA, at::kHalf);
+  ExpectAdamWIsFloat32RoundedOnce(torch::kCUDA, at::kBFloat16);
+}
+
 // A step skipped on the device: everything as before it, the gradients
 // discarded as after any skipped step, the counters right.
 TEST_F(FusedStepTest, SkippedStepDiscardsGradientsAndCounts) {

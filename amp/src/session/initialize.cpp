@@ -73,9 +73,13 @@ void warn_about_dtypes(const Modules& models, const Properties& p, int verbosity
   }
 }
 
-// Without fp32 masters the optimizer updates low-precision parameters, and an
-// epsilon that rounds to zero in their dtype turns zero gradients into 0/0
-// (Adam's eps=1e-8 in float16: O3 with Adam is NaN after one step).
+// Without fp32 masters the optimizer updates low-precision parameters in
+// their dtype, its state too. An epsilon that rounds to zero there turns zero
+// gradients into 0/0 (Adam's eps=1e-8 in float16: NaN after one step). In
+// float16 squared gradients flush to zero besides ((1 - beta2) * g^2 below
+// 6e-8: |g| < 7.7e-3 for beta2 = 0.999), and those elements step by
+// lr * m / eps: O3 with Adam diverges, as pure-float16 Adam does in PyTorch.
+// bfloat16 has float32's range, and neither happens.
 void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p, int verbosity) {
   if (verbosity < 1 || p.master_weights || !p.cast_model_type ||
       *p.cast_model_type == c10::kFloat) {
@@ -85,13 +89,24 @@ void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p,
   for (const auto& optimizer : optimizers) {
     for (const auto& group : optimizer->param_groups()) {
       const std::optional<double> eps = detail::optimizer_eps(group.options());
-      if (!eps || *eps == 0 || at::scalar_tensor(*eps, dtype).item<double>() != 0) continue;
+      if (!eps) continue;
+      const std::string name = c10::toString(dtype);
       std::ostringstream line;
-      line << "the optimizer's eps " << *eps << " is 0 in " << c10::toString(dtype)
-           << ", the dtype it updates without fp32 master weights; expect NaN parameters. "
-           << "Use master_weights (O2), or an eps representable in " << c10::toString(dtype) << ".";
-      detail::warn("optimizer_eps_vanishes", line.str());
-      return;
+      if (*eps != 0 && at::scalar_tensor(*eps, dtype).item<double>() == 0) {
+        line << "the optimizer's eps " << *eps << " is 0 in " << name
+             << ", the dtype it updates without fp32 master weights; expect NaN parameters. "
+             << "Use master_weights (O2), or bfloat16 (cuda_dtype/cpu_dtype).";
+        detail::warn("optimizer_eps_vanishes", line.str());
+        return;
+      }
+      if (dtype == c10::kHalf) {
+        line << "the optimizer keeps squared gradients in " << name
+             << " without fp32 master weights: below " << name << "'s smallest value (6e-8) they are 0, and "
+             << "those elements step by lr * m / eps; expect training to diverge. Use master_weights (O2), or "
+             << "bfloat16 (cuda_dtype/cpu_dtype, or O6).";
+        detail::warn("optimizer_moments_underflow", line.str());
+        return;
+      }
     }
   }
 }
