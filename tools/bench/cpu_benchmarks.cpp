@@ -11,7 +11,10 @@
 //      own step vs the same sequences by hand, with host syncs per step;
 //   6. the character transformer's training step (transformer_lm's model,
 //      batch 32 x 64): FP32 vs LibTorch's native at::autocast in bfloat16
-//      vs amp O1 - amp's share of O1's time is its distance from native.
+//      vs amp O1 - amp's share of O1's time is its distance from native;
+//   7. the fp8 property's host cost: four small Linear layers' training
+//      step at O5 and O5+fp8, with the ATen calls per step - on a GPU each
+//      is a launch, and at small shapes the host's work is the step's time.
 #include <amp/amp.h>
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
@@ -38,7 +41,7 @@
 ABSL_FLAG(int, repetitions, 15, "repetitions per measurement (the median is reported)");
 ABSL_FLAG(int, calls, 20000, "op calls per dispatch measurement");
 ABSL_FLAG(int, scaler_params, 200, "parameter tensors in the scaler benchmarks");
-ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory, fused, transformer");
+ABSL_FLAG(std::string, only, "", "run one section: dispatch, scaler, master, memory, fused, transformer, fp8");
 
 namespace {
 
@@ -521,6 +524,44 @@ void transformer_step() {
   std::printf("| amp O1 (bfloat16) | %.2f | %.2f |\n", median(by_amp) / 1e6, median(by_amp) / n);
 }
 
+void fp8_host_cost() {
+  torch::manual_seed(0);
+  torch::nn::Sequential layer(torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                             torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64));
+  const at::Tensor x = torch::randn({64, 64});
+  std::vector<double> times[2];
+  int64_t ops[2] = {0, 0};
+  const int blocks = std::max(3, absl::GetFlag(FLAGS_repetitions) / 2), per_block = 20;
+  for (int block = 0; block < blocks; ++block) {
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+      auto optimizer = std::make_shared<amp::optim::FusedAdamW>(layer->parameters(), torch::optim::AdamWOptions(1e-4));
+      amp::Options options = quiet(amp::O5);
+      options.fp8 = fp8 == 1;
+      amp::Handle handle;
+      handle.initialize(layer, optimizer, options);
+      auto step = [&] {
+        optimizer->zero_grad();
+        {
+          amp::scale_loss scaled(layer->forward(x).to(at::kFloat).mean(), optimizer);
+          scaled.backward();
+        }
+        optimizer->step();
+      };
+      step(), step();  // past the first iteration's scale, into the steady state
+      if (block == 0) {
+        bench::OpCounter counter({"aten::"});
+        step();
+        ops[fp8] = counter.count();
+      }
+      for (int i = 0; i < per_block; ++i) times[fp8].push_back(bench::ns_once([] {}, step));
+    }
+  }
+  std::printf("\n7. fp8 host cost: 4 x Linear(64, 64) training step on 64 rows, FusedAdamW (median of %d steps each)\n"
+              "| variant | us/step | ATen calls/step |\n|---|---:|---:|\n", blocks * per_block);
+  std::printf("| amp O5 | %.1f | %lld |\n", median(times[0]) / 1e3, static_cast<long long>(ops[0]));
+  std::printf("| amp O5+fp8 | %.1f | %lld |\n", median(times[1]) / 1e3, static_cast<long long>(ops[1]));
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("amp CPU benchmarks: dispatch overhead, scaler cost, O2 step, memory.");
   absl::ParseCommandLine(argc, argv);
@@ -536,5 +577,6 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "memory") peak_memory();
   if (only.empty() || only == "fused") fused_step_cost();
   if (only.empty() || only == "transformer") transformer_step();
+  if (only.empty() || only == "fp8") fp8_host_cost();
   return 0;
 }

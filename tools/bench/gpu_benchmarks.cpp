@@ -2,9 +2,10 @@
 // batch 256 on 3x224x224 inputs and of a GPT-2-small-shaped transformer
 // (12 layers, width 768, 12 heads, sequence 1024, batch 8), each at
 //   FP32 (TF32 off, and on) | native LibTorch autocast + hand-written
-//   GradScaler loop | amp O1 | O2 | O3 (dynamic scale; AdamW eps 1e-4 in
-//   float16, where 1e-8 is 0) | O4 | O5 | O5+fp8 (linear layers in float8) |
-//   amp O1 and O2 with LibTorch's own
+//   GradScaler loop | amp O1 | O2 | O2 with each transformer block
+//   recomputed in backward (amp::recompute; the transformer only) | O3
+//   (dynamic scale; AdamW eps 1e-4 in float16, where 1e-8 is 0) | O4 | O5 |
+//   O5+fp8 (linear layers in float8) | amp O1 and O2 with LibTorch's own
 //   AdamW step
 // in float16 and bfloat16 (O4/O5: bfloat16 only), measured side by side in
 // one run, every row but the last two with amp's fused AdamW (native and
@@ -98,7 +99,7 @@ TORCH_MODULE(ResNet18);
 
 // --- Harness ---------------------------------------------------------------------------
 
-enum class Mode { kFp32, kFp32Tf32, kNative, kO1, kO2, kO3, kO4, kO5, kO5Fp8, kO1Own, kO2Own };
+enum class Mode { kFp32, kFp32Tf32, kNative, kO1, kO2, kO2Recompute, kO3, kO4, kO5, kO5Fp8, kO1Own, kO2Own };
 const char* name(Mode m) {
   switch (m) {
     case Mode::kFp32: return "FP32 (TF32 off)";
@@ -109,6 +110,7 @@ const char* name(Mode m) {
     case Mode::kNative: return "native autocast + GradScaler loop";
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
+    case Mode::kO2Recompute: return "amp O2, blocks recomputed";
     case Mode::kO3: return "amp O3";
     case Mode::kO1Own: return "amp O1, LibTorch's own step";
     case Mode::kO2Own: return "amp O2, LibTorch's own step";
@@ -119,6 +121,7 @@ const char* name(Mode m) {
 struct Workload {
   std::string name;
   std::function<std::shared_ptr<torch::nn::Module>()> make;
+  std::function<std::shared_ptr<torch::nn::Module>()> make_recomputed;  // null: no such row
   std::function<at::Tensor(torch::nn::Module&, int64_t step)> loss;  // forward + loss
   double flops_per_step = 0;  // 0: not reported
 };
@@ -159,7 +162,7 @@ struct NativeScaler {
 
 Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int timed) {
   torch::manual_seed(0);
-  auto model = w.make();
+  auto model = mode == Mode::kO2Recompute ? w.make_recomputed() : w.make();
   model->to(torch::kCUDA);
   const bool fp32 = mode == Mode::kFp32 || mode == Mode::kFp32Tf32;
   const bool amp_mode = !fp32 && mode != Mode::kNative;
@@ -175,7 +178,9 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   amp::Handle handle;
   if (amp_mode) {
     amp::Options options = mode == Mode::kO1 || mode == Mode::kO1Own   ? amp::O1
-                           : mode == Mode::kO2 || mode == Mode::kO2Own ? amp::O2
+                           : mode == Mode::kO2 || mode == Mode::kO2Own ||
+                                     mode == Mode::kO2Recompute
+                               ? amp::O2
                            : mode == Mode::kO4                         ? amp::O4
                            : mode == Mode::kO5 || mode == Mode::kO5Fp8 ? amp::O5
                                                                        : amp::O3;
@@ -321,6 +326,8 @@ int main(int argc, char** argv) {
   at::globalContext().setBenchmarkCuDNN(true);
 
   examples::TransformerConfig gpt{50304, 1024, 768, 12, 12};
+  examples::TransformerConfig gpt_recomputed = gpt;
+  gpt_recomputed.recompute = true;
   const double gpt_params = 12 * 12.0 * 768 * 768 + 50304.0 * 768 * 2 + 1024.0 * 768;
   const double gpt_tokens = 8 * 1024.0;
   std::vector<Workload> workloads;
@@ -330,11 +337,13 @@ int main(int argc, char** argv) {
                            const auto x = torch::randn({256, 3, 224, 224}, torch::kCUDA);
                            const auto y = torch::randint(0, 1000, {256}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
                            return torch::cross_entropy_loss(static_cast<ResNet18Impl&>(m).forward(x), y);
-                         }});
+                         },
+                         nullptr});
   }
   if (models.find("gpt") != std::string::npos) {
     workloads.push_back({"GPT-2-small shape (12 x 768, 12 heads), seq 1024, batch 8",
                          [gpt] { return std::make_shared<examples::CharTransformerImpl>(gpt); },
+                         [gpt_recomputed] { return std::make_shared<examples::CharTransformerImpl>(gpt_recomputed); },
                          [gpt](torch::nn::Module& m, int64_t) {
                            const auto tokens = torch::randint(0, gpt.vocab, {8, 1025}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
                            const auto logits = static_cast<examples::CharTransformerImpl&>(m).forward(tokens.narrow(1, 0, 1024));
@@ -353,10 +362,11 @@ int main(int argc, char** argv) {
                   "| skipped | final loss |%s\n", w.flops_per_step ? " MFU |" : "");
       std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
       std::map<Mode, Result> r;
-      for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4,
-                        Mode::kO5, Mode::kO5Fp8, Mode::kO1Own, Mode::kO2Own}) {
+      for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO2Recompute,
+                        Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8, Mode::kO1Own, Mode::kO2Own}) {
         const bool bf16_level = mode == Mode::kO4 || mode == Mode::kO5 || mode == Mode::kO5Fp8;
         if (bf16_level && low != at::kBFloat16) continue;
+        if (mode == Mode::kO2Recompute && !w.make_recomputed) continue;
         r[mode] = measure(w, mode, low, warmup, timed);
       }
       for (const auto& [mode, res] : r) {
