@@ -48,4 +48,26 @@ class OpCounter {
   at::CallbackHandle handle_;
 };
 
+// Counts, on this thread while alive, the ATen calls that would each launch
+// one kernel on a GPU: calls that make no ATen call of their own, but for
+// view, allocation and other metadata-only ops; a _foreach_, _fused_ or
+// _scaled_mm call counts once, whatever it calls inside (the CPU's
+// implementations loop over tensors or convert where CUDA runs one kernel).
+class LaunchCounter {
+ public:
+  LaunchCounter();
+  ~LaunchCounter();
+  int64_t count() const { return count_; }
+
+ private:
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn);
+  static void on_end(const at::RecordFunction& fn, at::ObserverContext* context);
+  struct Frame {
+    bool opaque, metadata, has_child;
+  };
+  std::vector<Frame> frames_;
+  int64_t count_ = 0;
+  at::CallbackHandle handle_;
+};
+
 }  // namespace bench

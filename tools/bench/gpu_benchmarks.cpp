@@ -332,13 +332,12 @@ int main(int argc, char** argv) {
   const double gpt_tokens = 8 * 1024.0;
   std::vector<Workload> workloads;
   if (models.find("resnet") != std::string::npos) {
-    workloads.push_back({"ResNet-18, batch 256, 3x224x224", [] { return std::make_shared<ResNet18Impl>(); },
+    workloads.push_back({"ResNet-18, batch 256, 3x224x224", [] { return std::make_shared<ResNet18Impl>(); }, nullptr,
                          [](torch::nn::Module& m, int64_t) {
                            const auto x = torch::randn({256, 3, 224, 224}, torch::kCUDA);
                            const auto y = torch::randint(0, 1000, {256}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
                            return torch::cross_entropy_loss(static_cast<ResNet18Impl&>(m).forward(x), y);
-                         },
-                         nullptr});
+                         }});
   }
   if (models.find("gpt") != std::string::npos) {
     workloads.push_back({"GPT-2-small shape (12 x 768, 12 heads), seq 1024, batch 8",

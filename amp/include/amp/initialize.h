@@ -69,7 +69,9 @@
 // Warnings (stderr, verbosity >= 1): a model that is already low precision
 // when initialize converts it, or not float32 at O0; an optimizer (Adam,
 // AdamW, RMSprop, Adagrad) whose eps is 0 in the dtype it would update
-// without master weights (O3 float16 with eps=1e-8: NaN after one step).
+// without master weights (O3 float16 with eps=1e-8: NaN after one step), or
+// with any eps in float16, whose squared gradients flush to zero below 6e-8
+// (O3 float16 with Adam diverges; bfloat16 does not).
 #pragma once
 
 #include <amp/loss_scaler.h>

@@ -35,11 +35,13 @@ at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, c
 
 void Fp8Gemms::update() {
   std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Fp8Scaler*> due;
   for (auto& [weight, site] : sites_) {
-    site->input.update();
-    site->weight.update();
-    site->grad_output.update();
+    for (Fp8Scaler* s : {&site->input, &site->weight, &site->grad_output}) {
+      if (s->begin_update()) due.push_back(s);
+    }
   }
+  Fp8Scaler::update_delayed(due);
 }
 
 namespace {

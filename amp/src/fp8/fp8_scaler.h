@@ -9,6 +9,7 @@
 #include <torch/serialize/archive.h>
 
 #include <string>
+#include <vector>
 
 #include <utility>
 
@@ -43,6 +44,11 @@ class Fp8Scaler {
   // completes, and with delayed scaling the next scale comes from the
   // history, which then rolls by one. No host sync.
   void update();
+  // The same for many scalers of one recipe at once (Fp8Gemms::update):
+  // begin_update() does the host's part and says whether the device's is
+  // due; update_delayed() does that for all, in one batch of _foreach_ calls.
+  bool begin_update();
+  static void update_delayed(const std::vector<Fp8Scaler*>& scalers);
   // Counts the updates that changed anything: what a quantization made
   // before a later generation is stale.
   int64_t generation() const { return generation_; }
@@ -65,8 +71,9 @@ class Fp8Scaler {
   const at::Tensor& amax_history() const { return history_; }
 
  private:
-  at::Tensor scale_from(const at::Tensor& amax, const at::Tensor& otherwise) const;
+  at::Tensor fresh_scale(const at::Tensor& amax) const;
   void place(const at::Tensor& like);
+  void adopt(at::Tensor scale, at::Tensor history, at::Tensor updated);
   void add_to_tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated, const at::Tensor& amax,
                     const at::Tensor& scale);
 
@@ -76,6 +83,8 @@ class Fp8Scaler {
   at::Tensor scale_;    // the delayed scale
   at::Tensor history_;  // [0]: this iteration's amax so far
   at::Tensor updated_;  // float32 [1]: 1 once an update set scale_ from a history
+  at::Tensor current_;  // history_[0], a view
+  at::Tensor spare_;    // the next update's history
   bool dirty_ = false;  // quantize() ran since the last update
   int64_t generation_ = 0;
   bool tallying_;
