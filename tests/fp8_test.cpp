@@ -77,6 +77,23 @@ TEST(Fp8ScalerTest, CallsOfOneIterationShareTheHistorysFirstSlot) {
   EXPECT_FLOAT_EQ(scaler.amax_history()[0].item<float>(), 0.0f);
 }
 
+// A CUDA graph captured over a step replays its kernels on the memory they
+// saw at capture: the scaling state must stay in place through updates.
+TEST(Fp8ScalerTest, UpdatesKeepTheStateInItsMemory) {
+  detail::Fp8Scaler scaler(Fp8Scaling{}, at::kFloat8_e4m3fn);
+  scaler.quantize(with_amax(3));
+  const void* scale = scaler.scale().const_data_ptr();
+  const void* history = scaler.amax_history().const_data_ptr();
+  for (int i = 0; i < 3; ++i) {
+    scaler.update();
+    scaler.quantize(with_amax(2 + i));
+  }
+  EXPECT_EQ(scaler.scale().const_data_ptr(), scale);
+  EXPECT_EQ(scaler.amax_history().const_data_ptr(), history);
+  EXPECT_FLOAT_EQ(scaler.amax_history()[0].item<float>(), 4.0f);  // this iteration's
+  EXPECT_FLOAT_EQ(scaler.amax_history()[scaler.amax_history().size(0) - 1].item<float>(), 3.0f);  // rolled to the end
+}
+
 TEST(Fp8ScalerTest, ZeroOrNonFiniteAmaxKeepsTheScale) {
   detail::Fp8Scaler scaler(Fp8Scaling{}, at::kFloat8_e4m3fn);
   scaler.quantize(with_amax(7));

@@ -19,10 +19,11 @@
 # Seven files in all (with the examples' trace.json). Each stage has a time limit. A session's device time is
 # about 15 minutes, machine starts included, so the run is two calls, the
 # second while the machine is still warm (its build is kept):
-#   tools/gpu_run.sh "$OUT" configure build suite sanitizer benchmarks peer   # about 8 minutes
-#   tools/gpu_run.sh "$OUT" examples accuracy                                  # about 4 minutes
-# (measured on an H100 host with 16 cores: configure 5 s, build 73 s, suite
-# 213 s, sanitizer 9 s, each benchmark model about 45 s). The benchmark
+#   tools/gpu_run.sh "$OUT" configure build suite sanitizer examples   # about 8 minutes
+#   tools/gpu_run.sh "$OUT" accuracy benchmarks peer                   # about 3 minutes
+# (measured on an H100 host with 16 cores, 2026-11-26: configure 5 s, build
+# 98 s, suite 252 s, sanitizer 26 s, examples 88 s, accuracy 26 s,
+# benchmarks 89 s; the machine started in about 30 s). The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12").
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU

@@ -132,7 +132,8 @@ void Fp8Scaler::update_delayed(const std::vector<Fp8Scaler*>& scalers) {
   at::_foreach_lerp_(scales, fresh, sets);
   at::_foreach_maximum_(updated, sets);
   // TE's roll: [a0, h1, ..., h(L-1)] becomes [0, h2, ..., h(L-1), a0],
-  // written into the spare buffer, which then takes the history's place.
+  // assembled in the spare buffer and copied back: the state stays in the
+  // same memory, which a captured CUDA graph's replays read and write.
   std::vector<at::Tensor> shifted_to, shifted_from, last_to, last_from, first;
   for (Fp8Scaler* s : scalers) {
     const int64_t n = s->history_.size(0);
@@ -149,10 +150,9 @@ void Fp8Scaler::update_delayed(const std::vector<Fp8Scaler*>& scalers) {
   if (!shifted_to.empty()) at::_foreach_copy_(shifted_to, shifted_from);
   if (!last_to.empty()) at::_foreach_copy_(last_to, last_from);
   at::_foreach_zero_(first);
-  for (Fp8Scaler* s : scalers) {
-    std::swap(s->history_, s->spare_);
-    s->current_ = s->history_.narrow(0, 0, 1);
-  }
+  std::vector<at::Tensor> spares;
+  for (Fp8Scaler* s : scalers) spares.push_back(s->spare_);
+  at::_foreach_copy_(histories, spares);
 }
 
 void Fp8Scaler::save(torch::serialize::OutputArchive& archive) const {

@@ -84,7 +84,7 @@ class Fp8Scaler {
   at::Tensor history_;  // [0]: this iteration's amax so far
   at::Tensor updated_;  // float32 [1]: 1 once an update set scale_ from a history
   at::Tensor current_;  // history_[0], a view
-  at::Tensor spare_;    // the next update's history
+  at::Tensor spare_;    // where an update assembles the rolled history
   bool dirty_ = false;  // quantize() ran since the last update
   int64_t generation_ = 0;
   bool tallying_;
