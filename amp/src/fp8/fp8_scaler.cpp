@@ -44,10 +44,12 @@ void Fp8Scaler::adopt(at::Tensor scale, at::Tensor history, at::Tensor updated) 
   spare_ = at::empty_like(history_);
 }
 
-// TE's formula, as one multiply: fp8_max / amax / 2^margin (a power of two
-// scales exactly, so the order changes no bit).
+// TE's formula, fp8_max / amax / 2^margin, as 1 / amax times this factor (a
+// power of two scales exactly, so the order changes no bit).
+double Fp8Scaler::scale_factor() const { return fp8_max_ / std::ldexp(1.0, recipe_.margin); }
+
 at::Tensor Fp8Scaler::fresh_scale(const at::Tensor& amax) const {
-  return amax.reciprocal().mul_(fp8_max_ / std::ldexp(1.0, recipe_.margin));
+  return amax.reciprocal().mul_(scale_factor());
 }
 
 // Each call is a handful of launches on a GPU, where a small layer's step is
@@ -58,8 +60,8 @@ std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool 
   // max |x| in float32, one reduction (NaN where x holds one, inf for an inf).
   const at::Tensor amax = at::linalg_vector_norm(x, INFINITY, std::nullopt, false, at::kFloat);
   // amax's own scale where that is finite and positive, else the delayed one.
-  const double factor = fp8_max_ / std::ldexp(1.0, recipe_.margin);
-  const at::Tensor usable = amax.gt(factor / std::numeric_limits<float>::max()).logical_and_(amax.lt(INFINITY));
+  const at::Tensor usable =
+      amax.gt(scale_factor() / std::numeric_limits<float>::max()).logical_and_(amax.lt(INFINITY));
   at::Tensor scale = at::where(usable, fresh_scale(amax), scale_);
   if (recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed) {
     current_.copy_(at::maximum(current_, amax.nan_to_num(0, 0, 0)));
@@ -119,7 +121,7 @@ void Fp8Scaler::update_delayed(const std::vector<Fp8Scaler*>& scalers) {
     if (most_recent) amaxes.push_back(s->current_);
     scales.push_back(s->scale_);
     updated.push_back(s->updated_);
-    factors.emplace_back(s->fp8_max_ / std::ldexp(1.0, s->recipe_.margin));
+    factors.emplace_back(s->scale_factor());
   }
   if (!most_recent) {
     amaxes = at::_foreach_max(histories);

@@ -71,6 +71,7 @@ class Fp8Scaler {
   const at::Tensor& amax_history() const { return history_; }
 
  private:
+  double scale_factor() const;
   at::Tensor fresh_scale(const at::Tensor& amax) const;
   void place(const at::Tensor& like);
   void adopt(at::Tensor scale, at::Tensor history, at::Tensor updated);
