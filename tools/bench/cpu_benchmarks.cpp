@@ -526,23 +526,23 @@ void transformer_step() {
 
 void fp8_host_cost() {
   torch::manual_seed(0);
-  torch::nn::Sequential layer(torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
-                             torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64));
+  torch::nn::Sequential layers(torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64));
   const at::Tensor x = torch::randn({64, 64});
   std::vector<double> times[2];
   int64_t ops[2] = {0, 0}, launches[2] = {0, 0};
   const int blocks = std::max(3, absl::GetFlag(FLAGS_repetitions) / 2), per_block = 20;
   for (int block = 0; block < blocks; ++block) {
     for (int fp8 = 0; fp8 < 2; ++fp8) {
-      auto optimizer = std::make_shared<amp::optim::FusedAdamW>(layer->parameters(), torch::optim::AdamWOptions(1e-4));
+      auto optimizer = std::make_shared<amp::optim::FusedAdamW>(layers->parameters(), torch::optim::AdamWOptions(1e-4));
       amp::Options options = quiet(amp::O5);
       options.fp8 = fp8 == 1;
       amp::Handle handle;
-      handle.initialize(layer, optimizer, options);
+      handle.initialize(layers, optimizer, options);
       auto step = [&] {
         optimizer->zero_grad();
         {
-          amp::scale_loss scaled(layer->forward(x).to(at::kFloat).mean(), optimizer);
+          amp::scale_loss scaled(layers->forward(x).to(at::kFloat).mean(), optimizer);
           scaled.backward();
         }
         optimizer->step();

@@ -133,24 +133,23 @@ void Fp8Scaler::update_delayed(const std::vector<Fp8Scaler*>& scalers) {
   const std::vector<at::Tensor> sets = at::_foreach_sign(amaxes);
   at::_foreach_lerp_(scales, fresh, sets);
   at::_foreach_maximum_(updated, sets);
-  // TE's roll: [a0, h1, ..., h(L-1)] becomes [0, h2, ..., h(L-1), a0],
-  // assembled in the spare buffer and copied back: the state stays in the
-  // same memory, which a captured CUDA graph's replays read and write.
-  std::vector<at::Tensor> shifted_to, shifted_from, last_to, last_from, first;
+  // TE's roll: the history rolls left by one ([a0, h1, ..., h(L-1)] to
+  // [h1, ..., h(L-1), a0]) and its first slot is zeroed for the next
+  // iteration - assembled in the spare buffer and copied back, so the state
+  // stays in the memory a captured CUDA graph's replays read and write.
+  std::vector<at::Tensor> head_to, head_from, last_to, last_from, first;
   for (Fp8Scaler* s : scalers) {
     const int64_t n = s->history_.size(0);
-    if (n > 2) {
-      shifted_to.push_back(s->spare_.narrow(0, 1, n - 2));
-      shifted_from.push_back(s->history_.narrow(0, 2, n - 2));
-    }
     if (n > 1) {
-      last_to.push_back(s->spare_.narrow(0, n - 1, 1));
-      last_from.push_back(s->current_);
+      head_to.push_back(s->spare_.narrow(0, 0, n - 1));
+      head_from.push_back(s->history_.narrow(0, 1, n - 1));
     }
+    last_to.push_back(s->spare_.narrow(0, n - 1, 1));
+    last_from.push_back(s->current_);
     first.push_back(s->spare_.narrow(0, 0, 1));
   }
-  if (!shifted_to.empty()) at::_foreach_copy_(shifted_to, shifted_from);
-  if (!last_to.empty()) at::_foreach_copy_(last_to, last_from);
+  if (!head_to.empty()) at::_foreach_copy_(head_to, head_from);
+  at::_foreach_copy_(last_to, last_from);
   at::_foreach_zero_(first);
   std::vector<at::Tensor> spares;
   for (Fp8Scaler* s : scalers) spares.push_back(s->spare_);
