@@ -239,5 +239,8 @@ int main(int argc, char** argv) {
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scaler()->scale()));
   torch::save(trace, argv[4]);
+  // Before main returns (data_parallel.h): the process group then goes with
+  // main's locals, its worker threads ending while CUDA is loaded.
+  amp::deinitialize();
   return 0;
 }

@@ -22,7 +22,9 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -553,6 +555,51 @@ TEST_F(AmpTest, ShardedWholeSumsKeepUnusedParametersWithoutGradientsAndSeeOverfl
     EXPECT_TRUE(BitEqual(amp::master_params(optimizer)[0], before));
     EXPECT_EQ(amp::skipped_steps(optimizer), 1);
   }
+}
+
+// Set when the process begins to exit; a collective after it ends the
+// process with code 3.
+std::atomic<bool> g_exiting{false};
+struct WorldWatchingExit : GlooNamedWorldOfOne {
+  static void refuse_at_exit() {
+    if (!g_exiting) return;
+    std::fputs("a collective ran during exit\n", stderr);
+    std::_Exit(3);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    refuse_at_exit();
+    return GlooNamedWorldOfOne::allreduce(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override {
+    refuse_at_exit();
+    return GlooNamedWorldOfOne::_allgather_base(out, in, o);
+  }
+};
+
+// A program that exits without deinitializing: the live sharded session is
+// not torn down at exit, so no collective runs then (initialize.h), when the
+// other ranks may have left and the CUDA runtime may be unloading.
+TEST_F(AmpTest, ASessionLiveAtExitRunsNoCollective) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        torch::manual_seed(0);
+        static TinyNet model;
+        static torch::optim::SGD optimizer(model->parameters(), 0.1);
+        Options options = fake_data_parallel(O2, c10::make_intrusive<WorldWatchingExit>());
+        options.data_parallel.shard = true;
+        amp::initialize(model, optimizer, options);
+        optimizer.zero_grad();
+        {
+          amp::scale_loss scaled(model->forward(torch::randn({4, 8})).sum(), optimizer);
+          scaled.backward();
+        }
+        optimizer.step();
+        std::atexit([] { g_exiting = true; });
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST_F(AmpTest, DataParallelBucketsStartWhileBackwardRuns) {

@@ -47,6 +47,10 @@
 // at::autocast included) behaves exactly as before, and the same objects may
 // be initialized again. Call it on the thread that called initialize, once
 // no other thread uses amp's casting. At most one initialization is live.
+// One still live when the process exits is left as it is: exit runs no
+// teardown and no collective (the ranks may leave at different times, and
+// the CUDA runtime may be unloading), so a data-parallel program ends it
+// itself before main returns (data_parallel.h).
 //
 // Errors (c10::Error; nothing is changed when initialize throws):
 //   - amp is already initialized (deinitialize first);
