@@ -10,6 +10,13 @@
 namespace amp::detail {
 namespace {
 
+// The least amax whose own scale is used: the float32 after factor / FLT_MAX,
+// as amax compares in float32.
+float smallest_usable_amax(double factor) {
+  const float tiny = static_cast<float>(factor / std::numeric_limits<float>::max());
+  return std::nextafter(tiny, std::numeric_limits<float>::infinity());
+}
+
 double largest(at::ScalarType format) {
   switch (format) {
     case at::kFloat8_e4m3fn:
@@ -60,11 +67,11 @@ std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool 
   // max |x| in float32, one reduction (NaN where x holds one, inf for an inf).
   const at::Tensor amax = at::linalg_vector_norm(x, INFINITY, std::nullopt, false, at::kFloat);
   // amax's own scale where that is finite and positive, else the delayed one.
-  const at::Tensor usable =
-      amax.gt(scale_factor() / std::numeric_limits<float>::max()).logical_and_(amax.lt(INFINITY));
+  // (tiny, FLT_MAX] as a clamp that leaves amax unchanged: NaN and inf fail.
+  const at::Tensor usable = amax.clamp(smallest_usable_amax(scale_factor()), std::numeric_limits<float>::max()).eq(amax);
   at::Tensor scale = at::where(usable, fresh_scale(amax), scale_);
   if (recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed) {
-    current_.copy_(at::maximum(current_, amax.nan_to_num(0, 0, 0)));
+    at::maximum_out(current_, current_, amax.nan_to_num(0, 0, 0));
     scale = at::lerp(scale, scale_, updated_);  // no history yet (updated_ 0): current
   }
   at::Tensor scaled = x * scale;  // float32: the scale's dtype
@@ -73,8 +80,8 @@ std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool 
   if (counted) saturated = scaled.abs().gt(fp8_max_).sum();
   const at::Tensor x8 = scaled.clamp_(-fp8_max_, fp8_max_).to(format_);
   if (counted) add_to_tally(x, x8, saturated, amax.reshape({1}), scale);
-  // amax - amax: 0 where x is finite, NaN where it is not.
-  return {x8, (scale.reciprocal() + (amax - amax)).reshape({})};
+  // + 0 * amax: unchanged where x is finite, NaN where it is not.
+  return {x8, scale.reciprocal().add_(amax, /*alpha=*/0).reshape({})};
 }
 
 void Fp8Scaler::add_to_tally(const at::Tensor& x, const at::Tensor& x8, const at::Tensor& saturated,
