@@ -21,6 +21,7 @@
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
+#include "common/step_trace.h"
 #include "common/run_setup.h"
 
 #include <absl/flags/flag.h>
@@ -55,6 +56,7 @@ ABSL_FLAG(int, batch_size, 128, "global batch size (split across ranks)");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
 ABSL_FLAG(int64_t, train_limit, 0, "use only the first N training images (0: all)");
 ABSL_FLAG(int64_t, test_limit, 0, "use only the first N test images (0: all)");
+ABSL_FLAG(std::string, trace, "", "write a Chrome trace of rank 0's training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(std::string, data_dir, examples::kDefaultFashionMnistDir, "Fashion-MNIST directory");
 
 namespace {
@@ -137,11 +139,13 @@ int train(int rank, int world, const std::string& store_path) {
 
   const int64_t n = train_set.images.size(0), batch = absl::GetFlag(FLAGS_batch_size);
   examples::Progress progress(50);
+  examples::StepTrace trace(rank == 0 ? absl::GetFlag(FLAGS_trace) : "", c10::Device(c10::kCPU));
   int64_t step = 0;
   std::array<double, 3> per_parameter{};
   for (int epoch = 0; epoch < absl::GetFlag(FLAGS_epochs); ++epoch) {
     const auto order = torch::randperm(n);  // same on every rank (same seed)
     for (int64_t first = 0; first + batch <= n; first += batch) {
+      trace.at_step(step + 1);
       const auto index = rows_of(order, first, batch, rank, world);
       optimizer.zero_grad();
       const auto loss = torch::cross_entropy_loss(model->forward(train_set.images.index_select(0, index)),

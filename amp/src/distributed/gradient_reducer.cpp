@@ -166,9 +166,10 @@ void GradientReducer::Reduction::fill(size_t b) {
   at::NoGradGuard no_grad;
   const int64_t members = static_cast<int64_t>(bucket.members.size());
   if (sharded()) {
-    const int64_t flag_count = whole_sums() ? members : 0;
-    bucket.flat = at::zeros({bucket.padded + flag_count},
-                            bucket.members.front().options().dtype(reducer_.config_.reduce_dtype));
+    // whole_sums: start_ready_buckets placed the flat in its collective's buffer.
+    if (!whole_sums()) {
+      bucket.flat = at::zeros({bucket.padded}, bucket.members.front().options().dtype(reducer_.config_.reduce_dtype));
+    }
     bucket.chunk = at::empty({bucket.padded / reducer_.world_}, bucket.flat.options());
   }
   at::Tensor flags = !sharded()     ? bucket.flat.narrow(0, bucket.numel, members)
@@ -232,18 +233,30 @@ void GradientReducer::Reduction::start_ready_buckets() {
   if (whole_sums()) {
     // Buckets ready together (the last ones of backward; dtypes the model
     // computes in apart, as BatchNorm's float32 beside bfloat16) travel in
-    // one collective: on Gloo each costs about as much as a small one's bytes.
-    std::vector<at::Tensor> flats;
-    std::vector<ReduceBucket*> started;
-    while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
-      AMP_TRACE_RANGE("amp::reduce-scatter (bucket)");
-      started.push_back(buckets_[next_bucket_]);
-      fill(next_bucket_++);
-      flats.push_back(started.back()->flat);
+    // one collective: on Gloo each costs about as much as a small one's
+    // bytes. Their flats (sums, then the members' flags) lie side by side in
+    // one buffer, which the all-reduce takes as it is: no copy in or out.
+    size_t end = next_bucket_;
+    int64_t total = 0;
+    for (; end < buckets_.size() && missing_[end] == 0; ++end) {
+      total += buckets_[end]->padded + static_cast<int64_t>(buckets_[end]->members.size());
     }
-    if (started.empty()) return;
-    c10::intrusive_ptr<c10d::Work> work = flats.size() == 1 ? reducer_.config_.group->allreduce(flats)
-                                                            : reducer_.config_.group->allreduce_coalesced(flats);
+    if (end == next_bucket_) return;
+    const at::Tensor together = at::zeros(
+        {total}, buckets_[next_bucket_]->members.front().options().dtype(reducer_.config_.reduce_dtype));
+    int64_t offset = 0;
+    std::vector<ReduceBucket*> started;
+    while (next_bucket_ < end) {
+      AMP_TRACE_RANGE("amp::reduce-scatter (bucket)");
+      ReduceBucket& bucket = *buckets_[next_bucket_];
+      const int64_t size = bucket.padded + static_cast<int64_t>(bucket.members.size());
+      bucket.flat = together.narrow(0, offset, size);
+      offset += size;
+      started.push_back(&bucket);
+      fill(next_bucket_++);
+    }
+    std::vector<at::Tensor> tensors{together};
+    c10::intrusive_ptr<c10d::Work> work = reducer_.config_.group->allreduce(tensors);
     for (ReduceBucket* bucket : started) bucket->work = work;
     release_reduced(/*in_flight=*/2);
     return;
