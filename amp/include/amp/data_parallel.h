@@ -46,8 +46,8 @@ struct DataParallel {
   // therefore calls amp::deinitialize() before main returns: the group then
   // goes with main's own reference, and its worker threads end while the
   // CUDA runtime is loaded (Python programs call destroy_process_group()).
-  // Left to exit, a Gloo worker still releasing a finished collective's CUDA
-  // events can abort the process with "CUDA error: driver shutting down".
+  // Left to exit, a Gloo worker thread can still touch CUDA as the runtime
+  // unloads and abort the process ("CUDA error: driver shutting down").
   c10::intrusive_ptr<c10d::Backend> group;
   // The dtype gradients travel in: float32, or float16/bfloat16 for half
   // the bytes (each rank's gradient is divided by the world size before the
