@@ -168,6 +168,9 @@ int train(int rank, int world, const std::string& store_path) {
   model->eval();
   const auto correct = model->forward(test.images).argmax(1).eq(test.labels).sum().item<int64_t>();
   const int64_t skipped = amp::skipped_steps(optimizer);
+  // Every rank ends amp before returning: the process group goes with it
+  // (a collective with --shard: the optimizer gets its whole state back).
+  amp::deinitialize();
   if (rank != 0) return 0;
   progress.finish();
   std::printf("world_size %d  opt_level %s  shard %d  test accuracy %.2f%%  skipped steps %lld  peak RSS %.0f MiB  "
