@@ -48,6 +48,11 @@ GradientReducer::~GradientReducer() = default;
 
 namespace {
 
+// A whole-sums bucket's elements: its padded sums, then one flag per member.
+int64_t sums_and_flags(const ReduceBucket& bucket) {
+  return bucket.padded + static_cast<int64_t>(bucket.members.size());
+}
+
 // An unwound guard's collective may still be running on a bucket's buffers.
 void drain(ReduceBucket& bucket) {
   if (!bucket.work) return;
@@ -238,9 +243,7 @@ void GradientReducer::Reduction::start_ready_buckets() {
     // one buffer, which the all-reduce takes as it is: no copy in or out.
     size_t end = next_bucket_;
     int64_t total = 0;
-    for (; end < buckets_.size() && missing_[end] == 0; ++end) {
-      total += buckets_[end]->padded + static_cast<int64_t>(buckets_[end]->members.size());
-    }
+    for (; end < buckets_.size() && missing_[end] == 0; ++end) total += sums_and_flags(*buckets_[end]);
     if (end == next_bucket_) return;
     const at::Tensor together = at::zeros(
         {total}, buckets_[next_bucket_]->members.front().options().dtype(reducer_.config_.reduce_dtype));
@@ -249,9 +252,8 @@ void GradientReducer::Reduction::start_ready_buckets() {
     while (next_bucket_ < end) {
       AMP_TRACE_RANGE("amp::reduce-scatter (bucket)");
       ReduceBucket& bucket = *buckets_[next_bucket_];
-      const int64_t size = bucket.padded + static_cast<int64_t>(bucket.members.size());
-      bucket.flat = together.narrow(0, offset, size);
-      offset += size;
+      bucket.flat = together.narrow(0, offset, sums_and_flags(bucket));
+      offset += bucket.flat.numel();
       started.push_back(&bucket);
       fill(next_bucket_++);
     }

@@ -68,7 +68,8 @@ std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool 
   const at::Tensor amax = at::linalg_vector_norm(x, INFINITY, std::nullopt, false, at::kFloat);
   // amax's own scale where that is finite and positive, else the delayed one.
   // (tiny, FLT_MAX] as a clamp that leaves amax unchanged: NaN and inf fail.
-  const at::Tensor usable = amax.clamp(smallest_usable_amax(scale_factor()), std::numeric_limits<float>::max()).eq(amax);
+  const at::Tensor usable =
+      amax.clamp(smallest_usable_amax(scale_factor()), std::numeric_limits<float>::max()).eq(amax);
   at::Tensor scale = at::where(usable, fresh_scale(amax), scale_);
   if (recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed) {
     at::maximum_out(current_, current_, amax.nan_to_num(0, 0, 0));
