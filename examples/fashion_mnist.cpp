@@ -48,6 +48,9 @@ ABSL_FLAG(std::string, checkpoint, "", "write a checkpoint (model, optimizer, am
 ABSL_FLAG(std::string, resume, "", "resume from this checkpoint before training");
 ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
+ABSL_FLAG(bool, keep_cpu_memory, true,
+          "on the CPU, reuse the memory the step before freed instead of faulting it in again "
+          "(amp::Options::keep_cpu_memory)");
 ABSL_FLAG(bool, measured_policy, false,
           "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
 ABSL_FLAG(std::string, measured_policy_file, "",
@@ -156,6 +159,7 @@ int run() {
   amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
   options.measured_policy = absl::GetFlag(FLAGS_measured_policy);
+  options.keep_cpu_memory = absl::GetFlag(FLAGS_keep_cpu_memory);
   if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
   if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);

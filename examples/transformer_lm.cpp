@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of t
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
+ABSL_FLAG(bool, keep_cpu_memory, true,
+          "on the CPU, reuse the memory the step before freed instead of faulting it in again "
+          "(amp::Options::keep_cpu_memory)");
 ABSL_FLAG(bool, measured_policy, false,
           "run GEMMs and convolutions in float32 where measured faster at their shape (amp::Options::measured_policy)");
 ABSL_FLAG(std::string, measured_policy_file, "",
@@ -130,6 +133,7 @@ int run() {
   amp::Options options = examples::amp_options(
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
   options.measured_policy = absl::GetFlag(FLAGS_measured_policy);
+  options.keep_cpu_memory = absl::GetFlag(FLAGS_keep_cpu_memory);
   examples::TransformerConfig config;
   config.context = absl::GetFlag(FLAGS_context);
   config.layers = absl::GetFlag(FLAGS_layers);

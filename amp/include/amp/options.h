@@ -75,6 +75,17 @@ struct Options : PropertyOverrides {
   // measured slower at that shape on this device (measured_policy.h): O1
   // that never costs more than it gives. Off: op for op native autocast.
   bool measured_policy = false;
+  // A CPU session's steps reuse the memory the step before freed. glibc's
+  // malloc gives large freed blocks back to the kernel, and the next step
+  // faults every page in again, zeroed: on the character transformer at O1
+  // that was a fifth of the step (BENCHMARKS.md). amp then serves blocks up
+  // to 32 MiB from the heap and keeps its freed top (up to 2 GiB), as
+  // PyTorch's CPU launcher does with jemalloc and as the CUDA caching
+  // allocator keeps device memory: the process holds up to its peak heap.
+  // Process-wide, set once at the first CPU initialize, and kept after
+  // deinitialize; nothing with a C library other than glibc. false: malloc
+  // as it was.
+  bool keep_cpu_memory = true;
   // With the fp8 property (opt_levels.h): how the float8 GEMMs scale their
   // operands. Per GEMM, each operand (input, weight, incoming gradient) has
   // its own scale, kept on the device: the operand is multiplied by it,

@@ -7,6 +7,7 @@
 #include "session/context.h"
 #include "fp8/fp8_linear.h"
 #include "distributed/replicas.h"
+#include "support/cpu_heap.h"
 #include "support/log.h"
 #include "model/module_walk.h"
 #include "optim/optimizer_kinds.h"
@@ -400,6 +401,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   }
 
   // Everything is validated; from here on amp changes state.
+  if (device.is_cpu() && options.keep_cpu_memory) detail::keep_cpu_memory();
   if (options.data_parallel.group) detail::broadcast_from_rank0(models, *options.data_parallel.group);
   auto names = parameter_names(models);
   Options effective = options;
