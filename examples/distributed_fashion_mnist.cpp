@@ -51,6 +51,7 @@ ABSL_FLAG(std::string, reduce_dtype, "fp32", "dtype gradients travel in: fp32, f
 ABSL_FLAG(bool, shard, false, "spread fp32 masters (O2/O5; O6: the bf16 weights' steps), optimizer state and gradients over the ranks");
 ABSL_FLAG(int, compare_steps, 0, "instead of training: time this many steps of each loop (replicated, "
           "sharded, hand-written all-reduce) and print a table");
+ABSL_FLAG(int, compare_rounds, 3, "with --compare_steps: rounds of the three loops in turn; each loop's fastest round counts");
 ABSL_FLAG(int, epochs, 1, "training epochs");
 ABSL_FLAG(int, batch_size, 128, "global batch size (split across ranks)");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
@@ -192,10 +193,13 @@ int compare_loops(int rank, int world, const std::string& store_path) {
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);
   const char* names[] = {"replicated (data_parallel)", "sharded (data_parallel.shard)", "hand-written all-reduce"};
   // Rounds of the three loops in turn, the fastest round of each counted:
-  // what one loop leaves behind (allocations, caches) favours none.
+  // what one loop leaves behind (allocations, caches) favours none, and
+  // more rounds see more of each loop without the machine's noise.
+  const int rounds = absl::GetFlag(FLAGS_compare_rounds);
+  if (rounds < 1) throw std::invalid_argument("--compare_rounds must be >= 1");
   std::array<double, 3> seconds{1e9, 1e9, 1e9};
   std::array<std::array<double, 3>, 3> bytes{};
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     for (int loop = 0; loop < 3; ++loop) {
       amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
                                                    c10::Device(c10::kCPU), 0);
@@ -242,8 +246,8 @@ int compare_loops(int rank, int world, const std::string& store_path) {
     }
   }
   if (rank != 0) return 0;
-  std::printf("world_size %d  opt_level %s  batch %lld  %d steps each, fastest of 3 rounds (Fashion-MNIST CNN, Adam, Gloo on loopback)\n",
-              world, absl::GetFlag(FLAGS_opt_level).c_str(), static_cast<long long>(batch), steps);
+  std::printf("world_size %d  opt_level %s  batch %lld  %d steps each, fastest of %d rounds (Fashion-MNIST CNN, Adam, Gloo on loopback)\n",
+              world, absl::GetFlag(FLAGS_opt_level).c_str(), static_cast<long long>(batch), steps, rounds);
   std::printf("%-32s %10s %12s %9s %9s %9s\n", "loop", "ms/step", "vs replicated", "masters", "state", "grads");
   for (int loop = 0; loop < 3; ++loop) {
     std::printf("%-32s %10.2f %12.3f %9.2f %9.2f %9.2f\n", names[loop], 1e3 * seconds[loop], seconds[loop] / seconds[0],
