@@ -78,8 +78,8 @@ struct Options : PropertyOverrides {
   // A CPU session's steps reuse the memory the step before freed. glibc's
   // malloc gives large freed blocks back to the kernel, and the next step
   // faults every page in again, zeroed: on the character transformer at O1
-  // that was a fifth of the step (BENCHMARKS.md). amp then serves blocks up
-  // to 32 MiB from the heap and keeps its freed top (up to 2 GiB), as
+  // that was a fifth of the step (BENCHMARKS.md). On, malloc serves blocks
+  // up to 32 MiB from the heap and keeps its freed top (up to 2 GiB), as
   // PyTorch's CPU launcher does with jemalloc and as the CUDA caching
   // allocator keeps device memory: the process holds up to its peak heap.
   // Process-wide, set once at the first CPU initialize, and kept after
