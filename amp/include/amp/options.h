@@ -79,9 +79,10 @@ struct Options : PropertyOverrides {
   // malloc gives large freed blocks back to the kernel, and the next step
   // faults every page in again, zeroed: on the character transformer at O1
   // that was a fifth of the step (BENCHMARKS.md). On, malloc serves blocks
-  // up to 32 MiB from the heap and keeps its freed top (up to 2 GiB), as
-  // PyTorch's CPU launcher does with jemalloc and as the CUDA caching
-  // allocator keeps device memory: the process holds up to its peak heap.
+  // up to 32 MiB from the heap and keeps its freed top (up to 2 GiB), the
+  // reuse PyTorch's CPU launcher gets by preloading TCMalloc, and as the
+  // CUDA caching allocator keeps device memory: the process holds up to its
+  // peak heap.
   // Process-wide, set once at the first CPU initialize, and kept after
   // deinitialize; nothing with a C library other than glibc. false: malloc
   // as it was.
