@@ -22,14 +22,15 @@ GLIBC_KEPT = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_":
 
 
 def run(command, env_extra=None):
-    """ms/step from the summary line, and the process's minor page faults."""
+    """ms/step and peak RSS from the summary line, and the process's minor page faults."""
     env = dict(os.environ, **(env_extra or {}))
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if status != 0:
         sys.exit(f"failed ({status}): {' '.join(command)}")
-    return float(re.search(r"ms/step ([0-9.]+)", out).group(1)), usage.ru_minflt
+    ms = float(re.search(r"ms/step ([0-9.]+)", out).group(1))
+    return ms, float(re.search(r"peak RSS ([0-9.]+)", out).group(1)), usage.ru_minflt
 
 
 def variants(args):
@@ -38,8 +39,8 @@ def variants(args):
     amp_t = [os.path.join(BUILD, "examples/transformer_lm"), "--sample_chars=1", "--verbosity=0"] + transformer
     amp_c = [os.path.join(BUILD, "examples/fashion_mnist"), "--verbosity=0"] + cnn
     out = []
-    for model, amp, peer_args in (("character transformer", amp_t, transformer), ("Fashion-MNIST CNN", amp_c, cnn)):
-        peer_model = "transformer" if amp is amp_t else "fashion_mnist"
+    for model, amp, peer_model, peer_args in (("character transformer", amp_t, "transformer", transformer),
+                                              ("Fashion-MNIST CNN", amp_c, "fashion_mnist", cnn)):
         for level in ("O0", "O1"):
             out.append((model, f"amp {level}, kept (default)", amp + [f"--opt_level={level}"], None))
             out.append((model, f"amp {level}, keep_cpu_memory=false", amp + [f"--opt_level={level}", "--keep_cpu_memory=false"], None))
@@ -58,20 +59,22 @@ def main():
     runs = variants(args)
     times = {i: [] for i in range(len(runs))}
     faults = {i: [] for i in range(len(runs))}
+    rss = {i: [] for i in range(len(runs))}
     for _ in range(args.rounds):
         for i, (_, _, command, env) in enumerate(runs):
-            ms, minflt = run(command, env)
+            ms, peak_rss, minflt = run(command, env)
             times[i].append(ms)
+            rss[i].append(peak_rss)
             faults[i].append(minflt)
     print(f"Medians of {args.rounds} interleaved rounds; page faults are the whole process's.")
     print()
-    print("| model | run | ms/step | runs | page faults (whole run) |")
-    print("|---|---|---:|---|---:|")
+    print("| model | run | ms/step | runs | page faults (whole run) | peak RSS (MiB) |")
+    print("|---|---|---:|---|---:|---:|")
     medians = {}
     for i, (model, what, _, _) in enumerate(runs):
         medians[(model, what)] = statistics.median(times[i])
         spread = ", ".join(f"{t:.1f}" for t in times[i])
-        print(f"| {model} | {what} | {medians[(model, what)]:.1f} | {spread} | {statistics.median(faults[i]):,.0f} |")
+        print(f"| {model} | {what} | {medians[(model, what)]:.1f} | {spread} | {statistics.median(faults[i]):,.0f} | {statistics.median(rss[i]):.0f} |")
     print()
     print("| model | amp O1 kept / torch.amp autocast | amp O1 kept / amp O1 not kept | amp O1 kept / torch.amp autocast, glibc set alike |")
     print("|---|---:|---:|---:|")
