@@ -84,6 +84,39 @@ TEST_F(AmpTest, KeepCpuMemoryOffLeavesMallocAsItWas) {
               ::testing::ExitedWithCode(0), "");
 }
 
+// How many "keeps_cpu_memory" notes one initialize of a CPU model logs.
+int notes_of_one_initialize(bool keep_cpu_memory) {
+  auto model = torch::nn::Linear(4, 2);
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  Options options = O1;
+  options.keep_cpu_memory = keep_cpu_memory;
+  LogRecorder log;
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  return log.count(LogEvent::Kind::kNote, "keeps_cpu_memory");
+}
+
+void exit_with_notes(int off, int first, int again) {
+  if (off == 0 && first == 1 && again == 0) std::exit(0);
+  std::fprintf(stderr, "keeps_cpu_memory notes: %d with the option off, %d at the first initialize with it "
+               "on, %d at the next (expected 0, 1, 0)\n", off, first, again);
+  std::exit(1);
+}
+
+// The process-wide change is told once, when it is made: not while the
+// option is off, and not again at later sessions.
+TEST_F(AmpTest, TheProcessWideMallocChangeIsNotedOnce) {
+  SKIP_UNDER_A_SANITIZER();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const int off = notes_of_one_initialize(false);
+        const int first = notes_of_one_initialize(true);
+        exit_with_notes(off, first, notes_of_one_initialize(true));
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 }  // namespace
 }  // namespace amp::testing
 

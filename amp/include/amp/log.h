@@ -33,7 +33,8 @@ struct LogEvent {
   Kind kind;
   // A stable name for warnings and notes: "model_already_low_precision",
   // "model_not_float32_at_o0", "optimizer_eps_vanishes",
-  // "master_rebuilt_from_low_precision", "cpu_emulates_dtype".
+  // "master_rebuilt_from_low_precision", "cpu_emulates_dtype",
+  // "keeps_cpu_memory" (once a process, at the first CPU initialize).
   std::string code;
   std::string message;  // the human-readable text, without the "amp: " prefix
   int loss_id = -1;

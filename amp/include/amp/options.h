@@ -83,9 +83,9 @@ struct Options : PropertyOverrides {
   // reuse PyTorch's CPU launcher gets by preloading TCMalloc, and as the
   // CUDA caching allocator keeps device memory: the process holds up to its
   // peak heap.
-  // Process-wide, set once at the first CPU initialize, and kept after
-  // deinitialize; nothing with a C library other than glibc. false: malloc
-  // as it was.
+  // Process-wide, set once at the first CPU initialize (which logs the note
+  // "keeps_cpu_memory", log.h), and kept after deinitialize; nothing with a
+  // C library other than glibc. false: malloc as it was.
   bool keep_cpu_memory = true;
   // With the fp8 property (opt_levels.h): how the float8 GEMMs scale their
   // operands. Per GEMM, each operand (input, weight, incoming gradient) has

@@ -401,7 +401,12 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   }
 
   // Everything is validated; from here on amp changes state.
-  if (device.is_cpu() && options.keep_cpu_memory) detail::keep_cpu_memory();
+  if (device.is_cpu() && options.keep_cpu_memory && detail::keep_cpu_memory() && options.verbosity >= 1) {
+    detail::emit({LogEvent::Kind::kNote, "keeps_cpu_memory",
+                  "malloc now keeps the CPU memory a step frees for the next step (Options::keep_cpu_memory): "
+                  "the process holds up to its peak heap, for every thread, after deinitialize too. "
+                  "keep_cpu_memory=false leaves malloc as it was; malloc_trim(0) gives the memory back."});
+  }
   if (options.data_parallel.group) detail::broadcast_from_rank0(models, *options.data_parallel.group);
   auto names = parameter_names(models);
   Options effective = options;

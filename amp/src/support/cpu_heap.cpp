@@ -9,14 +9,16 @@
 
 namespace amp::detail {
 
-void keep_cpu_memory() {
+bool keep_cpu_memory() {
+  bool changed = false;
 #if defined(__GLIBC__)
   static std::once_flag once;
-  std::call_once(once, [] {
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, INT_MAX);
+  std::call_once(once, [&changed] {
+    changed = mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;  // mallopt: 1 on success
+    changed = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1 && changed;
   });
 #endif
+  return changed;
 }
 
 }  // namespace amp::detail

@@ -10,8 +10,9 @@ namespace amp::detail {
 // (glibc's largest mmap threshold) from the heap and keeps its freed top
 // up to 2 GiB, so a step reuses the pages the last one freed; the process
 // keeps up to its peak heap, as LibTorch's CUDA caching allocator keeps
-// device memory. Process-wide and once; nothing on a C library other than
-// glibc.
-void keep_cpu_memory();
+// device memory. Process-wide and once: true from the call that changed
+// malloc's settings, false from every other (and where malloc is not
+// glibc's, or refused them, as a sanitizer's does).
+bool keep_cpu_memory();
 
 }  // namespace amp::detail
