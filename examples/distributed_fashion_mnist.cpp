@@ -52,6 +52,8 @@ ABSL_FLAG(bool, shard, false, "spread fp32 masters (O2/O5; O6: the bf16 weights'
 ABSL_FLAG(int, compare_steps, 0, "instead of training: time this many steps of each loop (replicated, "
           "sharded, hand-written all-reduce) and print a table");
 ABSL_FLAG(int, compare_rounds, 3, "with --compare_steps: rounds of the three loops in turn; each loop's fastest round counts");
+ABSL_FLAG(int, gloo_threads, 2, "Gloo's worker threads per rank (Gloo's default: 2); the ranks here share "
+          "this machine's cores, where 1 measured faster (BENCHMARKS.md)");
 ABSL_FLAG(int, epochs, 1, "training epochs");
 ABSL_FLAG(int, batch_size, 128, "global batch size (split across ranks)");
 ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
@@ -91,6 +93,7 @@ c10::ScalarType reduce_dtype(const std::string& name) {
 c10::intrusive_ptr<c10d::ProcessGroupGloo> connect(int rank, int world, const std::string& store_path) {
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
   auto gloo = c10d::ProcessGroupGloo::Options::create();
+  gloo->threads = absl::GetFlag(FLAGS_gloo_threads);
   gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo);
 }
@@ -265,6 +268,7 @@ int main(int argc, char** argv) {
     if (world < 1 || absl::GetFlag(FLAGS_batch_size) % world != 0) {
       throw std::invalid_argument("--world_size must be >= 1 and divide --batch_size");
     }
+    if (absl::GetFlag(FLAGS_gloo_threads) < 1) throw std::invalid_argument("--gloo_threads must be >= 1");
     int rank = absl::GetFlag(FLAGS_rank);
     std::string store = absl::GetFlag(FLAGS_store);
     std::vector<pid_t> others;
