@@ -46,6 +46,9 @@ TEST_F(MeasuredPolicyTest, MeasuresEachShapeOnceAndAppliesTheChoice) {
   EXPECT_EQ(measured_policy().size(), 2u) << "a new shape is measured";
   at::relu(a);
   EXPECT_EQ(measured_policy().size(), 2u) << "only GEMMs and convolutions";
+  clear_measured_policy();
+  at::mm(a, b);
+  EXPECT_EQ(measured_policy().size(), 1u) << "measured again once the table is cleared";
 }
 
 // Where float32 is kept, the op gives O0's values bit for bit and

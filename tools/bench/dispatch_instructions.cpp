@@ -9,12 +9,14 @@
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
 #include <amp/distributed.h>
+#include <amp/measured_policy.h>
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 #include <valgrind/callgrind.h>
 
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -29,6 +31,20 @@ struct OpCase {
   std::string name;
   std::function<void()> call;
 };
+
+// The measured policy's table for the cases' GEMMs: bfloat16 kept.
+void keep_bfloat16_for_the_gemms() {
+  const std::string path = "/tmp/amp_dispatch_instructions_policy.txt";
+  {
+    std::ofstream file(path);
+    for (const char* shapes : {"[4, 4] Float, [4, 4] Float", "[4, 4] BFloat16, [4, 4] BFloat16"}) {
+      file << "aten::mm\t0\t" << shapes << "\tBFloat16\t1\t1\t0\n";
+    }
+    file << "aten::linear\t0\t[4, 4] Float, [4, 4] Float, [4] Float\tBFloat16\t1\t1\t0\n";
+  }
+  amp::load_measured_policy(path);
+  std::remove(path.c_str());
+}
 
 }  // namespace
 
@@ -49,8 +65,8 @@ int main() {
       {"cat bf16+fp32", [&] { at::cat({a_low, b}); }},
       {"relu (not intercepted)", [&] { at::relu(a); }},
   };
-  const char* modes[] = {"plain", "native", "amp", "provenance"};
-  for (int mode = 0; mode < 4; ++mode) {
+  const char* modes[] = {"plain", "native", "amp", "provenance", "policy"};
+  for (int mode = 0; mode < 5; ++mode) {
     std::unique_ptr<amp::Handle> handle;
     std::optional<torch::AutoGradMode> grad_mode;
     if (mode == 1) at::autocast::set_autocast_enabled(at::kCPU, true);
@@ -58,7 +74,9 @@ int main() {
       amp::Options options = amp::O1;
       options.verbosity = 0;
       options.overflow_provenance = mode == 3;
+      options.measured_policy = mode == 4;
       if (mode == 3) grad_mode.emplace(true);
+      if (mode == 4) keep_bfloat16_for_the_gemms();
       handle = std::make_unique<amp::Handle>();
       handle->initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, options);
     }

@@ -6,15 +6,19 @@
 #include <ATen/core/Generator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/hash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 namespace amp {
@@ -26,12 +30,29 @@ using Key = std::tuple<std::string, int, std::string, std::string>;  // op, devi
 struct Table {
   std::mutex mutex;
   std::map<Key, MeasuredChoice> choices;
+  // Bumped where choices are cleared or replaced; a memo of an older
+  // generation is emptied before it answers.
+  std::atomic<uint64_t> generation{0};
 };
 
 Table& table() {
   static Table* t = new Table();  // lives past static destruction: kernels may still ask
   return *t;
 }
+
+struct ShapeKeyHash {
+  size_t operator()(const ShapeKey& key) const {
+    size_t h = key.size();
+    for (int64_t v : key) h = c10::hash_combine(h, std::hash<int64_t>()(v));
+    return h;
+  }
+};
+
+// This thread's decided keys: op -> (device, low dtype, shapes) -> dtype.
+struct Memo {
+  uint64_t generation = 0;
+  std::unordered_map<std::string, std::unordered_map<ShapeKey, at::ScalarType, ShapeKeyHash>> by_op;
+};
 
 void synchronize(c10::Device device) {
   if (!device.is_cpu()) c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
@@ -65,20 +86,8 @@ std::pair<double, double> fastest_ms(c10::Device device, const std::function<voi
 // float32 must win by this much: under timing noise, autocast's choice stands.
 constexpr double kMargin = 0.95;
 
-}  // namespace
-
-bool is_measured_op(const std::string& op) {
-  static const std::set<std::string> ops = {
-      "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
-      "aten::linear", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution",
-      "aten::_convolution", "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d",
-      "aten::conv_tbc", "aten::prelu", "aten::scaled_dot_product_attention"};
-  const std::string base = op.substr(0, op.find('.'));  // "aten::conv2d.padding" -> "aten::conv2d"
-  return ops.count(base) != 0;
-}
-
-at::ScalarType measured_dtype(const std::string& op, c10::Device device, const std::string& shapes,
-                              at::ScalarType low, const std::function<void(at::ScalarType)>& run) {
+at::ScalarType decide(const std::string& op, c10::Device device, const std::string& shapes, at::ScalarType low,
+                      c10::function_ref<void(at::ScalarType)> run) {
   const Key key{op, static_cast<int>(device.type()), shapes, c10::toString(low)};
   Table& t = table();
   {
@@ -99,6 +108,37 @@ at::ScalarType measured_dtype(const std::string& op, c10::Device device, const s
   // A thread that measured the same key first decided: its choice stands.
   const MeasuredChoice& kept = t.choices.emplace(key, choice).first->second;
   return kept.keeps_fp32 ? at::kFloat : low;
+}
+
+}  // namespace
+
+bool is_measured_op(const std::string& op) {
+  static const std::set<std::string> ops = {
+      "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
+      "aten::linear", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution",
+      "aten::_convolution", "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d",
+      "aten::conv_tbc", "aten::prelu", "aten::scaled_dot_product_attention"};
+  const std::string base = op.substr(0, op.find('.'));  // "aten::conv2d.padding" -> "aten::conv2d"
+  return ops.count(base) != 0;
+}
+
+at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
+                              c10::function_ref<std::string()> describe_shapes,
+                              c10::function_ref<void(at::ScalarType)> run) {
+  thread_local Memo memo;
+  const uint64_t generation = table().generation.load(std::memory_order_acquire);
+  if (memo.generation != generation) {
+    memo.by_op.clear();
+    memo.generation = generation;
+  }
+  shapes.push_back(static_cast<int64_t>(device.type()));
+  shapes.push_back(static_cast<int64_t>(low));
+  auto& decided = memo.by_op[op];
+  if (auto it = decided.find(shapes); it != decided.end()) return it->second;
+  // A table cleared or loaded from here on empties this memo at its next call.
+  const at::ScalarType dtype = decide(op, device, describe_shapes(), low, run);
+  decided.emplace(std::move(shapes), dtype);
+  return dtype;
 }
 
 }  // namespace detail
@@ -127,6 +167,7 @@ void clear_measured_policy() {
   detail::Table& t = detail::table();
   std::lock_guard<std::mutex> lock(t.mutex);
   t.choices.clear();
+  t.generation.fetch_add(1, std::memory_order_release);
 }
 
 // One choice per line, tab-separated: op, device, shapes, low, low_ms, fp32_ms, keeps_fp32.
@@ -165,6 +206,7 @@ void load_measured_policy(const std::string& path) {
   detail::Table& t = detail::table();
   std::lock_guard<std::mutex> lock(t.mutex);
   t.choices = std::move(loaded);
+  t.generation.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace amp

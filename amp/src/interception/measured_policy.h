@@ -3,8 +3,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
+#include <c10/util/SmallVector.h>
 
-#include <functional>
 #include <string>
 
 namespace amp::detail {
@@ -12,11 +13,30 @@ namespace amp::detail {
 // Whether `op` ("aten::addmm") is one the policy measures.
 bool is_measured_op(const std::string& op);
 
-// The dtype `op` runs in at these arguments (`shapes`, as MeasuredChoice
-// writes them): `low`, or float32 where float32 was measured faster.
-// `run(dtype)` runs the op with its arguments cast to dtype, without
-// autograd; it is called only on the first call of each key.
-at::ScalarType measured_dtype(const std::string& op, c10::Device device, const std::string& shapes,
-                              at::ScalarType low, const std::function<void(at::ScalarType)>& run);
+// What describe_shapes writes, as numbers: per floating tensor argument its
+// dtype, rank and sizes.
+using ShapeKey = c10::SmallVector<int64_t, 24>;
+template <class View>
+ShapeKey shape_key(const View& view) {
+  ShapeKey key;
+  view.for_each_tensor([&](const at::Tensor& t, bool) {
+    if (!t.defined() || !t.is_floating_point()) return;
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(t.dim());
+    key.append(t.sizes().begin(), t.sizes().end());
+  });
+  return key;
+}
+
+// The dtype `op` runs in at these arguments: `low`, or float32 where float32
+// was measured faster. Every GEMM of every step asks, so a decided key is
+// answered from this thread's memo of the table: a hash of `shapes`, no
+// string built, no lock. Otherwise the table decides, keyed by
+// `describe_shapes()` (MeasuredChoice::shapes), and measures on the key's
+// first call: `run(dtype)` runs the op with its arguments cast to dtype,
+// without autograd. Clearing or loading the table empties every memo.
+at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
+                              c10::function_ref<std::string()> describe_shapes,
+                              c10::function_ref<void(at::ScalarType)> run);
 
 }  // namespace amp::detail

@@ -118,8 +118,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     CastDecision decision = decide(record ? record->policy() : policy, *binding_->casting, view);
     if (measuring() && binding_->measured && decision.action == CastDecision::Action::kCastTo &&
         decision.to != at::kFloat && view.first_tensor() != nullptr && !in_backward()) {
-      decision.to = measured_dtype(binding_->display_name, view.first_tensor()->device(), describe_shapes(view),
-                                   decision.to, [&](at::ScalarType to) { timing_run(to, args...); });
+      decision.to = measured_dtype(binding_->display_name, view.first_tensor()->device(), shape_key(view), decision.to,
+                                   [&] { return describe_shapes(view); }, [&](at::ScalarType to) { timing_run(to, args...); });
     }
     Ret result = apply(decision, args...);
     if (record) record->finish(describe_result(result));
