@@ -7,8 +7,12 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <future>
+#include <thread>
+#include <vector>
 
 namespace amp::testing {
 namespace {
@@ -130,6 +134,50 @@ TEST_F(MeasuredPolicyTest, SavedChoicesLoadAndDecideAlike) {
   EXPECT_EQ(measured_policy().size(), saved.size());
   EXPECT_NE(format_measured_policy(measured_policy()).find("aten::mm"), std::string::npos);
   std::remove(path.c_str());
+}
+
+class MeasuredPolicyThreadsTest : public MeasuredPolicyTest {};
+
+// Threads share one table: a shape is measured once, by whichever thread
+// comes first, and every thread applies the table's choice; a table loaded
+// while the threads live replaces what each had decided.
+TEST_F(MeasuredPolicyThreadsTest, ThreadsShareOneTableAndFollowALoad) {
+  constexpr int kThreads = 4, kCalls = 20;
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, measured());
+  const at::Tensor a = torch::randn({16, 24}), b = torch::randn({24, 8});
+  std::vector<std::vector<at::ScalarType>> before(kThreads), after(kThreads);
+  std::atomic<int> decided{0};
+  std::promise<void> loaded;
+  std::shared_future<void> load_done = loaded.get_future().share();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      enable_casts casts;
+      for (int i = 0; i < kCalls; ++i) before[t].push_back(at::mm(a, b).scalar_type());
+      decided.fetch_add(1);
+      load_done.wait();
+      for (int i = 0; i < kCalls; ++i) after[t].push_back(at::mm(a, b).scalar_type());
+    });
+  }
+  while (decided.load() < kThreads) std::this_thread::yield();
+  ASSERT_EQ(measured_policy().size(), 1u) << "one shape, measured once";
+  const bool kept_fp32 = measured_policy().front().keeps_fp32;
+  const std::string path = ::testing::TempDir() + "amp_measured_policy_threads.txt";
+  {
+    std::ofstream file(path);
+    file << "aten::mm\t0\t[16, 24] Float, [24, 8] Float\tBFloat16\t1\t1\t" << (kept_fp32 ? 0 : 1) << "\n";
+  }
+  load_measured_policy(path);  // the other choice
+  loaded.set_value();
+  for (auto& thread : threads) thread.join();
+  std::remove(path.c_str());
+  const at::ScalarType first = kept_fp32 ? at::kFloat : at::kBFloat16, second = kept_fp32 ? at::kBFloat16 : at::kFloat;
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(before[t], std::vector<at::ScalarType>(kCalls, first)) << "thread " << t;
+    EXPECT_EQ(after[t], std::vector<at::ScalarType>(kCalls, second)) << "thread " << t << " after the load";
+  }
+  EXPECT_EQ(measured_policy().size(), 1u) << "loaded, not measured again";
 }
 
 TEST_F(MeasuredPolicyTest, OffMeasuresNothingAndBadFilesLoadNothing) {
