@@ -48,10 +48,16 @@ struct ShapeKeyHash {
   }
 };
 
+// Set when this thread's memo is destroyed (its exit; the main thread's
+// comes before static destructors, which may still run a GEMM): from then on
+// the thread asks the table itself.
+thread_local bool t_memo_gone = false;
+
 // This thread's decided keys: op -> (device, low dtype, shapes) -> dtype.
 struct Memo {
   uint64_t generation = 0;
   std::unordered_map<std::string, std::unordered_map<ShapeKey, at::ScalarType, ShapeKeyHash>> by_op;
+  ~Memo() { t_memo_gone = true; }
 };
 
 void synchronize(c10::Device device) {
@@ -125,6 +131,7 @@ bool is_measured_op(const std::string& op) {
 at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
                               c10::function_ref<std::string()> describe_shapes,
                               c10::function_ref<void(at::ScalarType)> run) {
+  if (C10_UNLIKELY(t_memo_gone)) return decide(op, device, describe_shapes(), low, run);
   thread_local Memo memo;
   const uint64_t generation = table().generation.load(std::memory_order_acquire);
   if (memo.generation != generation) {
