@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -38,14 +39,24 @@ struct StepLoop {
     }
     optimizer.step();
   }
-  // Page faults over four steps once the loop has settled.
-  long faults_of_four_settled_steps() {
+  // The fewest page faults in four steps, over three runs of four steps
+  // once the loop has warmed up. Kept memory reaches a steady state (0
+  // faults a step) after the heap has grown to the step's peak, which a
+  // run of four may still see happen (a 4 or 8 MiB block placed at the
+  // heap's top, as in an unoptimized build); memory given back faults
+  // every step, in every run.
+  long fewest_faults_in_four_steps() {
     for (int i = 0; i < 6; ++i) step();
-    struct rusage before {}, after {};
-    getrusage(RUSAGE_SELF, &before);
-    for (int i = 0; i < 4; ++i) step();
-    getrusage(RUSAGE_SELF, &after);
-    return after.ru_minflt - before.ru_minflt;
+    long fewest = -1;
+    for (int run = 0; run < 3; ++run) {
+      struct rusage before {}, after {};
+      getrusage(RUSAGE_SELF, &before);
+      for (int i = 0; i < 4; ++i) step();
+      getrusage(RUSAGE_SELF, &after);
+      const long faults = after.ru_minflt - before.ru_minflt;
+      fewest = fewest < 0 ? faults : std::min(fewest, faults);
+    }
+    return fewest;
   }
 };
 
@@ -58,12 +69,14 @@ bool under_a_sanitizer() {
 #define SKIP_UNDER_A_SANITIZER() \
   if (under_a_sanitizer()) GTEST_SKIP() << "a sanitizer's allocator replaces glibc's malloc, which keep_cpu_memory sets"
 
-// Measured on this suite's machine over ten runs each: 20,000-32,000
-// faults with glibc's defaults, 0 kept.
+// Measured on this suite's machine over ten runs each (one run of four
+// steps): 20,000-32,000 faults with glibc's defaults; kept, 0 in the
+// optimized build, and 0, 1,024 or 2,048 in the unoptimized one, where the
+// heap may still grow once in a run (hence the fewest of three).
 void exit_with(long faults, bool reused) {
   constexpr long kFew = 1024;
   if ((faults < kFew) == reused) std::exit(0);
-  std::fprintf(stderr, "four settled steps faulted %ld pages (expected %s %ld)\n", faults,
+  std::fprintf(stderr, "the fewest faults in four steps were %ld pages (expected %s %ld)\n", faults,
                reused ? "under" : "at least", kFew);
   std::exit(1);
 }
@@ -71,7 +84,7 @@ void exit_with(long faults, bool reused) {
 TEST_F(AmpTest, ACpuSessionReusesTheMemoryTheStepBeforeFreed) {
   SKIP_UNDER_A_SANITIZER();
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(exit_with(StepLoop(/*keep_cpu_memory=*/true).faults_of_four_settled_steps(), /*reused=*/true),
+  EXPECT_EXIT(exit_with(StepLoop(/*keep_cpu_memory=*/true).fewest_faults_in_four_steps(), /*reused=*/true),
               ::testing::ExitedWithCode(0), "");
 }
 
@@ -80,7 +93,7 @@ TEST_F(AmpTest, ACpuSessionReusesTheMemoryTheStepBeforeFreed) {
 TEST_F(AmpTest, KeepCpuMemoryOffLeavesMallocAsItWas) {
   SKIP_UNDER_A_SANITIZER();
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(exit_with(StepLoop(/*keep_cpu_memory=*/false).faults_of_four_settled_steps(), /*reused=*/false),
+  EXPECT_EXIT(exit_with(StepLoop(/*keep_cpu_memory=*/false).fewest_faults_in_four_steps(), /*reused=*/false),
               ::testing::ExitedWithCode(0), "");
 }
 
