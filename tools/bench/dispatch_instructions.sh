@@ -20,26 +20,27 @@ for path in glob.glob(sys.argv[1] + "/cg.*"):
     if label and total:
         mode, case, calls = label.group(1).split("|")
         counts[(case, mode)] = int(total.group(1)) / int(calls)
+cases = ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]
 print("| op | plain instr/call | native autocast | amp O1 | amp / native | amp added / native added |")
 print("|---|---:|---:|---:|---:|---:|")
-for case in ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]:
+for case in cases:
     plain, native, ours = (counts[(case, m)] for m in ("plain", "native", "amp"))
     added = "%.3f" % ((ours - plain) / (native - plain)) if native - plain > 50 else "-"
     print("| %s | %.0f | %.0f | %.0f | %.3f | %s |" % (case, plain, native, ours, ours / native, added))
-print()
-print("Overflow provenance on (forward ops record the largest magnitude of what they read and return):")
-print()
-print("| op | amp O1 | amp O1 + provenance | added instr/call |")
-print("|---|---:|---:|---:|")
-for case in ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]:
-    ours, watched = counts[(case, "amp")], counts[(case, "provenance")]
-    print("| %s | %.0f | %.0f | %.0f |" % (case, ours, watched, watched - ours))
-print()
-print("The measured policy on (its table loaded with bfloat16 for these GEMMs, so they cast as O1 does; the difference is the lookup):")
-print()
-print("| op | amp O1 | amp O1 + policy | added instr/call |")
-print("|---|---:|---:|---:|")
-for case in ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]:
-    ours, measured = counts[(case, "amp")], counts[(case, "policy")]
-    print("| %s | %.0f | %.0f | %.0f |" % (case, ours, measured, measured - ours))
+
+def added_to_amp(title, mode):
+    """amp O1 beside amp O1 with one more thing on (`mode`'s dumps)."""
+    print()
+    print(title)
+    print()
+    print("| op | amp O1 | amp O1 + %s | added instr/call |" % mode)
+    print("|---|---:|---:|---:|")
+    for case in cases:
+        ours, more = counts[(case, "amp")], counts[(case, mode)]
+        print("| %s | %.0f | %.0f | %.0f |" % (case, ours, more, more - ours))
+
+added_to_amp("Overflow provenance on (forward ops record the largest magnitude of what they read and return):",
+             "provenance")
+added_to_amp("The measured policy on (its table loaded with bfloat16 for these GEMMs, so they cast as O1 does; "
+             "the difference is the lookup):", "policy")
 PY
