@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 namespace amp::testing {
 namespace {
@@ -47,14 +48,13 @@ struct StepLoop {
   // every step, in every run.
   long fewest_faults_in_four_steps() {
     for (int i = 0; i < 6; ++i) step();
-    long fewest = -1;
+    long fewest = std::numeric_limits<long>::max();
     for (int run = 0; run < 3; ++run) {
       struct rusage before {}, after {};
       getrusage(RUSAGE_SELF, &before);
       for (int i = 0; i < 4; ++i) step();
       getrusage(RUSAGE_SELF, &after);
-      const long faults = after.ru_minflt - before.ru_minflt;
-      fewest = fewest < 0 ? faults : std::min(fewest, faults);
+      fewest = std::min(fewest, after.ru_minflt - before.ru_minflt);
     }
     return fewest;
   }
@@ -69,10 +69,11 @@ bool under_a_sanitizer() {
 #define SKIP_UNDER_A_SANITIZER() \
   if (under_a_sanitizer()) GTEST_SKIP() << "a sanitizer's allocator replaces glibc's malloc, which keep_cpu_memory sets"
 
-// Measured on this suite's machine over ten runs each (one run of four
-// steps): 20,000-32,000 faults with glibc's defaults; kept, 0 in the
-// optimized build, and 0, 1,024 or 2,048 in the unoptimized one, where the
-// heap may still grow once in a run (hence the fewest of three).
+// Measured on this suite's machine, one run of four steps each time:
+// 20,000-32,000 faults with glibc's defaults (ten runs); kept, 0 in the
+// optimized build (ten runs), and 0, 1,024 or 2,048 in the unoptimized one
+// (six runs), where the heap may still grow once in a run (hence the
+// fewest of three).
 void exit_with(long faults, bool reused) {
   constexpr long kFew = 1024;
   if ((faults < kFew) == reused) std::exit(0);

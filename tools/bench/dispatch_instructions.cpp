@@ -16,6 +16,7 @@
 #include <valgrind/callgrind.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -34,7 +35,7 @@ struct OpCase {
 
 // The measured policy's table for the cases' GEMMs: bfloat16 kept.
 void keep_bfloat16_for_the_gemms() {
-  const std::string path = "/tmp/amp_dispatch_instructions_policy.txt";
+  const std::string path = (std::filesystem::temp_directory_path() / "amp_dispatch_instructions_policy.txt").string();
   {
     std::ofstream file(path);
     for (const char* shapes : {"[4, 4] Float, [4, 4] Float", "[4, 4] BFloat16, [4, 4] BFloat16"}) {
