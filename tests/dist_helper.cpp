@@ -34,6 +34,11 @@
 //                             "error <seconds>: <message>" (0)
 //     gather_timeout_ms=N     data_parallel.gather_timeout (60000)
 //     fp8=0|1                 1: the fp8 property (level=O5) (0)
+//     positions=none|first|after
+//                             a table [24, 2] added to the output, read
+//                             through a view sliced to the batch
+//                             (Python's pos[:n]): taken before any other op
+//                             of the forward, or after the layers (none)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -72,8 +77,10 @@ at::Tensor flat_params(torch::nn::Module& model) {
   return torch::cat(parts);
 }
 
-torch::nn::Sequential make_model() {
-  return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+torch::nn::Sequential make_model(bool positions) {
+  torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+  if (positions) model->register_parameter("positions", torch::randn({24, 2}) * 0.1);
+  return model;
 }
 
 // The float32 masters as the program sees them: amp's float32 weights file
@@ -82,7 +89,7 @@ torch::nn::Sequential make_model() {
 at::Tensor masters_of(const torch::nn::Sequential& model, const std::string& scratch, c10d::Backend& group) {
   amp::save_fp32_weights(model, scratch);
   group.barrier()->wait();
-  torch::nn::Sequential fp32 = make_model();
+  torch::nn::Sequential fp32 = make_model(model->named_parameters(/*recurse=*/false).contains("positions"));
   torch::load(fp32, scratch);
   group.barrier()->wait();
   return flat_params(*fp32);
@@ -109,7 +116,7 @@ int main(int argc, char** argv) {
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
                                            {"shard_gradients", "1"}, {"recompute", "0"},
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
-                                           {"fp8", "0"}};
+                                           {"fp8", "0"}, {"positions", "none"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -131,7 +138,7 @@ int main(int argc, char** argv) {
   }
 
   torch::manual_seed(3 + (flags["seed_per_rank"] == "1" ? rank : 0));
-  torch::nn::Sequential model = make_model();
+  torch::nn::Sequential model = make_model(flags["positions"] != "none");
   const torch::Device device(flags["device"]);
   model->to(device);
   std::shared_ptr<torch::optim::Optimizer> optimizer;
@@ -165,8 +172,18 @@ int main(int argc, char** argv) {
   const std::string checkpoint = flags["checkpoint"], scratch = std::string(argv[3]) + ".weights";
   const int save_after = std::stoi(flags["save_after"]);
   const double clip = std::stod(flags["clip"]);
-  auto forward = [&model, recompute = flags["recompute"] == "1"](const at::Tensor& x) {
+  auto layers = [&model, recompute = flags["recompute"] == "1"](const at::Tensor& x) {
     return recompute ? amp::recompute_sequential(model, /*segments=*/3, x) : model->forward(x);
+  };
+  auto forward = [&, positions = flags["positions"]](const at::Tensor& x) {
+    if (positions == "none") return layers(x);
+    const at::Tensor table = model->named_parameters(/*recurse=*/false)["positions"];
+    if (positions == "first") {
+      const at::Tensor rows = table.narrow(/*dim=*/0, /*start=*/0, /*length=*/x.size(0));
+      return layers(x) + rows;
+    }
+    const at::Tensor out = layers(x);
+    return out + table.narrow(/*dim=*/0, /*start=*/0, /*length=*/x.size(0));
   };
   if (flags["resume"] == "1") amp::load_checkpoint(checkpoint, {model}, {optimizer});
 

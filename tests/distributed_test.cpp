@@ -290,6 +290,19 @@ TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
 // the one rank's overflow - an inf gradient entering a float8 GEMM - is
 // skipped everywhere. Sharded equals replicated bit for bit, and float8
 // moved the weights differently from O5's bfloat16 (it ran).
+// A weight read through a view before any op amp casts (Python's pos[:n])
+// trains the same bits as the same read after the layers, sharded and
+// replicated: the view gathers (or lowers) the weights first.
+TEST_F(RanksAsProcesses, AWeightReadThroughAViewFirstTrainsAsReadAfter) {
+  for (const char* level : {"O5", "O2"}) {
+    for (const char* shard : {" shard=1", ""}) {
+      const std::string args = std::string("level=") + level + " optimizer=adam" + shard;
+      expect_same_bits(run_ranks(2, args + " positions=first"), run_ranks(2, args + " positions=after"),
+                       args.c_str());
+    }
+  }
+}
+
 TEST_F(RanksAsProcesses, ShardedFloat8TrainingIsBitForBitAsReplicated) {
   const std::string args = "level=O5 fp8=1 optimizer=sgd";
   const auto sharded = run_ranks(2, args + " shard=1");

@@ -139,6 +139,7 @@ const char* name(Block b) {
     case Block::kConv2d: return "Conv2d";
     case Block::kBatchNorm: return "BatchNorm";
     case Block::kLayerNorm: return "LayerNorm";
+    case Block::kTableView: return "TableView";
   }
   return "?";
 }
@@ -270,6 +271,14 @@ Program generate_program(uint64_t seed) {
     m.recomputed = r;
   }
   p.fp8 = !penalty && draw.chance(0.4);
+  for (ModelSpec& m : p.models) {  // drawn last: earlier seeds keep the rest of their programs
+    if (!draw.chance(0.4)) continue;
+    const int at = draw.between(0, static_cast<int>(m.blocks.size()));  // 0: before any other op
+    m.blocks.insert(m.blocks.begin() + at, Block::kTableView);
+    m.table_view = draw.pick(std::vector<TableView>{TableView::kPositionSlice, TableView::kTransposed, TableView::kHeads});
+    if (m.recomputed && static_cast<size_t>(at) < m.recomputed->first) ++m.recomputed->first;
+    if (m.recomputed && static_cast<size_t>(at) < m.recomputed->last) ++m.recomputed->last;
+  }
   return p;
 }
 
@@ -278,6 +287,11 @@ std::string describe(const Program& p) {
   for (size_t m = 0; m < p.models.size(); ++m) {
     out << "  model " << m << ": " << (p.models[m].token_input ? "Embedding " : "");
     for (Block b : p.models[m].blocks) out << name(b) << " ";
+    const TableView v = p.models[m].table_view;
+    if (std::count(p.models[m].blocks.begin(), p.models[m].blocks.end(), Block::kTableView) > 0) {
+      out << (v == TableView::kPositionSlice ? "(table sliced) " : v == TableView::kTransposed ? "(table transposed) "
+                                                                                               : "(table in heads) ");
+    }
     out << (p.models[m].affine_norms ? "" : "(norms not affine)");
     if (const auto& r = p.models[m].recomputed) {
       out << " blocks " << r->first << ".." << r->last - 1 << " recomputed" << (r->nested ? " (nested)" : "");

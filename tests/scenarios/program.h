@@ -2,8 +2,10 @@
 //
 // generate_program(seed) draws one, reproducibly from its seed: 1-3 small
 // models (Linear, Conv1d, Conv2d, BatchNorm, LayerNorm blocks; a model may
-// read tokens through an Embedding, and run some of its blocks under
-// amp::recompute, possibly nested), 1-2 optimizers (SGD with or without
+// read tokens through an Embedding, read a weight through a view - a
+// position table sliced, a tied embedding transposed, a weight narrowed
+// into heads - before or after its other ops, and run some of its blocks
+// under amp::recompute, possibly nested), 1-2 optimizers (SGD with or without
 // momentum, Adam, AdamW), and per iteration 1-2 phases. A phase zeroes the
 // gradients of the optimizers it steps, runs 1-3 losses - each a chain of
 // models, possibly detached part-way (a GAN's discriminator on fake data),
@@ -34,7 +36,14 @@ inline constexpr int64_t kBatch = 6;
 inline constexpr int64_t kVocabulary = 10;  // token models: [batch, kTokens] ints
 inline constexpr int64_t kTokens = 3;
 
-enum class Block { kLinear, kConv1d, kConv2d, kBatchNorm, kLayerNorm };
+enum class Block { kLinear, kConv1d, kConv2d, kBatchNorm, kLayerNorm, kTableView };
+// How a kTableView block reads its model's table ([kWidth, kWidth], its
+// first parameter), adding
+// tanh of the result to its input: the table's first rows sliced to the
+// batch (a position table), x @ table^T (the token Embedding's first rows
+// when the model reads tokens: a tied embedding transposed), or the table
+// narrowed into two heads, x @ head^T each.
+enum class TableView { kPositionSlice, kTransposed, kHeads };
 enum class OptimizerKind { kSGD, kAdam, kAdamW };
 enum class LossKind { kMse, kSoftplusMean, kCrossEntropy };
 enum class Zero { kOptimizer, kModel, kNever };
@@ -52,6 +61,7 @@ struct ModelSpec {
   std::vector<Block> blocks;
   bool affine_norms = true;
   std::optional<RecomputedBlocks> recomputed;
+  TableView table_view = TableView::kPositionSlice;  // with a kTableView block
 };
 
 struct OptimizerSpec {

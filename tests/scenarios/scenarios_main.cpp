@@ -78,6 +78,18 @@ struct Coverage {
     };
     count["recomputed blocks"] += recomputes(false);
     count["nested recomputation"] += recomputes(true);
+    const auto reads_table = [&](auto pred) {
+      return std::any_of(p.models.begin(), p.models.end(), [&](const ModelSpec& m) {
+        const auto at = std::find(m.blocks.begin(), m.blocks.end(), Block::kTableView);
+        return at != m.blocks.end() && pred(m, static_cast<size_t>(at - m.blocks.begin()));
+      });
+    };
+    count["weight read through a view"] += reads_table([](const ModelSpec&, size_t) { return true; });
+    count["view as a forward's first op"] +=
+        reads_table([](const ModelSpec& m, size_t at) { return at == 0 && !m.token_input; });
+    count["view inside a recomputed block"] += reads_table([](const ModelSpec& m, size_t at) {
+      return m.recomputed && at >= m.recomputed->first && at < m.recomputed->last;
+    });
   }
 };
 

@@ -2,6 +2,8 @@
 
 #include <amp/recompute.h>
 
+#include <algorithm>
+
 namespace amp::scenarios {
 
 ScenarioModelImpl::ScenarioModelImpl(const ModelSpec& spec) : spec_(spec) {
@@ -31,8 +33,31 @@ ScenarioModelImpl::ScenarioModelImpl(const ModelSpec& spec) : spec_(spec) {
         blocks_.push_back(register_module(
             name, torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth}).elementwise_affine(spec.affine_norms))));
         break;
+      case Block::kTableView:
+        blocks_.push_back(nullptr);
+        break;
     }
   }
+  const bool reads_table = std::count(spec.blocks.begin(), spec.blocks.end(), Block::kTableView) > 0;
+  if (reads_table && !(spec.token_input && spec.table_view == TableView::kTransposed)) {  // else: the tied Embedding's
+    table_ = register_parameter("table", torch::randn({kWidth, kWidth}) * 0.3);
+  }
+}
+
+at::Tensor ScenarioModelImpl::read_table(const at::Tensor& x) {
+  switch (spec_.table_view) {
+    case TableView::kPositionSlice:
+      return table_.narrow(/*dim=*/0, /*start=*/0, /*length=*/x.size(0));
+    case TableView::kTransposed: {
+      const at::Tensor& tied = spec_.token_input ? embedding_->weight : table_;
+      return x.matmul(tied.narrow(/*dim=*/0, /*start=*/0, /*length=*/kWidth).t());
+    }
+    case TableView::kHeads: {
+      const std::vector<at::Tensor> heads = table_.chunk(2, /*dim=*/0);
+      return torch::cat({x.matmul(heads[0].t()), x.matmul(heads[1].t())}, /*dim=*/1);
+    }
+  }
+  return {};
 }
 
 at::Tensor ScenarioModelImpl::forward(at::Tensor x) {
@@ -71,6 +96,9 @@ at::Tensor ScenarioModelImpl::run_blocks(size_t begin, size_t end, at::Tensor x)
         break;
       case Block::kLayerNorm:
         x = static_cast<torch::nn::LayerNormImpl*>(module)->forward(x);
+        break;
+      case Block::kTableView:
+        x = x + torch::tanh(read_table(x));
         break;
     }
   }

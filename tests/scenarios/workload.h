@@ -20,12 +20,15 @@ class ScenarioModelImpl : public torch::nn::Module {
 
  private:
   at::Tensor run_blocks(size_t begin, size_t end, at::Tensor x);
+  // A kTableView block's read of the table through a view (program.h).
+  at::Tensor read_table(const at::Tensor& x);
   // Blocks [begin, end) under amp::recompute, their second half again when `nested`.
   at::Tensor recompute_blocks(size_t begin, size_t end, bool nested, const at::Tensor& x);
 
   ModelSpec spec_;
   torch::nn::Embedding embedding_{nullptr};
-  std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
+  std::vector<std::shared_ptr<torch::nn::Module>> blocks_;  // null for kTableView
+  at::Tensor table_;  // [kWidth, kWidth], with a kTableView block
 };
 TORCH_MODULE(ScenarioModel);
 

@@ -1,7 +1,9 @@
 // Instructions per call of the dispatch cases of cpu_benchmarks' section 1,
 // counted by valgrind's callgrind: plain LibTorch, native autocast and amp O1
-// on the same calls, and amp O1 with overflow provenance on (gradients
-// enabled, as it watches forward ops only then). Counts do not move with the load of a shared machine, so
+// on the same calls, amp O1 with overflow provenance on (gradients
+// enabled, as it watches forward ops only then), and amp O2 over a model
+// whose weights a forward has lowered (what views and indexed reads of
+// tensors that are not weights pay for amp watching them). Counts do not move with the load of a shared machine, so
 // they settle differences of a few percent that timings there cannot. Each
 // (case, mode) is one callgrind dump; tools/bench/dispatch_instructions.sh
 // runs this under valgrind and prints the table.
@@ -58,6 +60,7 @@ int main() {
   const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
   const auto a_low = a.to(at::kBFloat16), b_low = b.to(at::kBFloat16);
   const auto weight = torch::randn({4, 4}, torch::requires_grad()), bias = torch::randn({4}, torch::requires_grad());
+  const auto rows = torch::tensor({2, 0}, at::kLong);
   torch::NoGradGuard no_grad;  // dispatch, not graph building, as in cpu_benchmarks
   const std::vector<OpCase> cases = {
       {"mm fp32 (casts)", [&] { at::mm(a, b); }},
@@ -65,21 +68,33 @@ int main() {
       {"linear, cached weight", [&] { at::linear(a, weight, bias); }},
       {"cat bf16+fp32", [&] { at::cat({a_low, b}); }},
       {"relu (not intercepted)", [&] { at::relu(a); }},
+      {"view", [&] { a.view({16}); }},
+      {"narrow", [&] { a.narrow(/*dim=*/0, /*start=*/1, /*length=*/2); }},
+      {"t", [&] { a.t(); }},
+      {"index_select", [&] { a.index_select(/*dim=*/0, rows); }},
   };
-  const char* modes[] = {"plain", "native", "amp", "provenance", "policy"};
-  for (int mode = 0; mode < 5; ++mode) {
+  const char* modes[] = {"plain", "native", "amp", "provenance", "policy", "o2"};
+  torch::nn::Linear model(4, 4);
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  for (int mode = 0; mode < 6; ++mode) {
     std::unique_ptr<amp::Handle> handle;
     std::optional<torch::AutoGradMode> grad_mode;
     if (mode == 1) at::autocast::set_autocast_enabled(at::kCPU, true);
     if (mode >= 2) {
-      amp::Options options = amp::O1;
+      amp::Options options = mode == 5 ? amp::O2 : amp::O1;
       options.verbosity = 0;
       options.overflow_provenance = mode == 3;
       options.measured_policy = mode == 4;
       if (mode == 3) grad_mode.emplace(true);
       if (mode == 4) keep_bfloat16_for_the_gemms();
       handle = std::make_unique<amp::Handle>();
-      handle->initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, options);
+      if (mode == 5) {
+        handle->initialize(model, optimizer, options);
+        torch::AutoGradMode grad(true);
+        model(a);  // the forward's first op lowers the weights
+      } else {
+        handle->initialize(std::vector<std::shared_ptr<torch::nn::Module>>{}, {}, options);
+      }
     }
     for (const OpCase& c : cases) {
       c.call();  // warm: caches filled, kernels looked up

@@ -20,7 +20,8 @@ for path in glob.glob(sys.argv[1] + "/cg.*"):
     if label and total:
         mode, case, calls = label.group(1).split("|")
         counts[(case, mode)] = int(total.group(1)) / int(calls)
-cases = ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]
+o1_cases = ["mm fp32 (casts)", "mm bf16 (no cast)", "linear, cached weight", "cat bf16+fp32", "relu (not intercepted)"]
+cases = o1_cases + ["view", "narrow", "t", "index_select"]
 print("| op | plain instr/call | native autocast | amp O1 | amp / native | amp added / native added |")
 print("|---|---:|---:|---:|---:|---:|")
 for case in cases:
@@ -41,6 +42,15 @@ def added_to_amp(title, mode):
 
 added_to_amp("Overflow provenance on (forward ops record the largest magnitude of what they read and return):",
              "provenance")
+print()
+print("amp O2 over a model whose weights a forward lowered, on tensors that are not weights:")
+print()
+print("| op | plain instr/call | amp O2 | added instr/call |")
+print("|---|---:|---:|---:|")
+for case in cases:
+    plain, o2 = counts[(case, "plain")], counts[(case, "o2")]
+    print("| %s | %.0f | %.0f | %.0f |" % (case, plain, o2, o2 - plain))
+
 added_to_amp("The measured policy on (its table loaded with bfloat16 for these GEMMs, so they cast as O1 does; "
              "the difference is the lookup):", "policy")
 PY

@@ -24,9 +24,11 @@
 //     program's optimizer steps, torch::save writes and torch::load fills.
 //     For forward and backward amp holds them in the low dtype (float16 /
 //     bfloat16), except affine BatchNorm and keep_fp32 modules: from the
-//     first intercepted op that records a graph on them until the end of
-//     the scale_loss guard. Evaluation under torch::NoGradGuard reads the
-//     float32 weights and casts per op.
+//     first op that records a graph on them - a view or indexed read of
+//     a weight (wpe.narrow, w.t(), index_select), or an op where they meet
+//     activations - until the end of the scale_loss guard, so every op of a
+//     forward sees the low dtype whichever comes first. Evaluation under
+//     torch::NoGradGuard reads the float32 weights and casts per op.
 //   - O3 (and O2/O5 without an optimizer, or with master_weights = false):
 //     the models are converted to the low dtype for good.
 // Optimizers are not changed: their parameter groups, state and algorithm

@@ -7,7 +7,9 @@
 // happens in exactly the precision state of the forward: the same casts
 // (O1's lists, disable_casts, cast_dtype and custom_fwd regions), the cast
 // cache's copies of this iteration, the weights in the dtype forward used
-// (O2, O3, O5, sharded), the same random numbers (dropout draws the same
+// (O2, O3, O5, sharded: the models' weights enter the low dtype, or are
+// gathered, before the block's forward runs, so both runs read them alike
+// whatever op reads them first), the same random numbers (dropout draws the same
 // masks: the CPU generator and those of the CUDA devices of the arguments),
 // and BatchNorm running statistics updated once, by forward. Outputs and
 // gradients are bit-identical to the same model without recomputation.

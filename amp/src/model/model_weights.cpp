@@ -10,6 +10,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/Operators.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <map>
 #include <utility>
@@ -91,13 +92,28 @@ void ModelWeights::enter_compute(const std::vector<bool>& models) {
     src.push_back(e.rest);
   }
   copy_all(dst, src);
+  const Entry* read_at_rest = nullptr;  // a weight with a live graph recorded while it rested
   for (Entry& e : entries_) {
     if (!entering(e)) continue;
-    e.tensor.set_data(e.compute);
+    if (!read_at_rest && !e.is_buffer && torch::autograd::impl::try_get_grad_accumulator(e.tensor)) {
+      read_at_rest = &e;
+    }
+    e.tensor.set_data(e.compute);  // a new dtype: autograd gives it a new gradient accumulator
     e.version = e.tensor._version();
   }
   for (size_t m = 0; m < models.size(); ++m) resting_[m] = resting_[m] && !models[m];
   update_pending();
+  if (read_at_rest != nullptr && !warned_read_at_rest_) {
+    warned_read_at_rest_ = true;
+    warn("weight_read_in_float32",
+         describe(*read_at_rest) + " entered " + c10::toString(read_at_rest->low) +
+             " for a forward while a graph recorded over its float32 master is still alive: an op amp "
+             "does not see read it with gradients on before the forward's first view, indexed read or "
+             "cast op (a penalty such as w.pow(2).sum(), or a logged value kept). If that graph joins "
+             "the loss, its gradient reaches the weight in float32 beside the forward's, and the bits "
+             "depend on where the op ran. Compute such values under torch::NoGradGuard when they are "
+             "only logged, or after the forward's first op when they join the loss.");
+  }
 }
 
 void ModelWeights::finish_backward() noexcept {
@@ -124,6 +140,17 @@ void ModelWeights::finish_backward() noexcept {
   }
   resting_.assign(resting_.size(), true);
   pending_.store(!entries_.empty());
+}
+
+void ModelWeights::enter_forward() {
+  if (!pending()) return;
+  if (mode_ == Mode::kConverted) {
+    if (sharded_ != nullptr) sharded_->sync();  // gathers what is stale, takes writes behind amp's back
+    check_converted();
+    return;
+  }
+  if (!at::GradMode::is_enabled()) return;
+  enter_compute(std::vector<bool>(resting_.size(), true));
 }
 
 void ModelWeights::prepare_backward() {

@@ -13,19 +13,24 @@
 //   event                               residence   gradient (.grad)
 //   ----------------------------------  ----------  -----------------------------------
 //   initialize, guard ends              resting     float32 (the step's), or none
-//   first intercepted op that records   computing   unchanged: float32 or none, so
-//     a graph on a master (grad mode)               zero_grad after forward still works
+//   first op that records a graph on    computing   unchanged: float32 or none, so
+//     a master (grad mode): where it                zero_grad after forward still works
+//     meets other tensors, or a view
+//     or indexed read of it
 //   guard opens                         computing   set aside by the guard; backward
 //                                                   writes a low-precision scratch one
 //   guard ends                          resting     float32: unscaled scratch + aside
 //
 // Entering refreshes every low-precision buffer from the float32 data the
 // weight holds at that moment, so whatever changed it at rest (a step, a
-// torch::load, a user edit) is what forward sees; reads before the first
-// intercepted op see that float32 data. Leaving copies back the buffers'
-// values forward wrote (BatchNorm running statistics). A guard enters too,
-// so a graph recorded before an earlier guard ended backpropagates through
-// the dtypes it was recorded in.
+// torch::load, a user edit) is what forward sees; reads under no_grad see
+// that float32 data. Leaving copies back the buffers' values forward wrote
+// (BatchNorm running statistics). A guard enters too, so a graph recorded
+// before an earlier guard ended backpropagates through the dtypes it was
+// recorded in. A graph recorded over a resting weight (by an op amp does
+// not see, `w.pow(2).sum()` in grad mode) that is still alive when the
+// weight enters would send float32 gradients to it beside the forward's:
+// entering says so once (the warning "weight_read_in_float32").
 //
 // Writes behind amp's back while computing are found when a guard opens:
 // a storage replaced by torch::load (LibTorch copies a float32 checkpoint's
@@ -37,7 +42,8 @@
 //
 // Sharded (O2/O5 with Options::data_parallel.shard): converted weights, and
 // the float32 masters in pieces across the ranks (ShardedWeights); the
-// first intercepted op over a weight after a guard gathers them.
+// first intercepted op over a weight after a guard (a view or indexed read
+// of it included) gathers them.
 //
 // Converted (O3, or O2/O5 without master weights): the weights are lowered
 // for good. A torch::load of a float32 checkpoint into them (the same
@@ -122,13 +128,20 @@ class ModelWeights {
   // rests, or converted weights await their check).
   bool pending() const { return pending_.load(std::memory_order_relaxed); }
   // Masters: a graph-recording op where a model's parameters or buffers
-  // meet other tensors (forward: weights meet activations or indices)
-  // enters that model into computing, before the op saves anything for
-  // backward; ops over the model's tensors alone (a logged weight norm)
-  // read them in float32. Converted: checks the weights' storages. Errors:
-  // as enter_compute.
+  // meet other tensors (forward: weights meet activations or indices), or
+  // that reads them through a view or an index (`weight_read`,
+  // weight_reads.h: a view's dtype is fixed when it is taken), enters that
+  // model into computing, before the op saves anything for backward; other
+  // ops over the model's tensors alone (a logged weight norm) read them in
+  // float32. Converted: gathers sharded weights, checks the weights'
+  // storages. Errors: as enter_compute.
   template <class Args>
-  void on_op(const Args& args);
+  void on_op(const Args& args, bool weight_read = false);
+  // Before a recomputed block's forward (recompute.h), with gradients on:
+  // every model enters computing (masters) or has its weights gathered
+  // (sharded), so the forward and backward's rerun of the block read the
+  // weights alike whatever op reads them first. Errors: as enter_compute.
+  void enter_forward();
 
   // At a guard's opening: enters every model into computing (a graph
   // recorded before an earlier guard ended backpropagates in the dtypes it
@@ -170,11 +183,12 @@ class ModelWeights {
   std::vector<bool> resting_;  // per model
   std::atomic<bool> pending_{false};
   bool warned_ = false;
+  bool warned_read_at_rest_ = false;
   ShardedWeights* sharded_ = nullptr;
 };
 
 template <class Args>
-void ModelWeights::on_op(const Args& args) {
+void ModelWeights::on_op(const Args& args, bool weight_read) {
   if (mode_ == Mode::kConverted) {
     if (sharded_ != nullptr) {  // gather at ops over the weights, the same ops on every rank
       args.for_each_tensor([&](const at::Tensor& t, bool) {
@@ -203,7 +217,7 @@ void ModelWeights::on_op(const Args& args) {
     if (models.empty()) models.resize(resting_.size());
     models[e->model] = true;
   });
-  if (other && !models.empty()) enter_compute(models);
+  if ((other || weight_read) && !models.empty()) enter_compute(models);
 }
 
 }  // namespace amp::detail

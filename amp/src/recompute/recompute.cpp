@@ -240,6 +240,9 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   }
   const std::shared_ptr<detail::RecomputeSession> session = detail::live_recompute_session();
   if (session) {
+    // Lowered (or gathered) before the block runs: its forward then reads the
+    // weights as backward's rerun will, whatever op reads them first.
+    session->weights().enter_forward();
     std::unordered_set<const c10::TensorImpl*> listed;
     for (const auto& b : buffers) listed.insert(b.second.unsafeGetTensorImpl());
     for (const auto& b : session->model_buffers()) {

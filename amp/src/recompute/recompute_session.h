@@ -1,6 +1,7 @@
 // Private: the live initialization as recomputation sees it - the models'
-// buffers a rerun restores, and where provenance keeps forward records. The
-// session (session/context.h) implements it.
+// weights a block's forward reads, the buffers a rerun restores, and where
+// provenance keeps forward records. The session (session/context.h)
+// implements it.
 #pragma once
 
 #include "interception/dispatch/forward_watch.h"
@@ -13,6 +14,7 @@ namespace amp::detail {
 
 class RecomputeSession {
  public:
+  virtual ModelWeights& weights() = 0;
   // The models' buffers, named as parameter_names() names parameters.
   virtual const NamedBuffers& model_buffers() const = 0;
   virtual ForwardLog* forward_log() const = 0;

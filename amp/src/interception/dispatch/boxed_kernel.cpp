@@ -2,6 +2,7 @@
 // serves any operator schema (users' own ops, e.g. "mylib::fused_norm").
 // Policies are decided in cast_decision.h, as for the typed kernel; this
 // file only applies the decision to the stack. Slower per call (boxing).
+#include "interception/dispatch/boxed_args.h"
 #include "interception/dispatch/call_record.h"
 #include "interception/dispatch/cast.h"
 #include "interception/dispatch/cast_decision.h"
@@ -16,29 +17,6 @@
 
 namespace amp::detail {
 namespace {
-
-// The boxed arguments of one call, as cast_decision.h views them.
-class BoxedArgs {
- public:
-  explicit BoxedArgs(c10::ArrayRef<c10::IValue> args) : args_(args) {}
-
-  template <class Fn>
-  void for_each_tensor(Fn&& fn) const {
-    for (const c10::IValue& arg : args_) {
-      if (arg.isTensor()) {
-        fn(arg.toTensor(), /*in_list=*/false);
-      } else if (arg.isTensorList()) {
-        for (const at::Tensor& t : arg.toTensorVector()) fn(t, /*in_list=*/true);
-      }
-    }
-  }
-  const at::Tensor* first_tensor() const {
-    return !args_.empty() && args_.front().isTensor() ? &args_.front().toTensor() : nullptr;
-  }
-
- private:
-  c10::ArrayRef<c10::IValue> args_;
-};
 
 // `args`: the op's arguments, the top `num_args` entries of the stack.
 // The stack's entries are replaced in place: nothing moves when none is cast.
@@ -73,7 +51,7 @@ class BoxedKernel final : public c10::OperatorKernel {
     const size_t num_args = op.schema().arguments().size();
     const BoxedArgs view(torch::jit::last(stack, num_args));
     if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
-      weights->on_op(view);
+      weights->on_op(view, binding_->weight_read);
     }
     if (C10_UNLIKELY(observing())) return observed_call(policy, view, op, stack, num_args);
     apply(decide(policy, *binding_->casting, view), op, stack, num_args);

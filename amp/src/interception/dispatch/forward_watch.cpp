@@ -1,7 +1,10 @@
 #include "interception/dispatch/forward_watch.h"
 
+#include "interception/dispatch/boxed_args.h"
 #include "interception/dispatch/interceptor.h"
 #include "interception/dispatch/op_binding.h"
+#include "interception/dispatch/weight_reads.h"
+#include "model/model_weights.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -73,11 +76,16 @@ void append_tensors(const c10::IValue& v, std::vector<at::Tensor>& out) {
 }
 
 // Watches an aten op amp does not intercept: records around the call,
-// changes nothing in it.
+// changes nothing in it (an indexed read of a weight lowers its model
+// first, as weight_reads.h does without provenance).
 class WatchKernel final : public c10::OperatorKernel {
  public:
-  WatchKernel(std::string name, const c10::FunctionSchema& schema, const DeviceCasting& casting)
-      : name_(std::move(name)), reentry_keys_(casting.autocast_key), log_(casting.forward_log) {
+  WatchKernel(const c10::OperatorName& op, const c10::FunctionSchema& schema, const DeviceCasting& casting)
+      : name_(to_string(op)),
+        reentry_keys_(casting.autocast_key),
+        log_(casting.forward_log),
+        weights_(casting.weights),
+        weight_read_(is_weight_read(op)) {
     for (const auto& arg : schema.arguments()) {
       // out= arguments are written, not read: their old contents mean nothing.
       const bool out = arg.kwarg_only() && arg.alias_info() != nullptr && arg.alias_info()->isWrite();
@@ -87,6 +95,9 @@ class WatchKernel final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(reentry_keys_);
+    if (weights_ != nullptr && weights_->pending()) {
+      weights_->on_op(BoxedArgs(torch::jit::last(stack, reads_.size())), weight_read_);
+    }
     ForwardWatch watch(log_, name_);
     if (!watch.active()) return op.callBoxed(stack);
     const c10::IValue* args = stack->data() + stack->size() - reads_.size();
@@ -105,6 +116,8 @@ class WatchKernel final : public c10::OperatorKernel {
   std::string name_;
   c10::DispatchKeySet reentry_keys_;
   ForwardLog* log_;
+  ModelWeights* weights_;
+  bool weight_read_;
   std::vector<bool> reads_;  // per argument: read (true) or an out= argument
 };
 
@@ -182,7 +195,7 @@ void watch_other_ops(torch::Library& library, const DeviceCasting& casting) {
     if (!makes_values(handle->schema())) continue;
     const std::string display = to_string(name);
     library.impl(display.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                                      std::make_unique<WatchKernel>(display, handle->schema(), casting)));
+                                      std::make_unique<WatchKernel>(name, handle->schema(), casting)));
   }
 }
 

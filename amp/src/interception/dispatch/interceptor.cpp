@@ -1,6 +1,7 @@
 #include "interception/dispatch/interceptor.h"
 
 #include "interception/dispatch/forward_watch.h"
+#include "interception/dispatch/weight_reads.h"
 #include "interception/measured_policy.h"
 
 #include "model/model_weights.h"
@@ -150,6 +151,11 @@ Interceptor::Interceptor(const std::vector<DeviceCasting>& devices, const Regist
     library_for("aten", casting.autocast_key)
         .impl("set_.source_Tensor", torch::CppFunction(WeightLoadKernel(&casting)));
     if (casting.forward_log != nullptr) watch_other_ops(library_for("aten", casting.autocast_key), casting);
+    if (casting.weights != nullptr) {
+      watch_weight_reads(library_for("aten", casting.autocast_key), casting, [&](const c10::OperatorName& op) {
+        return c10::Dispatcher::singleton().findOp(op)->hasKernelForDispatchKey(casting.autocast_key);
+      });
+    }
   }
 }
 
@@ -196,6 +202,7 @@ void Interceptor::bind(const c10::OperatorName& op, DeviceCasting& casting, Cast
   binding->casting = &casting;
   binding->reentry_keys = c10::DispatchKeySet(casting.autocast_key);
   binding->banned_because.store(banned_because);
+  binding->weight_read = is_weight_read(op);
   binding->set_policy(policy);
   library_for(op.name.substr(0, op.name.find("::")), casting.autocast_key)
       .impl(display.c_str(), make_kernel(binding.get()));

@@ -54,6 +54,9 @@ struct OpBinding {
   // one value.
   std::atomic<CastPolicy> policy{CastPolicy::kPassthrough};
   std::atomic<const char*> banned_because{nullptr};  // the table row's reason, for kBanned
+  // A view or indexed read (weight_reads.h): over a weight it starts a
+  // forward by itself.
+  bool weight_read = false;
 
   void set_policy(CastPolicy table);
 };

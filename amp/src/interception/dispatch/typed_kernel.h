@@ -102,7 +102,7 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     const CastPolicy policy = binding_->policy.load(std::memory_order_relaxed);
     const TypedArgs<Args...> view(args...);
     if (ModelWeights* weights = binding_->casting->weights; C10_UNLIKELY(weights && weights->pending())) {
-      weights->on_op(view);
+      weights->on_op(view, binding_->weight_read);
     }
     if (C10_UNLIKELY(observing())) return observed_call(policy, view, args...);
     return apply(decide(policy, *binding_->casting, view), args...);
