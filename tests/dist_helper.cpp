@@ -27,12 +27,21 @@
 //                             every rank from seed 3)
 //     recompute=0|1           1: forward through amp::recompute_sequential,
 //                             each layer but the last recomputed (0)
-//     alone_forward=0|1       1: after the steps rank 0 alone runs a forward
-//                             under no_grad while the others wait 2.5 s, and
-//                             writes to <output_file>.alone "same" (its
-//                             weights are the masters rounded), "stale", or
-//                             "error <seconds>: <message>" (0)
+//     alone_forward=0|1|2     after the steps one more step, then rank 0
+//                             alone runs a forward under no_grad while the
+//                             others are elsewhere - 1: asleep for 2.5 s;
+//                             2: at the program's barrier, as in
+//                             `if (rank == 0) evaluate(model); barrier();`,
+//                             after which every rank trains one more step -
+//                             and writes to <output_file>.alone "same" (its
+//                             weights are the masters rounded; 2: "ran"),
+//                             "stale", or "error <seconds>: <message>" (0);
+//                             2 adds the masters after the last step to
+//                             the trace
+//     lone=0|1                with alone_forward: 0 leaves rank 0's forward
+//                             out (the same program otherwise) (1)
 //     gather_timeout_ms=N     data_parallel.gather_timeout (60000)
+//     group_timeout_ms=N      the Gloo group's own timeout (1800000)
 //     fp8=0|1                 1: the fp8 property (level=O5) (0)
 //     positions=none|first|after
 //                             a table [24, 2] added to the output, read
@@ -116,6 +125,7 @@ int main(int argc, char** argv) {
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
                                            {"shard_gradients", "1"}, {"recompute", "0"},
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
+                                           {"lone", "1"}, {"group_timeout_ms", "1800000"},
                                            {"fp8", "0"}, {"positions", "none"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -134,6 +144,7 @@ int main(int argc, char** argv) {
     auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
     auto gloo_options = c10d::ProcessGroupGloo::Options::create();
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    gloo_options->timeout = std::chrono::milliseconds(std::stoll(flags["group_timeout_ms"]));
     group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
   }
 
@@ -214,21 +225,24 @@ int main(int argc, char** argv) {
     trace.push_back(shard ? masters_of(model, scratch, *group) : flat_params(*model));
     if (step == save_after && flags["resume"] != "1") amp::save_checkpoint(checkpoint, {model}, {optimizer});
   }
-  if (flags["alone_forward"] == "1") {
-    // One more step, then rank 0 alone runs a forward.
-    optimizer->zero_grad();
-    {
-      amp::scale_loss scaled(forward(torch::randn({rows, 6}).to(device)).pow(2).mean(), optimizer);
-      scaled.backward();
-    }
-    optimizer->step();
+  const std::string alone = flags["alone_forward"];
+  if (alone != "0") {
+    auto train_one_step = [&] {
+      optimizer->zero_grad();
+      {
+        amp::scale_loss scaled(forward(torch::randn({rows, 6}).to(device)).pow(2).mean(), optimizer);
+        scaled.backward();
+      }
+      optimizer->step();
+    };
+    train_one_step();  // then rank 0 alone runs a forward
     std::string outcome;
     at::Tensor read;
-    if (rank == 0) {
+    if (rank == 0 && flags["lone"] == "1") {
       const auto start = std::chrono::steady_clock::now();
       try {
         torch::NoGradGuard no_grad;
-        model->forward(torch::randn({4, 6}).to(device));
+        model->forward(torch::ones({4, 6}).to(device));  // draws nothing: the next steps' batches stay
         read = flat_params(*model);
       } catch (const c10::Error& e) {
         std::ostringstream error;
@@ -236,12 +250,19 @@ int main(int argc, char** argv) {
               << ": " << e.what_without_backtrace();
         outcome = error.str();
       }
-    } else {
+    } else if (alone == "1") {
       std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // busy elsewhere, not in a forward
     }
+    if (alone == "2") {
+      group->barrier()->wait();
+      train_one_step();  // the ranks go on
+    }
     const at::Tensor masters = masters_of(model, scratch, *group);  // every rank: the gather completes
+    if (alone == "2") trace.push_back(masters);
     if (rank == 0) {
-      if (read.defined()) {  // the weights forward read: the step's masters, rounded
+      if (read.defined() && alone == "2") {
+        outcome = "ran";  // the masters have moved on since
+      } else if (read.defined()) {  // the weights forward read: the step's masters, rounded
         std::vector<at::Tensor> rounded;
         int64_t offset = 0;
         for (const auto& p : model->parameters()) {

@@ -292,13 +292,15 @@ TEST_F(RanksAsProcesses, ShardedTrainingWithRecomputedLayersIsBitIdentical) {
 // moved the weights differently from O5's bfloat16 (it ran).
 // A weight read through a view before any op amp casts (Python's pos[:n])
 // trains the same bits as the same read after the layers, sharded and
-// replicated: the view gathers (or lowers) the weights first.
+// replicated, with the layers recomputed or not: the view gathers (or
+// lowers) the weights first.
 TEST_F(RanksAsProcesses, AWeightReadThroughAViewFirstTrainsAsReadAfter) {
   for (const char* level : {"O5", "O2"}) {
     for (const char* shard : {" shard=1", ""}) {
       const std::string args = std::string("level=") + level + " optimizer=adam" + shard;
-      expect_same_bits(run_ranks(2, args + " positions=first"), run_ranks(2, args + " positions=after"),
-                       args.c_str());
+      const auto after = run_ranks(2, args + " positions=after");
+      expect_same_bits(run_ranks(2, args + " positions=first"), after, args + " first");
+      expect_same_bits(run_ranks(2, args + " positions=first recompute=1"), after, args + " first, recomputed");
     }
   }
 }
@@ -403,28 +405,35 @@ TEST_F(RanksAsProcesses, ShardedCheckpointResumesAtAnyWorldSize) {
   std::remove(file.c_str());
 }
 
+// What rank 0's forward alone came to (dist_helper's alone_forward), read
+// and removed: run_ranks names rank 0's output after its run counter.
+std::string read_alone_outcome() {
+  std::string found;
+  for (const auto& entry : std::filesystem::directory_iterator(::testing::TempDir())) {
+    const std::string name = entry.path().string();
+    if (name.size() > 6 && name.compare(name.size() - 6, 6, ".alone") == 0 &&
+        name.find("amp_dist_out_" + std::to_string(::getpid())) != std::string::npos) {
+      std::ifstream in(name);
+      found.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      std::remove(name.c_str());
+    }
+  }
+  return found;
+}
+
 // A forward on rank 0 alone (evaluation, sampling) while the others are
 // elsewhere: after amp's fused step the weights are already gathered, so it
 // needs no collective and reads the stepped weights; after LibTorch's own
-// step it would wait in the weights' all-gather for ranks that never come,
-// and stops within gather_timeout with an error that says what to do.
+// step it would wait at the weights' all-gather for ranks that never come,
+// and stops within gather_timeout with an error that says what to do (the
+// others then meet it at the gather of their next forward, masters_of's).
 TEST_F(RanksAsProcesses, ShardedForwardOnOneRankWorksOrFailsFast) {
   for (const std::string level : {"O2", "O5"}) {
     for (const std::string optimizer : {"fused_adamw", "adam"}) {
       const std::string args = "level=" + level + " optimizer=" + optimizer +
                                " shard=1 alone_forward=1 gather_timeout_ms=1500";  // the others come after 2.5 s
       run_ranks(2, args);
-      // run_ranks names rank 0's output after its run counter: find it.
-      std::string found;
-      for (const auto& entry : std::filesystem::directory_iterator(::testing::TempDir())) {
-        const std::string name = entry.path().string();
-        if (name.size() > 6 && name.compare(name.size() - 6, 6, ".alone") == 0 &&
-            name.find("amp_dist_out_" + std::to_string(::getpid())) != std::string::npos) {
-          std::ifstream in(name);
-          found.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-          std::remove(name.c_str());
-        }
-      }
+      const std::string found = read_alone_outcome();
       SCOPED_TRACE(level + " " + optimizer + ": " + found);
       if (optimizer == "fused_adamw") {
         EXPECT_EQ(found, "same");
@@ -436,6 +445,27 @@ TEST_F(RanksAsProcesses, ShardedForwardOnOneRankWorksOrFailsFast) {
       }
     }
   }
+}
+
+// The program's own pattern, `if (rank == 0) evaluate(model); barrier();`,
+// with LibTorch's optimizer and a group whose own timeout (4 s) is far
+// below gather_timeout (60 s): rank 0's forward stops with amp's error
+// within half the group's timeout, having started nothing, so the barrier
+// and the next step work on every rank, and train the same bits as the same
+// program without rank 0's forward.
+TEST_F(RanksAsProcesses, ShardedForwardOnOneRankBeforeABarrierLeavesTheGroupWorking) {
+  const std::string args = "level=O5 optimizer=adam shard=1 alone_forward=2 group_timeout_ms=4000";
+  const auto with_forward = run_ranks(2, args);
+  const std::string found = read_alone_outcome();
+  SCOPED_TRACE(found);
+  ASSERT_EQ(found.rfind("error ", 0), 0u);
+  EXPECT_LT(std::stod(found.substr(6)), 3.0) << "within half the group's timeout (2 s), and some slack";
+  EXPECT_THAT(found, ::testing::HasSubstr("Nothing was started"));
+  EXPECT_THAT(found, ::testing::HasSubstr("half the process group's own timeout of 4000 ms"));
+  const auto without = run_ranks(2, args + " lone=0");
+  (void)read_alone_outcome();
+  expect_same_bits(with_forward, without, "with and without rank 0's lone forward");
+  EXPECT_TRUE(BitEqual(with_forward[1].steps.back(), with_forward[0].steps.back()));
 }
 
 // ---- In one process: a process group of one rank ----------------------------

@@ -25,13 +25,18 @@
 // with delay_unscale); a sparse gradient; the process group's own errors. A
 // data-parallel guard inside a CUDA graph capture (scale_loss.h). At an op
 // of a forward (shard, after LibTorch's own step): the other ranks did not
-// join the weights' all-gather within gather_timeout (the gather stays
-// started; the next op over the weights waits for it again).
+// come to the weights' all-gather within gather_timeout (or half the
+// group's own timeout, if shorter) - a forward on one rank alone. The ranks
+// meet through the group's store before the gather starts, so nothing was
+// started and the group goes on working; without a store amp can reach (a
+// ProcessGroupNCCL without `store` set) the gather stays started and the
+// next op over the weights waits for it again.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -72,6 +77,12 @@ struct DataParallel {
   // (CPU tensors); on a CUDA device the wait is the stream's. amp's fused
   // optimizers gather at the end of their step and never wait in a forward.
   std::chrono::milliseconds gather_timeout{std::chrono::seconds(60)};
+  // With shard and LibTorch's own optimizers: the store the group was made
+  // from, where the ranks meet before a forward starts the gather (so a
+  // forward on one rank alone fails without leaving a collective in flight).
+  // Null: the store of a ProcessGroupGloo, found by amp; other backends
+  // (NCCL) keep theirs private, so pass it here.
+  c10::intrusive_ptr<c10d::Store> store;
 };
 
 }  // namespace amp

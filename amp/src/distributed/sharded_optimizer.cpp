@@ -8,8 +8,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <limits>
+#include <sstream>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -64,9 +66,11 @@ std::vector<const char*> state_names(const torch::optim::OptimizerOptions& optio
 }  // namespace
 
 ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config,
-                                   const ShardDtypes& dtypes)
+                                   const ShardDtypes& dtypes, const std::string& name)
     : optimizer_(&optimizer), group_(config.group), rank_(config.group->getRank()),
-      world_(config.group->getSize()), rounded_state_(dtypes.rounded_state), gather_timeout_(config.gather_timeout) {
+      world_(config.group->getSize()), rounded_state_(dtypes.rounded_state),
+      gather_timeout_(gather_wait(config.gather_timeout, config.group, &group_timeout_)),
+      rendezvous_(config.group, config.store, name) {
   for (const auto& group : optimizer.param_groups()) {
     group_members_.emplace_back();
     for (const at::Tensor& p : group.params()) {
@@ -210,13 +214,34 @@ void ShardedOptimizer::end_accumulation() {
 void ShardedOptimizer::gather_for(const at::Tensor& member) {
   auto it = index_.find(member.unsafeGetTensorImpl());
   if (it == index_.end() || gather_of_[it->second] == kNoPiece) return;
-  gather_through(gather_of_[it->second] + 1);
+  gather_through(gather_of_[it->second] + 1, /*meet=*/true);
 }
 
-void ShardedOptimizer::gather_through(size_t count) {
+std::string ShardedOptimizer::lone_forward_error(const char* outcome) const {
+  std::ostringstream why;
+  why << "amp: rank " << rank_ << " waited " << gather_timeout_.count() << " ms for the other ranks at the "
+      << "all-gather of the sharded weights (Options::data_parallel.shard), which runs at the first op of the "
+      << "forward after a step of LibTorch's own optimizer. Every rank must run that forward: a forward on one "
+      << "rank alone (evaluation or sampling on rank 0) waits for ranks that never come. Run it on every rank, "
+      << "or step with amp::optim::FusedAdam, FusedAdamW or FusedSGD, which gather at the end of their step so "
+      << "that no forward needs a collective. " << outcome << " The wait is data_parallel.gather_timeout ("
+      << "raise it if ranks legitimately reach the forward further apart)";
+  if (group_timeout_.count() > 0) {
+    why << ", at most half the process group's own timeout of " << group_timeout_.count() << " ms";
+  }
+  why << ".";
+  return why.str();
+}
+
+void ShardedOptimizer::gather_through(size_t count, bool meet) {
   if (!stale_ || taken_ >= count) return;
   AMP_TRACE_RANGE("amp::all-gather of the weights");
-  if (launched_ == 0 && taken_ == 0) take_member_writes();  // before the gather overwrites the members
+  if (launched_ == 0 && taken_ == 0) {
+    TORCH_CHECK(!meet || !rendezvous_.available() || rendezvous_.meet(gather_timeout_),
+                lone_forward_error("Nothing was started: the process group goes on working, and the weights are "
+                                   "gathered at the next forward every rank runs."));
+    take_member_writes();  // before the gather overwrites the members
+  }
   at::NoGradGuard no_grad;
   while (taken_ < count) {
     while (launched_ < std::min(gathers_.size(), taken_ + 1 + kAhead)) launch(launched_++);
@@ -256,15 +281,9 @@ void ShardedOptimizer::launch(size_t g) {
 void ShardedOptimizer::take(size_t g) {
   InFlight& flight = in_flight_[g];
   if (!wait_at_most(flight.work, flight.whole, gather_timeout_)) {
-    TORCH_CHECK(false, "amp: rank ", rank_, " waited ", gather_timeout_.count(), " ms for the other ranks at "
-                "the all-gather of the sharded weights (Options::data_parallel.shard), which runs at the "
-                "first op of the forward after a step of LibTorch's own optimizer. Every rank must run "
-                "that forward: a forward on one rank alone (evaluation or sampling on rank 0) waits for "
-                "ranks that never come. Run it on every rank, or step with amp::optim::FusedAdam, "
-                "FusedAdamW or FusedSGD, which gather at the end of their step so that no forward needs a "
-                "collective; if ranks legitimately reach the forward further apart, raise "
-                "data_parallel.gather_timeout. The gather stays started: the next op over the weights "
-                "waits for it again.");
+    TORCH_CHECK(false, lone_forward_error("The gather stays started (this process group's store is out of amp's "
+                                          "reach: pass it as data_parallel.store to start nothing instead): the "
+                                          "next op over the weights waits for it again."));
   }
   const Gather& gather = gathers_[g];
   const at::Tensor parts = flight.whole.view({world_, gather.bytes});
@@ -464,8 +483,13 @@ void ShardedOptimizer::restore() {
 ShardedMasters::ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers,
                                const DataParallel& config, const ShardDtypes& dtypes)
     : group_(config.group) {
-  for (torch::optim::Optimizer* optimizer : optimizers) {
-    optimizers_.push_back(std::make_unique<ShardedOptimizer>(*optimizer, config, dtypes));
+  // Every rank initializes as often as the others (it is a collective), so
+  // the count names this initialization alike on every rank.
+  static std::atomic<uint64_t> initializations{0};
+  const std::string name = std::to_string(initializations++);
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    optimizers_.push_back(
+        std::make_unique<ShardedOptimizer>(*optimizers[i], config, dtypes, name + "/" + std::to_string(i)));
   }
 }
 
@@ -506,7 +530,7 @@ void ShardedMasters::sync_for(const at::Tensor& t) {
 }
 
 void ShardedMasters::gather_after_step(const torch::optim::Optimizer& optimizer) {
-  if (ShardedOptimizer* s = of(optimizer)) s->gather();
+  if (ShardedOptimizer* s = of(optimizer)) s->gather(/*after_step=*/true);
 }
 
 void ShardedMasters::check_no_member_gradients() const {

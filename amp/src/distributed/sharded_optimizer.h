@@ -32,16 +32,20 @@
 // bucket by bucket in forward order: the first intercepted op over a member
 // starts it, each op waits only for its own bucket (and the ones before it),
 // and the next kAhead buckets travel while the op computes (prefetch, as
-// DeepSpeed and FSDP do). The next guard and checkpoints finish it. A rank
-// that waits longer than DataParallel::gather_timeout for the others there
-// gets an error (a forward the other ranks never run) instead of a hang. A
-// write to a member behind amp's back (torch::load, an edit) is taken into
-// the pieces before a gather starts.
+// DeepSpeed and FSDP do). The next guard and checkpoints finish it. Before
+// a forward starts it the ranks meet through the group's store
+// (gather_rendezvous.h): a rank that waits longer than gather_wait() for the
+// others there (a forward the other ranks never run) gets an error, and
+// nothing was started, so the group goes on working; without a store the
+// same wait bounds the collective itself. A write to a member behind amp's
+// back (torch::load, an edit) is taken into the pieces before a gather
+// starts.
 //
 // Every function here that communicates is a collective: every rank calls
 // it, in the same order.
 #pragma once
 
+#include "distributed/gather_rendezvous.h"
 #include "distributed/gradient_reducer.h"
 #include "model/model_weights.h"
 
@@ -72,8 +76,10 @@ class ShardedOptimizer {
  public:
   // Takes over `optimizer`'s parameters, whose float32 values are the
   // masters (call before lowering them): its param groups then hold this
-  // rank's pieces.
-  ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config, const ShardDtypes& dtypes);
+  // rank's pieces. `name`: the same on every rank, and unique to this
+  // optimizer of this initialization (its rendezvous keys).
+  ShardedOptimizer(torch::optim::Optimizer& optimizer, const DataParallel& config, const ShardDtypes& dtypes,
+                   const std::string& name);
 
   torch::optim::Optimizer& optimizer() const { return *optimizer_; }
   std::vector<ReduceBucket>& buckets() { return buckets_; }
@@ -97,7 +103,9 @@ class ShardedOptimizer {
   // All-gathers the pieces into the members, every bucket (collective;
   // nothing when none is stale). A gather starting takes writes behind
   // amp's back into the pieces first.
-  void gather() { gather_through(gathers_.size()); }
+  // `after_step`: at the end of amp's fused step, which every rank runs
+  // (no meeting first).
+  void gather(bool after_step = false) { gather_through(gathers_.size(), /*meet=*/!after_step); }
   // Gathers `member`'s bucket and those before it in forward order, and
   // starts the next kAhead (collective). Nothing for a tensor it does not own.
   void gather_for(const at::Tensor& member);
@@ -132,8 +140,11 @@ class ShardedOptimizer {
   bool optimizer_alive() const;
   // Records member `m` as the model holds it now.
   void record_member(size_t m);
-  // Runs the first `count` gathers in forward order.
-  void gather_through(size_t count);
+  // Runs the first `count` gathers in forward order; `meet`: the ranks meet
+  // first when this starts a round (errors: one waited too long).
+  void gather_through(size_t count, bool meet);
+  // The error of a rank that waited too long for the others at a gather.
+  std::string lone_forward_error(const char* outcome) const;
   void launch(size_t gather);
   void take(size_t gather);
 
@@ -166,7 +177,9 @@ class ShardedOptimizer {
   std::vector<size_t> gather_of_;      // per member: its gather (npos: none)
   std::vector<InFlight> in_flight_;    // per gather
   size_t launched_ = 0, taken_ = 0;    // gathers started, and taken into the members
-  std::chrono::milliseconds gather_timeout_;
+  std::chrono::milliseconds gather_timeout_;  // gather_wait()
+  std::chrono::milliseconds group_timeout_;   // the group's own (0: none)
+  GatherRendezvous rendezvous_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_;
   std::vector<int64_t> versions_;
   std::vector<const void*> storages_;
