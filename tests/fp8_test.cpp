@@ -173,15 +173,35 @@ TEST_P(Fp8LinearTest, ForwardAndBothGradientsMatchFloat64OfTheRoundedOperands) {
   EXPECT_TRUE(within(x.grad(), dx64, g8.abs().matmul(w8.abs())));
   EXPECT_TRUE(within(w.grad(), dw64, g8.abs().t().matmul(x8.abs())));
   EXPECT_TRUE(within(b.grad(), g.reshape({16, 24}).to(at::kDouble).sum(0), g.reshape({16, 24}).to(at::kDouble).abs().sum(0)));
-  // Against the unrounded operands: within float8's rounding (e4m3 2^-4,
-  // e5m2 2^-3 relative per operand) of each product's magnitude.
-  const double u4 = std::ldexp(1.0, -4), ub = c.backward == at::kFloat8_e5m2 ? std::ldexp(1.0, -3) : u4;
+  // Against the unrounded operands. float8 moves each operand by at most
+  // half a step: 2^-4 (e4m3) or 2^-3 (e5m2) of its value, or, below the
+  // smallest normal, half the smallest subnormal step (2^-10 or 2^-17 of
+  // the scaled unit: the operand's amax / the format's max).
   const at::Tensor xd = x.detach().reshape({16, 32}).to(at::kDouble), wd = w.detach().to(at::kDouble);
-  const at::Tensor gd = g.reshape({16, 24}).to(at::kDouble);
-  const at::Tensor y_err = (y.detach().reshape({16, 24}).to(at::kDouble) - (xd.matmul(wd.t()) + b.detach().to(at::kDouble))).abs();
-  EXPECT_TRUE((y_err <= xd.abs().matmul(wd.abs().t()) * (2 * u4 + u4 * u4 + std::ldexp(1.0, -7)) + 0.02).all().item<bool>());
+  const at::Tensor gd = g.reshape({16, 24}).to(at::kDouble), bd = b.detach().to(at::kDouble);
+  auto half_step = [](const at::Tensor& v, bool e5m2, double max) {
+    const double unit = v.abs().max().item<double>() / max;
+    return torch::maximum(v.abs() * std::ldexp(1.0, e5m2 ? -3 : -4),
+                          torch::full_like(v, unit * std::ldexp(1.0, e5m2 ? -17 : -10)));
+  };
+  const bool e5m2 = c.backward == at::kFloat8_e5m2;
+  const at::Tensor ex = (xd - x8).abs(), ew = (wd - w8).abs(), eg = (gd - g8).abs();
+  EXPECT_TRUE((ex <= half_step(xd, false, kE4m3Max)).all().item<bool>());
+  EXPECT_TRUE((ew <= half_step(wd, false, kE4m3Max)).all().item<bool>());
+  EXPECT_TRUE((eg <= half_step(gd, e5m2, c.backward_max)).all().item<bool>());
+  // A product a*b then moves by at most e_a |b8| + |a| e_b, and each result's
+  // bfloat16 rounding (and the bias's) adds 2^-7 of its magnitude.
+  const double bf16 = std::ldexp(1.0, -7);
+  auto moved_by = [](const at::Tensor& ea, const at::Tensor& b8, const at::Tensor& a, const at::Tensor& eb) {
+    return ea.matmul(b8.abs()) + a.abs().matmul(eb);
+  };
+  const at::Tensor y_err = (y.detach().reshape({16, 24}).to(at::kDouble) - (xd.matmul(wd.t()) + bd)).abs();
+  EXPECT_TRUE((y_err <= moved_by(ex, w8.t(), xd, ew.t()) + (x8.abs().matmul(w8.abs().t()) + bd.abs()) * bf16)
+                  .all().item<bool>());
+  const at::Tensor dx_err = (x.grad().reshape({16, 32}).to(at::kDouble) - gd.matmul(wd)).abs();
+  EXPECT_TRUE((dx_err <= moved_by(eg, w8, gd, ew) + g8.abs().matmul(w8.abs()) * bf16).all().item<bool>());
   const at::Tensor dw_err = (w.grad().to(at::kDouble) - gd.t().matmul(xd)).abs();
-  EXPECT_TRUE((dw_err <= gd.abs().t().matmul(xd.abs()) * (u4 + ub + u4 * ub + std::ldexp(1.0, -7))).all().item<bool>());
+  EXPECT_TRUE((dw_err <= moved_by(eg.t(), x8, gd.t(), ex) + g8.abs().t().matmul(x8.abs()) * bf16).all().item<bool>());
   // And it is float8, not bfloat16: the rounding shows.
   EXPECT_GT(y_err.max().item<double>(), 0.0);
   EXPECT_FALSE(BitEqual(y.detach(), torch::linear(x.detach(), w.detach(), b.detach())));

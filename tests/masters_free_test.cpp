@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <optional>
+#include <random>
 #include <sstream>
 
 namespace amp::testing {
@@ -26,46 +27,84 @@ Options o6(std::function<void(Options&)> edit = nullptr) {
   return options;
 }
 
-// One step of FusedSGD (lr 1) from w = 1 with gradient -delta everywhere:
-// the exact update is 1 + delta, between the bf16 neighbours 1 and
-// 1 + 2^-7. Returns the weights after the step, as float64.
-at::Tensor one_sgd_step(double delta, int64_t n, const Options& options, c10::Device device = c10::kCPU) {
-  VectorModel model(torch::ones({n}));
+constexpr double kUlp = 0.0078125;  // bfloat16's spacing in [1, 2): 2^-7
+
+// One step of FusedSGD from every weight at `start` with gradient
+// `gradient` (both exact in bfloat16, |start| in [1, 2)): the float32
+// update start - lr * gradient lies between two bfloat16 neighbours, and
+// `lr` (any float32) places it anywhere between them. Returns the weights
+// after the step, as float64, and the float32 value they were rounded from.
+std::pair<at::Tensor, double> one_sgd_step(double start, double gradient, float lr, int64_t n, const Options& options,
+                                           c10::Device device = c10::kCPU) {
+  VectorModel model(torch::full({n}, start));
   model->to(device);
-  amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(1.0));
+  amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(lr));
   Handle handle;
   handle.initialize(model, optimizer, options);
   EXPECT_EQ(model->w.scalar_type(), at::kBFloat16);
   optimizer.zero_grad();
-  const at::Tensor loss = (model->w.to(at::kFloat) * -delta).sum();
+  const at::Tensor loss = (model->w.to(at::kFloat) * gradient).sum();
   {
     scale_loss scaled(loss, optimizer);
     scaled.backward();
   }
   optimizer.step();
-  return model->w.detach().cpu().to(at::kDouble);
+  const float exact = static_cast<float>(start) - lr * static_cast<float>(gradient);
+  return {model->w.detach().cpu().to(at::kDouble), exact};
 }
 
-// The mean of kN weights rounded from 1 + fraction * ulp is within 5
-// standard errors of a Bernoulli(fraction) mean of the exact value.
-void expect_unbiased(const at::Tensor& w, double fraction, int64_t n) {
-  const double ulp = std::ldexp(1.0, -7);
-  EXPECT_TRUE(torch::logical_or(w == 1.0, w == 1.0 + ulp).all().item<bool>()) << fraction;
-  const double error = ulp * std::sqrt(fraction * (1 - fraction) / n);
-  EXPECT_NEAR(w.mean().item<double>(), 1.0 + fraction * ulp, 5 * error) << "fraction of an ulp " << fraction;
-}
-
-TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
-  constexpr int64_t kN = 1 << 18;
-  const double ulp = std::ldexp(1.0, -7);
-  for (double fraction : {0.125, 0.375, 0.5, 0.8125}) {
-    torch::manual_seed(1);
-    // delta is exact in bf16: the gradient holds it unrounded.
-    expect_unbiased(one_sgd_step(fraction * ulp, kN, o6()), fraction, kN);
+// Every weight is one of the two bfloat16 neighbours of `exact`, and their
+// mean is within 5 standard errors of `exact`, the mean of Bernoulli draws
+// of the neighbours that stochastic rounding is.
+::testing::AssertionResult IsUnbiased(const at::Tensor& w, double exact) {
+  const double low = std::floor(exact / kUlp) * kUlp, p = (exact - low) / kUlp;
+  if (!torch::logical_or(w == low, w == low + kUlp).all().item<bool>()) {
+    return ::testing::AssertionFailure() << "a weight is neither neighbour of " << exact;
   }
+  const double mean = w.mean().item<double>(), error = kUlp * std::sqrt(p * (1 - p) / w.numel());
+  if (std::abs(mean - exact) > 5 * error) {
+    return ::testing::AssertionFailure() << "mean " << mean << " is " << (mean - exact) / error
+                                         << " standard errors from " << exact;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A rounding with fewer random bits than the 16 below bfloat16's cut: it
+// cannot tell apart values closer than 2^-bits of an ulp, a bias of up to
+// that much. The check above must see it.
+at::Tensor round_with_random_bits(float exact, int64_t n, int bits) {
+  const at::Tensor pattern = torch::full({n}, exact).view(at::kInt);
+  const at::Tensor noise = torch::randint(0, 1 << bits, {n}, at::kInt) * (1 << (16 - bits));
+  return (pattern + noise).bitwise_and(static_cast<int32_t>(0xFFFF0000u)).view(at::kFloat).to(at::kDouble);
+}
+
+// Fractions of an ulp drawn at random (not on a grid that a rounding with
+// 4-8 random bits would still treat exactly), from above and below zero,
+// updates towards and away from it: the mean lands on the float32 update.
+TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
+  constexpr int64_t kN = 1 << 22;
+  std::mt19937 draw(2026);
+  std::vector<float> fractions(3);
+  for (float& f : fractions) f = std::uniform_real_distribution<float>(0.02f, 0.98f)(draw);
+  bool weakened_caught = false;
+  for (float fraction : fractions) {
+    for (double start : {1.5, -1.5}) {
+      for (double gradient : {kUlp, -kUlp}) {
+        SCOPED_TRACE("fraction " + std::to_string(fraction) + " start " + std::to_string(start) + " gradient " +
+                     std::to_string(gradient));
+        torch::manual_seed(1);
+        const auto [w, exact] = one_sgd_step(start, gradient, fraction, kN, o6());
+        EXPECT_TRUE(IsUnbiased(w, exact));
+        weakened_caught = weakened_caught || !IsUnbiased(round_with_random_bits(exact, kN, 8), exact);
+      }
+    }
+  }
+  EXPECT_TRUE(weakened_caught) << "a rounding with 8 random bits passed every fraction";
+  EXPECT_TRUE(IsUnbiased(round_with_random_bits(1.5f + fractions[0] * kUlp, kN, 16), 1.5 + fractions[0] * kUlp));
   // Rounding to nearest drops the same update entirely below half an ulp.
-  const at::Tensor nearest = one_sgd_step(0.375 * ulp, 1024, o6([](Options& o) { o.stochastic_rounding = false; }));
-  EXPECT_TRUE((nearest == 1.0).all().item<bool>());
+  const auto [nearest, exact] =
+      one_sgd_step(1.5, -kUlp, 0.375f, 1024, o6([](Options& o) { o.stochastic_rounding = false; }));
+  EXPECT_TRUE((nearest == 1.5).all().item<bool>()) << exact;
 }
 
 // The bf16 neighbour of float32 `exact` on the other side of `nearest`
@@ -78,10 +117,13 @@ at::Tensor other_neighbour(const at::Tensor& exact, const at::Tensor& nearest) {
 
 TEST_F(AmpTest, OnCudaStochasticRoundingIsUnbiased) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
-  constexpr int64_t kN = 1 << 20;
-  for (double fraction : {0.125, 0.5, 0.8125}) {
-    torch::manual_seed(1);
-    expect_unbiased(one_sgd_step(fraction * std::ldexp(1.0, -7), kN, o6(), c10::kCUDA), fraction, kN);
+  constexpr int64_t kN = 1 << 22;
+  for (float fraction : {0.0371f, 0.5003f, 0.8867f}) {
+    for (double start : {1.5, -1.5}) {
+      torch::manual_seed(1);
+      const auto [w, exact] = one_sgd_step(start, kUlp, fraction, kN, o6(), c10::kCUDA);
+      EXPECT_TRUE(IsUnbiased(w, exact)) << fraction << " from " << start;
+    }
   }
 }
 
@@ -145,11 +187,19 @@ TEST_F(AmpTest, AModelThatStallsRoundingToNearestTrainsWithStochasticRounding) {
     return model->w.detach().to(at::kDouble);
   };
   const at::Tensor nearest = train(false), stochastic = train(true);
+  // The same 300 steps in float64, on the same batches.
+  torch::manual_seed(3);
+  double exact = 1.0;
+  for (int step = 0; step < 300; ++step) {
+    const double mean_square = torch::randn({16, 1}).to(at::kDouble).pow(2).mean().item<double>();
+    exact -= 0.02 * 2 * mean_square * (exact - 1.01);
+  }
+  EXPECT_NEAR(exact, 1.01, 1e-3);
   EXPECT_TRUE((nearest == 1.0).all().item<bool>()) << "rounding to nearest moved a weight";
-  // float64 gets within 1e-3 of 1.01 in 300 steps; the stochastic weights'
-  // mean does too, each staying within a bf16 ulp of it.
-  EXPECT_NEAR(stochastic.mean().item<double>(), 1.01, 1e-3);
-  EXPECT_LT((stochastic - 1.01).abs().max().item<double>(), std::ldexp(1.0, -7) * 1.5);
+  // The stochastic weights' mean follows float64, and every weight ends on
+  // a bfloat16 neighbour of it (a weight left at 1.0 is farther than an ulp).
+  EXPECT_NEAR(stochastic.mean().item<double>(), exact, 1e-3);
+  EXPECT_LT((stochastic - exact).abs().max().item<double>(), kUlp);
 }
 
 // A small classifier with a BatchNorm kept in float32: Adam state in bfloat16

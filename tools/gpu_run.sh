@@ -160,7 +160,8 @@ if wants suite; then
   counts=$(awk '/^\[  (PASSED|SKIPPED|FAILED) +\] [0-9]+ test/ {n[$2] += $4}
                 END {printf "%d passed, %d skipped, %d failed", n["PASSED"], n["SKIPPED"], n["FAILED"]}' \
            "$out/tests.txt")
-  say "gpu_run: amp_tests in $shards shards: $counts, exit $rc ($((SECONDS - start)) s)"
+  listed=$("$build/tests/amp_tests" --gtest_list_tests --gtest_filter="$filter" | grep -c '^  ' || true)
+  say "gpu_run: amp_tests in $shards shards: $counts of $listed listed, exit $rc ($((SECONDS - start)) s)"
   grep -E '^\[  (SKIPPED|FAILED) +\] [A-Za-z]' "$out/tests.txt" | grep -v ' ms)$' | sort -u | sed 's/^/    /' | tee -a "$out/summary.md"
 fi
 if wants ctest; then

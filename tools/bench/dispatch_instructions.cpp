@@ -83,6 +83,7 @@ int main() {
     if (mode >= 2) {
       amp::Options options = mode == 5 ? amp::O2 : amp::O1;
       options.verbosity = 0;
+      options.keep_cpu_memory = false;  // glibc's heap as the plain and native modes had it
       options.overflow_provenance = mode == 3;
       options.measured_policy = mode == 4;
       if (mode == 3) grad_mode.emplace(true);

@@ -92,6 +92,11 @@ std::pair<double, double> fastest_ms(c10::Device device, const std::function<voi
 // float32 must win by this much: under timing noise, autocast's choice stands.
 constexpr double kMargin = 0.95;
 
+MeasuredTimings& timings_for_testing() {
+  static MeasuredTimings timings;
+  return timings;
+}
+
 at::ScalarType decide(const std::string& op, c10::Device device, const std::string& shapes, at::ScalarType low,
                       c10::function_ref<void(at::ScalarType)> run) {
   const Key key{op, static_cast<int>(device.type()), shapes, c10::toString(low)};
@@ -106,7 +111,9 @@ at::ScalarType decide(const std::string& op, c10::Device device, const std::stri
     // (attention's dropout): the generator's state is put back after them.
     at::Generator generator = at::globalContext().defaultGenerator(device);
     const at::Tensor rng_state = generator.get_state();
-    std::tie(choice.low_ms, choice.fp32_ms) = fastest_ms(device, [&] { run(low); }, [&] { run(at::kFloat); });
+    std::tie(choice.low_ms, choice.fp32_ms) =
+        timings_for_testing() ? timings_for_testing()(op, shapes)
+                              : fastest_ms(device, [&] { run(low); }, [&] { run(at::kFloat); });
     generator.set_state(rng_state);
   }
   choice.keeps_fp32 = choice.fp32_ms < kMargin * choice.low_ms;
@@ -117,6 +124,8 @@ at::ScalarType decide(const std::string& op, c10::Device device, const std::stri
 }
 
 }  // namespace
+
+void set_measured_timings_for_testing(MeasuredTimings timings) { timings_for_testing() = std::move(timings); }
 
 bool is_measured_op(const std::string& op) {
   static const std::set<std::string> ops = {

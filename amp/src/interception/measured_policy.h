@@ -6,7 +6,9 @@
 #include <c10/util/FunctionRef.h>
 #include <c10/util/SmallVector.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 
 namespace amp::detail {
 
@@ -38,5 +40,10 @@ ShapeKey shape_key(const View& view) {
 at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
                               c10::function_ref<std::string()> describe_shapes,
                               c10::function_ref<void(at::ScalarType)> run);
+
+// Tests: the milliseconds a measurement finds for (low dtype, float32),
+// given what it would time, in place of the timing runs; null: time them.
+using MeasuredTimings = std::function<std::pair<double, double>(const std::string& op, const std::string& shapes)>;
+void set_measured_timings_for_testing(MeasuredTimings timings);
 
 }  // namespace amp::detail

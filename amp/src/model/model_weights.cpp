@@ -106,13 +106,13 @@ void ModelWeights::enter_compute(const std::vector<bool>& models) {
   if (read_at_rest != nullptr && !warned_read_at_rest_) {
     warned_read_at_rest_ = true;
     warn("weight_read_in_float32",
-         describe(*read_at_rest) + " entered " + c10::toString(read_at_rest->low) +
-             " for a forward while a graph recorded over its float32 master is still alive: an op amp "
-             "does not see read it with gradients on before the forward's first view, indexed read or "
-             "cast op (a penalty such as w.pow(2).sum(), or a logged value kept). If that graph joins "
-             "the loss, its gradient reaches the weight in float32 beside the forward's, and the bits "
-             "depend on where the op ran. Compute such values under torch::NoGradGuard when they are "
-             "only logged, or after the forward's first op when they join the loss.");
+         describe(*read_at_rest) + " was read by an op amp does not intercept (x * w, w.pow(2).sum()) with "
+             "gradients on while it rested in float32 - before the forward's first view, indexed read or cast "
+             "op, or in a forward that has none - and that graph is still alive as the weight enters " +
+             c10::toString(read_at_rest->low) + ": if it joins the loss, the weight's gradient comes through "
+             "float32, and the bits depend on where the op ran. In forward read weights through ops amp "
+             "intercepts (a view or at::linear counts); compute logged values under torch::NoGradGuard, and "
+             "penalties after the forward's first op.");
   }
 }
 
