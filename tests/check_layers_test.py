@@ -45,4 +45,46 @@ private_in_public = dict(down)
 private_in_public["amp/include/amp/amp.h"] += '#include "step/guard.h"\n'
 code, out = run(private_in_public)
 assert code == 1 and "a public header includes a private one" in out, out
-print("check_layers_test: 4 cases passed")
+
+# Angle brackets reach amp/src too: an upward one fails, as does a private
+# header in a public one; other libraries' headers pass.
+angled_up = dict(down)
+angled_up["amp/src/step/guard.cpp"] += "#include <distributed/sharded_optimizer.h>\n#include <ATen/ATen.h>\n"
+code, out = run(angled_up)
+assert code == 1 and "layer 'step' includes <distributed/sharded_optimizer.h> from 'distributed'" in out, out
+angled_public = dict(down)
+angled_public["amp/include/amp/amp.h"] += "#include <model/model_weights.h>\n"
+code, out = run(angled_public)
+assert code == 1 and "a public header includes a private one (model/model_weights.h)" in out, out
+
+# The README's layer line is the table's.
+with_readme = dict(down)
+with_readme["README.md"] = "`support <- model <- step`\n"
+code, out = run(with_readme)
+assert code == 1 and "README.md: its layer line is not" in out, out
+
+
+def link(sources):
+    """Compiles each amp/src/<layer>/<name>.cpp of `sources` into objects,
+    laid out as the build lays them, and runs the check over them."""
+    with tempfile.TemporaryDirectory() as root:
+        tree(root, {**down, **sources})
+        objects = os.path.join(root, "objects")
+        for path in sources:
+            layer, name = path.split("/")[2], os.path.basename(path)
+            os.makedirs(os.path.join(objects, layer), exist_ok=True)
+            subprocess.run(["c++", "-c", os.path.join(root, path), "-o",
+                            os.path.join(objects, layer, name + ".o")], check=True)
+        done = subprocess.run([sys.executable, CHECK, root, "--objects", objects], capture_output=True, text=True)
+        return done.returncode, done.stdout + done.stderr
+
+
+# A call down links; a call up (optim calling what step defines) fails,
+# though no include shows it.
+code, out = link({"amp/src/step/scaler.cpp": "int unscale(int x) { return x / 2; }\n",
+                  "amp/src/session/context.cpp": "int unscale(int);\nint run() { return unscale(4); }\n"})
+assert code == 0, out
+code, out = link({"amp/src/step/scaler.cpp": "int unscale(int x) { return x / 2; }\n",
+                  "amp/src/optim/plan.cpp": "int unscale(int);\nint run() { return unscale(4); }\n"})
+assert code == 1 and "plan.cpp.o: layer 'optim' calls unscale(int), defined in 'step'" in out, out
+print("check_layers_test: 9 cases passed")

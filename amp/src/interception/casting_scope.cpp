@@ -17,6 +17,11 @@
 namespace amp {
 namespace detail {
 
+LiveSlot<CastingSession>& live_casting_slot() {
+  static LiveSlot<CastingSession> slot;
+  return slot;
+}
+
 ThreadCasting::ThreadCasting(const std::vector<DeviceCasting>& casting) {
   for (const DeviceCasting& c : casting) {
     saved_.push_back({c.device, at::autocast::is_autocast_enabled(c.device),

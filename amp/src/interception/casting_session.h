@@ -7,6 +7,7 @@
 #include <amp/cast_policy.h>
 
 #include "interception/dispatch/op_binding.h"
+#include "support/live_slot.h"
 
 #include <memory>
 #include <thread>
@@ -33,9 +34,11 @@ class CastingSession {
   ~CastingSession() = default;
 };
 
-// The live session (sharing ownership of the whole initialization), or null.
-std::shared_ptr<CastingSession> live_casting_session();
-// Like live_casting_session(), but throws "amp is not initialized" with `what`.
-std::shared_ptr<CastingSession> require_casting_session(const char* what);
+// The live session: published by the session layer (support/live_slot.h).
+LiveSlot<CastingSession>& live_casting_slot();
+inline std::shared_ptr<CastingSession> live_casting_session() { return live_casting_slot().get(); }
+inline std::shared_ptr<CastingSession> require_casting_session(const char* what) {
+  return live_casting_slot().require(what);
+}
 
 }  // namespace amp::detail

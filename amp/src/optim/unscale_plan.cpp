@@ -28,7 +28,7 @@ UnscalePlan::UnscalePlan(std::vector<GradSlot>& slots) {
   }
 }
 
-void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
+void UnscalePlan::run(const Unscale& unscale) {
   // 1. Results from fresh gradients: copies in the slot's gradient dtype of
   //    low-precision scratch gradients, the new .grad itself otherwise;
   //    asides alone stand in for slots without one (copied when they will be
@@ -37,7 +37,7 @@ void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   for (Item& item : items_) {
     const GradSlot& s = *item.slot;
     if (!item.fresh.defined()) {
-      item.result = scaler && s.aside_scaled ? item.aside.clone() : item.aside;
+      item.result = unscale && s.aside_scaled ? item.aside.clone() : item.aside;
     } else if (item.fresh.scalar_type() != s.grad_dtype) {
       item.result = at::empty_like(item.fresh, item.fresh.options().dtype(s.grad_dtype),
                                    at::MemoryFormat::Preserve);
@@ -57,14 +57,14 @@ void UnscalePlan::run(internal::LossScaling* scaler, at::Tensor& found_inf) {
   // 3. Unscale (and check) what is scaled. Asides holding true values were
   //    judged by their own guard's verdict; checking them again would make
   //    a guard over several optimizers skip the ones whose gradients are clean.
-  if (scaler) {
+  if (unscale) {
     std::vector<at::Tensor> scaled;
     for (const Item& item : items_) {
       if (item.fresh.defined() || (item.aside.defined() && item.slot->aside_scaled)) {
         scaled.push_back(item.result);
       }
     }
-    scaler->unscale(scaled, found_inf);
+    unscale(scaled);
   }
   // 4. Asides holding true values join after unscaling.
   add_asides(items_, [&](const Item& item) { return joins(item, /*scaled=*/false); });

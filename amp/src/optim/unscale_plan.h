@@ -14,10 +14,9 @@
 // can still unwind to them.
 #pragma once
 
-#include <amp/internal/loss_scaling.h>
-
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <vector>
 
 namespace amp::detail {
@@ -38,11 +37,12 @@ class UnscalePlan {
   explicit UnscalePlan(std::vector<GradSlot>& slots);
 
   // Computes the new gradients and installs them as the parameters' .grad.
-  // With `scaler`, unscales them and sets `found_inf` (a 1-element float32
-  // tensor on the scale's device) when any scaled value is inf or NaN;
-  // without (delay_unscale, or a static scale of 1 without masters), leaves
-  // values as they are.
-  void run(internal::LossScaling* scaler, at::Tensor& found_inf);
+  // `unscale` (the loss scaler's, from the step layer) divides the scaled
+  // ones by the scale in place and checks them for inf/NaN; empty
+  // (delay_unscale, or a static scale of 1 without masters): values stay as
+  // they are.
+  using Unscale = std::function<void(const std::vector<at::Tensor>& scaled)>;
+  void run(const Unscale& unscale);
 
  private:
   struct Item {

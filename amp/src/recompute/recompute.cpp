@@ -33,6 +33,12 @@
 
 namespace amp {
 namespace detail {
+
+LiveSlot<RecomputeSession>& live_recompute_slot() {
+  static LiveSlot<RecomputeSession> slot;
+  return slot;
+}
+
 namespace {
 
 using torch::autograd::Edge;

@@ -7,6 +7,7 @@
 #include "interception/dispatch/forward_watch.h"
 #include "model/model_weights.h"
 #include "step/overflow_provenance.h"
+#include "support/live_slot.h"
 
 #include <memory>
 
@@ -24,7 +25,8 @@ class RecomputeSession {
   ~RecomputeSession() = default;
 };
 
-// The live session (sharing ownership of the whole initialization), or null.
-std::shared_ptr<RecomputeSession> live_recompute_session();
+// The live session: published by the session layer (support/live_slot.h).
+LiveSlot<RecomputeSession>& live_recompute_slot();
+inline std::shared_ptr<RecomputeSession> live_recompute_session() { return live_recompute_slot().get(); }
 
 }  // namespace amp::detail

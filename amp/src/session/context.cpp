@@ -23,6 +23,14 @@ namespace {
 std::mutex g_live_mutex;
 std::shared_ptr<Context> g_live;
 
+// Each lower layer's view of the live context, in that layer's slot; each
+// shares ownership of all of it.
+void publish(const std::shared_ptr<Context>& context) {
+  live_casting_slot().set(context);
+  live_step_slot().set(context);
+  live_recompute_slot().set(context);
+}
+
 std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights,
                                        ForwardLog* forward_log, Fp8Gemms* fp8) {
   if (!p.intercepts_ops()) return {};
@@ -210,19 +218,9 @@ std::shared_ptr<Context> start_live_context(const Properties& properties, const 
                                            std::move(model_buffers));
   std::lock_guard<std::mutex> lock(g_live_mutex);
   g_live = context;
+  publish(context);
   return context;
 }
-
-// Each layer's view of the live context shares ownership of all of it.
-std::shared_ptr<CastingSession> live_casting_session() { return live_context(); }
-
-std::shared_ptr<CastingSession> require_casting_session(const char* what) { return require_live_context(what); }
-
-std::shared_ptr<StepSession> live_step_session() { return live_context(); }
-
-std::shared_ptr<StepSession> require_step_session(const char* what) { return require_live_context(what); }
-
-std::shared_ptr<RecomputeSession> live_recompute_session() { return live_context(); }
 
 OptimizerStep* live_optimizer_step(const torch::optim::Optimizer& optimizer) {
   const std::shared_ptr<Context> context = live_context();
@@ -233,7 +231,9 @@ void end_live_context(const std::shared_ptr<Context>& context) {
   const RegistrationLock held;
   context->shutdown();
   std::lock_guard<std::mutex> lock(g_live_mutex);
-  if (g_live == context) g_live.reset();
+  if (g_live != context) return;
+  publish(nullptr);
+  g_live.reset();
 }
 
 }  // namespace amp::detail

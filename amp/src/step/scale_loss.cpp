@@ -107,7 +107,11 @@ void Guard::unscale() {
   const bool unscaling = !options.delay_unscale && !passthrough;
   at::Tensor found_inf;
   if (unscaling) found_inf = at::zeros({1}, scaler().scale_tensor(scaled_loss.device()).options());
-  plan.run(unscaling ? &scaler() : nullptr, found_inf);
+  if (unscaling) {
+    plan.run([&](const std::vector<at::Tensor>& scaled) { scaler().unscale(scaled, found_inf); });
+  } else {
+    plan.run({});
+  }
   for (const auto& part : parts_) part->after_unscale(*this);
   if (!unscaling || !scaler().dynamic()) return;  // a static scale never skips
   for (const auto& part : parts_) part->agree_overflow(*this, found_inf);

@@ -4,6 +4,11 @@
 
 namespace amp::detail {
 
+LiveSlot<StepSession>& live_step_slot() {
+  static LiveSlot<StepSession> slot;
+  return slot;
+}
+
 OptimizerStep& StepSession::require_step(const torch::optim::Optimizer* optimizer, const char* what) {
   TORCH_CHECK(optimizer != nullptr, "amp: ", what, " got a null optimizer.");
   OptimizerStep* step = step_of(*optimizer);

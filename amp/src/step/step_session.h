@@ -14,6 +14,7 @@
 #include "step/overflow_provenance.h"
 #include "step/precision_telemetry.h"
 #include "step/step_participant.h"
+#include "support/live_slot.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -64,9 +65,9 @@ class StepSession {
   ~StepSession() = default;
 };
 
-// The live session (sharing ownership of the whole initialization), or null.
-std::shared_ptr<StepSession> live_step_session();
-// Like live_step_session(), but throws "amp is not initialized" with `what`.
-std::shared_ptr<StepSession> require_step_session(const char* what);
+// The live session: published by the session layer (support/live_slot.h).
+LiveSlot<StepSession>& live_step_slot();
+inline std::shared_ptr<StepSession> live_step_session() { return live_step_slot().get(); }
+inline std::shared_ptr<StepSession> require_step_session(const char* what) { return live_step_slot().require(what); }
 
 }  // namespace amp::detail
