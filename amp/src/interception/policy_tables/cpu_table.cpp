@@ -3,38 +3,21 @@
 // The same lists as LibTorch 2.11's native CPU autocast, so O1 on CPU behaves
 // exactly like at::autocast; tests/policy_table_test.cpp checks every row
 // against native autocast itself. The low-precision dtype is bfloat16 unless
-// the user picks float16.
+// the user picks float16. The rows every device shares are in
+// shared_table.cpp; these are CPU's own.
 #include "interception/policy_tables/table_entry.h"
 
 namespace amp::detail {
 
 const std::vector<TableEntry>& cpu_policy_table() {
-  static const std::vector<TableEntry> table = {
-      // Lower precision: convolutions, matrix products and attention, which
-      // gain most from bf16/fp16 kernels and accumulate in fp32 internally.
-      AMP_OP(conv1d, kLowerPrecision),
+  static const std::vector<TableEntry> table = with_shared_rows({
+      // Lower precision: more convolution overloads, oneDNN's fused GEMM and
+      // RNN layer, and native multi-head attention.
       AMP_OP_OVERLOAD(conv1d, padding, kLowerPrecision),
-      AMP_OP(conv2d, kLowerPrecision),
       AMP_OP_OVERLOAD(conv2d, padding, kLowerPrecision),
-      AMP_OP(conv3d, kLowerPrecision),
       AMP_OP_OVERLOAD(conv3d, padding, kLowerPrecision),
-      AMP_OP(bmm, kLowerPrecision),
-      AMP_OP(mm, kLowerPrecision),
-      AMP_OP(linalg_vecdot, kLowerPrecision),
-      AMP_OP(baddbmm, kLowerPrecision),
-      AMP_OP(addmm, kLowerPrecision),
       AMP_OP(_addmm_activation, kLowerPrecision),
-      AMP_OP(addbmm, kLowerPrecision),
-      AMP_OP(linear, kLowerPrecision),
-      AMP_OP_OVERLOAD(_convolution, deprecated, kLowerPrecision),
-      AMP_OP(matmul, kLowerPrecision),
-      AMP_OP(conv_tbc, kLowerPrecision),
       AMP_OP_ONEDNN(mkldnn_rnn_layer),  // float32 where oneDNN has no bf16/fp16 RNN
-      AMP_OP(conv_transpose1d, kLowerPrecision),
-      AMP_OP_OVERLOAD(conv_transpose2d, input, kLowerPrecision),
-      AMP_OP_OVERLOAD(conv_transpose3d, input, kLowerPrecision),
-      AMP_OP(prelu, kLowerPrecision),
-      AMP_OP(scaled_dot_product_attention, kLowerPrecision),
       AMP_OP(_native_multi_head_attention, kLowerPrecision),
 
       // Float32: pooling and padding without low-precision CPU kernels,
@@ -53,7 +36,6 @@ const std::vector<TableEntry>& cpu_policy_table() {
       AMP_OP_OVERLOAD(nanquantile, scalar, kFp32),
       AMP_OP(stft, kFp32),
       AMP_OP_OVERLOAD(stft, center, kFp32),
-      AMP_OP(cdist, kFp32),
       AMP_OP(grid_sampler_2d, kFp32),
       AMP_OP(_grid_sampler_2d_cpu_fallback, kFp32),
       AMP_OP(grid_sampler_3d, kFp32),
@@ -76,25 +58,9 @@ const std::vector<TableEntry>& cpu_policy_table() {
       AMP_OP(replication_pad1d, kFp32),
       AMP_OP(replication_pad2d, kFp32),
       AMP_OP(replication_pad3d, kFp32),
-      AMP_OP(mse_loss, kFp32),
-      AMP_OP(cosine_embedding_loss, kFp32),
-      AMP_OP(nll_loss, kFp32),
-      AMP_OP(nll_loss2d, kFp32),
-      AMP_OP(hinge_embedding_loss, kFp32),
-      AMP_OP(poisson_nll_loss, kFp32),
-      AMP_OP(smooth_l1_loss, kFp32),
       AMP_OP(cross_entropy_loss, kFp32),
-      AMP_OP(l1_loss, kFp32),
-      AMP_OP(huber_loss, kFp32),
-      AMP_OP(margin_ranking_loss, kFp32),
-      AMP_OP(soft_margin_loss, kFp32),
-      AMP_OP(triplet_margin_loss, kFp32),
-      AMP_OP(multi_margin_loss, kFp32),
       AMP_OP_OVERLOAD(ctc_loss, IntList, kFp32),
       AMP_OP_OVERLOAD(ctc_loss, Tensor, kFp32),
-      AMP_OP(kl_div, kFp32),
-      AMP_OP(multilabel_margin_loss, kFp32),
-      AMP_OP(binary_cross_entropy_with_logits, kFp32),
       AMP_OP(fft_fft, kFp32),
       AMP_OP(fft_ifft, kFp32),
       AMP_OP(fft_fft2, kFp32),
@@ -147,7 +113,7 @@ const std::vector<TableEntry>& cpu_policy_table() {
       AMP_OP(cat, kPromote),
       AMP_OP(index_copy, kPromote),
       AMP_OP_OVERLOAD(index_copy, dimname, kPromote),
-  };
+  });
   return table;
 }
 

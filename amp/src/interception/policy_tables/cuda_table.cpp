@@ -5,40 +5,24 @@
 // aten::_cudnn_rnn, which LibTorch's autocast kernel always runs in float16:
 // amp's runs it in the level's dtype (dispatch/cudnn_rnn_cast.cpp).
 // Native cat/stack on CUDA already promote mixed inputs, so
-// neither table lists them for CUDA (as in LibTorch).
+// neither table lists them for CUDA (as in LibTorch). The rows every device
+// shares are in shared_table.cpp; these are CUDA's own.
 #include "interception/policy_tables/table_entry.h"
 
 namespace amp::detail {
 
 const std::vector<TableEntry>& cuda_policy_table() {
-  static const std::vector<TableEntry> table = {
-      // Lower precision: tensor-core ops (convolutions, GEMMs, RNN cells,
-      // attention).
-      AMP_OP_OVERLOAD(_convolution, deprecated, kLowerPrecision),
+  static const std::vector<TableEntry> table = with_shared_rows({
+      // Lower precision: tensor-core ops beyond the shared ones (cuDNN's
+      // convolutions, GEMV, einsum, RNN cells, flash attention).
       AMP_OP(_convolution, kLowerPrecision),
-      AMP_OP(conv1d, kLowerPrecision),
-      AMP_OP(conv2d, kLowerPrecision),
-      AMP_OP(conv3d, kLowerPrecision),
-      AMP_OP(conv_tbc, kLowerPrecision),
-      AMP_OP(conv_transpose1d, kLowerPrecision),
-      AMP_OP_OVERLOAD(conv_transpose2d, input, kLowerPrecision),
-      AMP_OP_OVERLOAD(conv_transpose3d, input, kLowerPrecision),
       AMP_OP(convolution, kLowerPrecision),
       AMP_OP(cudnn_convolution, kLowerPrecision),
       AMP_OP(cudnn_convolution_transpose, kLowerPrecision),
-      AMP_OP(prelu, kLowerPrecision),
-      AMP_OP(addmm, kLowerPrecision),
       AMP_OP(addmv, kLowerPrecision),
       AMP_OP(addr, kLowerPrecision),
-      AMP_OP(matmul, kLowerPrecision),
       AMP_OP(einsum, kLowerPrecision),
-      AMP_OP(mm, kLowerPrecision),
       AMP_OP(mv, kLowerPrecision),
-      AMP_OP(linalg_vecdot, kLowerPrecision),
-      AMP_OP(linear, kLowerPrecision),
-      AMP_OP(addbmm, kLowerPrecision),
-      AMP_OP(baddbmm, kLowerPrecision),
-      AMP_OP(bmm, kLowerPrecision),
       AMP_OP(chain_matmul, kLowerPrecision),
       AMP_OP(linalg_multi_dot, kLowerPrecision),
       AMP_OP(_thnn_fused_lstm_cell, kLowerPrecision),
@@ -49,7 +33,6 @@ const std::vector<TableEntry>& cuda_policy_table() {
       AMP_OP(rnn_relu_cell, kLowerPrecision),
       AMP_OP(_cudnn_rnn, kLowerPrecision),
       AMP_OP(_scaled_dot_product_flash_attention, kLowerPrecision),
-      AMP_OP(scaled_dot_product_attention, kLowerPrecision),
 
       // Float32: ops whose outputs or intermediate values leave fp16's range
       // (exp, log, pow, ...), normalizations, losses, distances, upsampling.
@@ -78,25 +61,8 @@ const std::vector<TableEntry>& cuda_policy_table() {
       AMP_OP(nuclear_norm, kFp32),
       AMP_OP_OVERLOAD(nuclear_norm, dim, kFp32),
       AMP_OP(cosine_similarity, kFp32),
-      AMP_OP(poisson_nll_loss, kFp32),
-      AMP_OP(cosine_embedding_loss, kFp32),
-      AMP_OP(nll_loss, kFp32),
-      AMP_OP(nll_loss2d, kFp32),
-      AMP_OP(hinge_embedding_loss, kFp32),
-      AMP_OP(kl_div, kFp32),
-      AMP_OP(l1_loss, kFp32),
-      AMP_OP(smooth_l1_loss, kFp32),
-      AMP_OP(huber_loss, kFp32),
-      AMP_OP(mse_loss, kFp32),
-      AMP_OP(margin_ranking_loss, kFp32),
-      AMP_OP(multilabel_margin_loss, kFp32),
-      AMP_OP(soft_margin_loss, kFp32),
-      AMP_OP(triplet_margin_loss, kFp32),
-      AMP_OP(multi_margin_loss, kFp32),
-      AMP_OP(binary_cross_entropy_with_logits, kFp32),
       AMP_OP(dist, kFp32),
       AMP_OP(pdist, kFp32),
-      AMP_OP(cdist, kFp32),
       AMP_OP(renorm, kFp32),
       AMP_OP(logsumexp, kFp32),
       AMP_OP(upsample_nearest1d, kFp32),
@@ -158,7 +124,7 @@ const std::vector<TableEntry>& cuda_policy_table() {
                     "the sigmoid saturates and the log underflows. Combine the two with "
                     "torch::binary_cross_entropy_with_logits (torch::nn::BCEWithLogitsLoss), which is "
                     "safe under amp."),
-  };
+  });
   return table;
 }
 

@@ -9,6 +9,7 @@
 
 #include <ATen/Operators.h>
 
+#include <initializer_list>
 #include <vector>
 
 namespace amp::detail {
@@ -32,7 +33,10 @@ TableEntry table_entry(CastPolicy policy, bool needs_onednn_low_precision = fals
           needs_onednn_low_precision};
 }
 
-// The default tables, mirroring LibTorch 2.11's autocast_mode.cpp per device.
+// The default tables, mirroring LibTorch 2.11's autocast_mode.cpp per device:
+// the rows every device shares, then the device's own.
+const std::vector<TableEntry>& shared_policy_rows();
+std::vector<TableEntry> with_shared_rows(std::initializer_list<TableEntry> device_rows);
 const std::vector<TableEntry>& cpu_policy_table();
 const std::vector<TableEntry>& cuda_policy_table();
 // Ops taking module parameters, bound at the levels that cast the model.
