@@ -8,6 +8,11 @@ it exits 1 when there are more than N. Run from the repository root:
 
   python3 tools/public_api.py amp/amp.h --max 40
 
+A family counts as one name: the names of one header that differ only by
+a trailing number (the levels O0, O1, ...), or CamelCase types of one header
+that share their first word (FusedAdam, FusedAdamW, FusedSGD), so that adding
+a member of a family does not grow the count.
+
 A reading of the declarations, not a compiler: headers keep one
 declaration per statement, as they do now.
 """
@@ -74,6 +79,21 @@ def declared(text):
             scopes.pop()
 
 
+def family_of(name, header, names):
+    """The family `name` belongs to among the `names` of its `header`."""
+    scope, _, short = name.rpartition("::")
+    numbered = re.fullmatch(r"([A-Za-z_]+?)\d+", short)
+    if numbered:
+        return f"{scope}::{numbered.group(1)}<n>"
+    word = re.match(r"[A-Z][a-z]+(?=[A-Z])", short)
+    if word:
+        kin = [n for n, h in names.items() if h == header and n.rpartition("::")[2].startswith(word.group(0))
+               and n.rpartition("::")[0] == scope]
+        if len(kin) > 1:
+            return f"{scope}::{word.group(0)}*"
+    return name
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("header", help="e.g. amp/amp.h")
@@ -86,10 +106,14 @@ def main():
             for scope, name in declared(f.read()):
                 if scope in PUBLIC:
                     names.setdefault(f"{scope}::{name}", header)
-    for name, header in sorted(names.items(), key=lambda item: (item[1], item[0])):
-        print(f"{header:28} {name}")
-    print(f"public_api: {len(names)} names reachable from <{args.header}>")
-    if args.max is not None and len(names) > args.max:
+    families = {}
+    for name, header in names.items():
+        families.setdefault((header, family_of(name, header, names)), []).append(name)
+    for (header, family), members in sorted(families.items()):
+        shown = family if len(members) == 1 else f"{family} ({', '.join(sorted(members))})"
+        print(f"{header:28} {shown}")
+    print(f"public_api: {len(families)} names reachable from <{args.header}> ({len(names)} with each family's members)")
+    if args.max is not None and len(families) > args.max:
         print(f"public_api: more than {args.max}; move what programs need less to another umbrella "
               "header, or what they never name to amp::internal", file=sys.stderr)
         return 1

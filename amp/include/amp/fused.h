@@ -99,7 +99,7 @@ struct Fusable<torch::optim::SGD> {
 // same constructors, options, state and checkpoints; step(closure) runs the
 // closure first, as LibTorch's does.
 template <class Base>
-class FusedOptimizer final : public Base, public Fused {
+class FusedOptimizer : public Base, public Fused {
  public:
   using Options = typename Fusable<Base>::Options;
   explicit FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -122,8 +122,18 @@ class FusedOptimizer final : public Base, public Fused {
 
 }  // namespace internal
 
-using FusedAdam = internal::FusedOptimizer<torch::optim::Adam>;
-using FusedAdamW = internal::FusedOptimizer<torch::optim::AdamW>;
-using FusedSGD = internal::FusedOptimizer<torch::optim::SGD>;
+// The three as types of their own, the names compilers and debuggers show.
+class FusedAdam final : public internal::FusedOptimizer<torch::optim::Adam> {
+ public:
+  using FusedOptimizer::FusedOptimizer;
+};
+class FusedAdamW final : public internal::FusedOptimizer<torch::optim::AdamW> {
+ public:
+  using FusedOptimizer::FusedOptimizer;
+};
+class FusedSGD final : public internal::FusedOptimizer<torch::optim::SGD> {
+ public:
+  using FusedOptimizer::FusedOptimizer;
+};
 
 }  // namespace amp::optim
