@@ -51,16 +51,16 @@ namespace amp::optim {
 namespace internal {
 
 class FusedStepping;  // private: per-parameter device step counts
+class FusedKernel;  // private: one optimizer's kernel calls
 
 // What the three have in common (amp reads it; programs need not).
 class Fused {
  public:
-  enum class Kind { kAdam, kAdamW, kSgd };
   virtual ~Fused();
   FusedStepping& stepping() { return *stepping_; }
 
  protected:
-  explicit Fused(Kind kind);
+  explicit Fused(const FusedKernel& kernel);
   Fused(Fused&&) noexcept;
   // Steps `optimizer` (whose class this mixin belongs to) with the kernels;
   // false when they do not apply and the base class's step must run.
@@ -77,23 +77,24 @@ class Fused {
   std::unique_ptr<FusedStepping> stepping_;
 };
 
-// LibTorch's optimizer classes amp fuses, with their options and kernel.
+// LibTorch's optimizer classes amp fuses: each one's options, and its
+// kernel (defined beside the kernel, amp/src/optim/fused_*_kernel.cpp).
 template <class Base>
 struct Fusable;
 template <>
 struct Fusable<torch::optim::Adam> {
   using Options = torch::optim::AdamOptions;
-  static constexpr Fused::Kind kKind = Fused::Kind::kAdam;
+  static const FusedKernel& kernel();
 };
 template <>
 struct Fusable<torch::optim::AdamW> {
   using Options = torch::optim::AdamWOptions;
-  static constexpr Fused::Kind kKind = Fused::Kind::kAdamW;
+  static const FusedKernel& kernel();
 };
 template <>
 struct Fusable<torch::optim::SGD> {
   using Options = torch::optim::SGDOptions;  // no default: SGD needs a learning rate
-  static constexpr Fused::Kind kKind = Fused::Kind::kSgd;
+  static const FusedKernel& kernel();
 };
 // LibTorch's `Base` (Adam, AdamW, SGD) stepped by ATen's fused kernel: the
 // same constructors, options, state and checkpoints; step(closure) runs the
@@ -104,9 +105,9 @@ class FusedOptimizer : public Base, public Fused {
   using Options = typename Fusable<Base>::Options;
   explicit FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                           Options defaults = {})
-      : Base(param_groups, defaults), Fused(Fusable<Base>::kKind) {}
+      : Base(param_groups, defaults), Fused(Fusable<Base>::kernel()) {}
   explicit FusedOptimizer(std::vector<at::Tensor> params, Options defaults = {})
-      : Base(std::move(params), defaults), Fused(Fusable<Base>::kKind) {}
+      : Base(std::move(params), defaults), Fused(Fusable<Base>::kernel()) {}
 
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
     at::Tensor loss = run_closure(closure);

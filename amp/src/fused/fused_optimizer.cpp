@@ -12,7 +12,7 @@
 
 namespace amp::optim::internal {
 
-Fused::Fused(Kind kind) : stepping_(std::make_unique<FusedStepping>(kind)) {}
+Fused::Fused(const FusedKernel& kernel) : stepping_(std::make_unique<FusedStepping>(kernel)) {}
 Fused::Fused(Fused&&) noexcept = default;
 Fused::~Fused() = default;
 
@@ -55,9 +55,5 @@ at::Tensor Fused::run_closure(const torch::optim::Optimizer::LossClosure& closur
 }
 
 void Fused::reset_stepping() { stepping_->reset(); }
-
-template class FusedOptimizer<torch::optim::Adam>;
-template class FusedOptimizer<torch::optim::AdamW>;
-template class FusedOptimizer<torch::optim::SGD>;
 
 }  // namespace amp::optim::internal

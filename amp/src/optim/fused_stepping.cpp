@@ -7,9 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <map>
 #include <optional>
-#include <tuple>
 
 namespace amp::optim::internal {
 namespace {
@@ -24,14 +22,11 @@ bool kernel_ready(const at::Tensor& t, const at::Tensor& param, c10::ScalarType 
 // that stays small beside the bytes O6 saves.
 constexpr int64_t kChunkElements = int64_t{1} << 20;
 
-// Steps `columns` (parallel lists; column 0 the parameters) through
-// `kernel` in float32, a chunk at a time: bfloat16 tensors are widened,
-// float32 ones passed as they are; afterwards the bfloat16 tensors of the
-// columns the kernel writes (`written`) take its results, rounded
-// stochastically. Empty columns stay empty.
-template <class Kernel>
+}  // namespace
+
 void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, const std::vector<bool>& written,
-                  detail::StochasticRounding& rounder, const Kernel& kernel) {
+                  detail::StochasticRounding& rounder,
+                  const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel) {
   const std::vector<at::Tensor>& params = *columns[0];
   for (size_t begin = 0; begin < params.size();) {
     size_t end = begin;
@@ -59,24 +54,8 @@ void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, co
   }
 }
 
-
-bool amsgrad(Fused::Kind kind, const torch::optim::OptimizerOptions& options) {
-  switch (kind) {
-    case Fused::Kind::kAdam:
-      return static_cast<const torch::optim::AdamOptions&>(options).amsgrad();
-    case Fused::Kind::kAdamW:
-      return static_cast<const torch::optim::AdamWOptions&>(options).amsgrad();
-    case Fused::Kind::kSgd:
-      return false;
-  }
-  return false;
-}
-
-}  // namespace
-
 // ---- FusedStepping ------------------------------------------------------------
 
-// The dtype of the state a step creates for `p`.
 c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* rounding) {
   return detail::kept_state_dtype(p.scalar_type(), rounding ? std::optional(rounding->state_dtype) : std::nullopt);
 }
@@ -84,21 +63,18 @@ c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* roundi
 bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const {
   std::optional<c10::Device> device;
   for (const auto& group : optimizer.param_groups()) {
-    const bool needs_max = amsgrad(kind_, group.options());
     for (const at::Tensor& p : group.params()) {
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;
       // ATen's fused kernels take the four floating dtypes; float16 and
       // bfloat16 parameters (O3) keep their state in their own dtype, as
-      // LibTorch's step creates it. But ATen 2.11's CPU _fused_sgd_ leaves
-      // float16/bfloat16 parameters of 64 or more elements unchanged (its
-      // vectorized loop), so on the CPU those take LibTorch's SGD step;
-      // O6's are stepped widened to float32 and are unaffected.
+      // LibTorch's step creates it, where the kernel steps them; O6's are
+      // stepped widened to float32.
       const c10::ScalarType dtype = p.scalar_type();
       const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
       const bool rounded = rounding != nullptr && dtype == at::kBFloat16;
       if (dtype != at::kFloat && dtype != at::kDouble && !reduced) return false;
-      if (reduced && !rounded && kind_ == Kind::kSgd && p.is_cpu()) return false;
+      if (reduced && !rounded && !kernel_.steps_low_precision_on_cpu() && p.is_cpu()) return false;
       if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
       if (device && *device != p.device()) return false;
       device = p.device();
@@ -109,8 +85,7 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
       if (tensors.empty()) return false;  // state of another kind
       const c10::ScalarType state_dtype = state_dtype_of(p, rounding);
       for (size_t i = 0; i < tensors.size(); ++i) {
-        const bool needed = kind_ == Kind::kSgd || i < 2 || needs_max;  // Adam's third: amsgrad only
-        if (needed && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
+        if (kernel_.needs_state(group.options(), i) && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
       }
     }
   }
@@ -123,153 +98,16 @@ FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::T
   at::NoGradGuard no_grad;
   FusedAttempt attempt;
   if (rounding != nullptr) rounding->rounder->next_step();
+  auto device_step = [this](void* key, int64_t host, const at::Tensor& param) -> at::Tensor& {
+    at::Tensor& count = device_steps_[key];
+    if (!count.defined()) count = at::full({}, static_cast<double>(host), param.options().dtype(at::kFloat));
+    return count;
+  };
   for (auto& group : optimizer.param_groups()) {
-    switch (kind_) {
-      case Kind::kAdam:
-        step_adam<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-            group, optimizer.state(), found_inf, rounding, attempt);
-        break;
-      case Kind::kAdamW:
-        step_adam<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-            group, optimizer.state(), found_inf, rounding, attempt);
-        break;
-      case Kind::kSgd:
-        step_sgd(group, optimizer.state(), found_inf, rounding, attempt);
-        break;
-    }
+    GroupStep step{group, optimizer.state(), found_inf, rounding, attempt, device_step};
+    kernel_.step(step);
   }
   return attempt;
-}
-
-// LibTorch's Adam / AdamW step with the state it would create, as one fused
-// kernel call per group (per chunk for rounded parameters).
-template <class Options, class ParamState>
-void FusedStepping::step_adam(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                              const at::Tensor& found_inf, const UpdateRounding* rounding,
-                              FusedAttempt& attempt) {
-  const auto& options = static_cast<const Options&>(group.options());
-  struct Lists {
-    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
-  };
-  // ATen's kernels take one dtype per call: direct parameters by dtype
-  // (float32 with float16 at O3's kept-float32 batch norms), and the
-  // rounded ones (O6), stepped in float32 a chunk at a time.
-  std::map<c10::ScalarType, Lists> direct;
-  Lists rounded;
-  for (const at::Tensor& p : group.params()) {
-    if (!p.grad().defined()) continue;
-    void* key = p.unsafeGetTensorImpl();
-    auto it = state.find(key);
-    if (it == state.end()) {
-      const at::TensorOptions dtype = p.options().dtype(state_dtype_of(p, rounding));
-      auto fresh = std::make_unique<ParamState>();
-      fresh->exp_avg(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
-      fresh->exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
-      if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
-      it = state.emplace(key, std::move(fresh)).first;
-      attempt.created.push_back(key);
-    }
-    auto& s = static_cast<ParamState&>(*it->second);
-    at::Tensor& step = device_steps_[key];
-    if (!step.defined()) step = at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));
-    Lists& lists = rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct[p.scalar_type()];
-    lists.params.push_back(p);
-    lists.grads.push_back(p.grad());
-    lists.exp_avgs.push_back(s.exp_avg());
-    lists.exp_avg_sqs.push_back(s.exp_avg_sq());
-    if (options.amsgrad()) lists.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
-    lists.steps.push_back(step);
-    attempt.stepped.push_back(key);
-  }
-  std::vector<Lists*> all;
-  for (auto& [dtype, lists] : direct) all.push_back(&lists);
-  if (!rounded.params.empty()) all.push_back(&rounded);
-  if (all.empty()) return;
-  const c10::Device device = all.front()->params.front().device();
-  std::optional<at::Tensor> flag;
-  if (found_inf.defined()) flag = found_inf.to(device);
-  for (Lists* lists : all) {
-    if (flag) {
-      at::_foreach_add_(lists->steps, (1 - *flag).reshape({}));  // step counts move only if taken
-    } else {
-      at::_foreach_add_(lists->steps, 1);
-    }
-  }
-  const auto [beta1, beta2] = options.betas();
-  auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps) {
-    if constexpr (std::is_same_v<Options, torch::optim::AdamWOptions>) {
-      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
-                        beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                        /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
-    } else {
-      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
-                       beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                       /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
-    }
-  };
-  for (auto& [dtype, l] : direct) kernel(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps);
-  if (!rounded.params.empty()) {
-    step_widened({&rounded.params, &rounded.grads, &rounded.exp_avgs, &rounded.exp_avg_sqs,
-                  &rounded.max_exp_avg_sqs, &rounded.steps},
-                 {true, false, true, true, true, false}, *rounding->rounder,
-                 [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
-  }
-}
-
-// LibTorch's SGD step: parameters without a momentum buffer yet take their
-// first step, which sets it to the gradient.
-void FusedStepping::step_sgd(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                             const at::Tensor& found_inf, const UpdateRounding* rounding,
-                             FusedAttempt& attempt) {
-  const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
-  const bool momentum = options.momentum() != 0;
-  struct Batch {
-    std::vector<at::Tensor> params, grads, buffers;
-  };
-  // One kernel call per (dtype, rounded, first step): ATen's kernels take
-  // one dtype per call.
-  std::map<std::tuple<c10::ScalarType, bool, bool>, Batch> batches;
-  for (const at::Tensor& p : group.params()) {
-    if (!p.grad().defined()) continue;
-    void* key = p.unsafeGetTensorImpl();
-    const bool rounded = rounding != nullptr && p.scalar_type() == at::kBFloat16;
-    bool first = false;
-    at::Tensor buffer;
-    if (momentum) {
-      auto it = state.find(key);
-      if (it == state.end()) {
-        auto fresh = std::make_unique<torch::optim::SGDParamState>();
-        fresh->momentum_buffer(at::empty_like(p, p.options().dtype(state_dtype_of(p, rounding)),
-                                              at::MemoryFormat::Preserve));
-        it = state.emplace(key, std::move(fresh)).first;
-        attempt.created.push_back(key);
-        first = true;
-      }
-      buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
-    }
-    Batch& batch = batches[{p.scalar_type(), rounded, first}];
-    if (buffer.defined()) batch.buffers.push_back(buffer);
-    batch.params.push_back(p);
-    batch.grads.push_back(p.grad());
-  }
-  for (const auto& entry : batches) {
-    const bool rounded = std::get<1>(entry.first), first = std::get<2>(entry.first);
-    const Batch& batch = entry.second;
-    std::optional<at::Tensor> flag;
-    if (found_inf.defined()) flag = found_inf.to(batch.params.front().device());
-    auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
-      at::_fused_sgd_(params, grads, buffers, options.weight_decay(), options.momentum(), options.lr(),
-                      options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/first,
-                      /*grad_scale=*/std::nullopt, flag);
-    };
-    if (!rounded) {
-      kernel(batch.params, batch.grads, batch.buffers);
-    } else {
-      step_widened({&batch.params, &batch.grads, &batch.buffers}, {true, false, true}, *rounding->rounder,
-                   [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
-    }
-  }
 }
 
 void FusedStepping::settle(const FusedAttempt& attempt, bool skipped, StateMap& state) {
@@ -291,7 +129,7 @@ bool FusedStepping::holds_all_state(const torch::optim::Optimizer& optimizer) co
       if (!p.grad().defined()) continue;
       void* key = p.unsafeGetTensorImpl();
       if (!optimizer.state().count(key)) return false;
-      if (kind_ != Kind::kSgd && !device_steps_.count(key)) return false;
+      if (kernel_.counts_steps() && !device_steps_.count(key)) return false;
     }
   }
   return true;

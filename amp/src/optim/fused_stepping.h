@@ -1,17 +1,18 @@
-// Private: the kernels behind amp::optim::FusedAdam, FusedAdamW and FusedSGD
-// (fused.h), and the per-parameter step counts they keep on the device.
+// Private: what amp::optim::FusedAdam, FusedAdamW and FusedSGD (fused.h)
+// share around their kernels (fused_kernel.h): whether the kernels apply,
+// settling a step, and the per-parameter step counts kept on the device.
 //
 // The algorithm and the state are LibTorch's (torch/optim/adam.cpp,
 // adamw.cpp, sgd.cpp): AdamParamState / AdamWParamState / SGDParamState in
 // the optimizer's own state map. A step creates the state LibTorch would
-// create and runs one kernel call per parameter group. Adam's kernels read
-// step counts kept on the device; the host counts in the state advance when
-// the step is known to be taken (settle).
+// create and runs the kernel once per parameter group. Kernels that count
+// steps read counts kept on the device; the host counts in the state
+// advance when the step is known to be taken (settle).
 #pragma once
 
 #include <amp/fused.h>
 
-#include "optim/stochastic_rounding.h"
+#include "optim/fused_kernel.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -21,26 +22,11 @@
 
 namespace amp::optim::internal {
 
-// O6 (Properties::stochastic_rounding): bfloat16 parameters are stepped in
-// float32 copies, a chunk at a time, and the results - and, with a
-// bfloat16 state, the state - rounded back stochastically.
-struct UpdateRounding {
-  detail::StochasticRounding* rounder = nullptr;
-  c10::ScalarType state_dtype = c10::kFloat;
-};
-
-// What one fused step did, for settling it once its outcome is known.
-struct FusedAttempt {
-  std::vector<void*> stepped;  // Adam: parameters whose step counts advance if taken
-  std::vector<void*> created;  // state entries this step created
-};
-
 class FusedStepping {
  public:
-  using Kind = Fused::Kind;
   using StateMap = ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>;
 
-  explicit FusedStepping(Kind kind) : kind_(kind) {}
+  explicit FusedStepping(const FusedKernel& kernel) : kernel_(kernel) {}
 
   // Whether the kernels can step `optimizer` now: every gradient dense,
   // contiguous and of its parameter's dtype, float32 or float64 (or
@@ -66,14 +52,8 @@ class FusedStepping {
   void reset() { device_steps_.clear(); }
 
  private:
-  template <class Options, class ParamState>
-  void step_adam(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                 const at::Tensor& found_inf, const UpdateRounding* rounding, FusedAttempt& attempt);
-  void step_sgd(torch::optim::OptimizerParamGroup& group, StateMap& state,
-                const at::Tensor& found_inf, const UpdateRounding* rounding, FusedAttempt& attempt);
-
-  Kind kind_;
-  std::unordered_map<void*, at::Tensor> device_steps_;  // Adam's step counts
+  const FusedKernel& kernel_;
+  std::unordered_map<void*, at::Tensor> device_steps_;  // kernels that count steps
 };
 
 }  // namespace amp::optim::internal

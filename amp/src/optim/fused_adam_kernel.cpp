@@ -1,0 +1,105 @@
+// The kernels of amp::optim::FusedAdam and FusedAdamW: LibTorch's Adam /
+// AdamW step (torch/optim/adam.cpp, adamw.cpp) with the state it would
+// create, as one ATen _fused_adam_ / _fused_adamw_ call per group and dtype
+// (per chunk for rounded parameters), reading step counts kept on the device.
+#include "optim/fused_kernel.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <optional>
+#include <type_traits>
+
+namespace amp::optim::internal {
+namespace {
+
+template <class Options, class ParamState>
+class AdamKernel final : public FusedKernel {
+ public:
+  bool needs_state(const torch::optim::OptimizerOptions& options, size_t index) const override {
+    return index < 2 || static_cast<const Options&>(options).amsgrad();  // exp_avg, exp_avg_sq, max_exp_avg_sq
+  }
+  bool counts_steps() const override { return true; }
+
+  void step(GroupStep& g) const override {
+    const auto& options = static_cast<const Options&>(g.group.options());
+    struct Lists {
+      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+    };
+    // ATen's kernels take one dtype per call: direct parameters by dtype
+    // (float32 with float16 at O3's kept-float32 batch norms), and the
+    // rounded ones (O6), stepped in float32 a chunk at a time.
+    std::map<c10::ScalarType, Lists> direct;
+    Lists rounded;
+    for (const at::Tensor& p : g.group.params()) {
+      if (!p.grad().defined()) continue;
+      void* key = p.unsafeGetTensorImpl();
+      auto it = g.state.find(key);
+      if (it == g.state.end()) {
+        const at::TensorOptions dtype = p.options().dtype(state_dtype_of(p, g.rounding));
+        auto fresh = std::make_unique<ParamState>();
+        fresh->exp_avg(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+        if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+        it = g.state.emplace(key, std::move(fresh)).first;
+        g.attempt.created.push_back(key);
+      }
+      auto& s = static_cast<ParamState&>(*it->second);
+      Lists& lists = g.rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct[p.scalar_type()];
+      lists.params.push_back(p);
+      lists.grads.push_back(p.grad());
+      lists.exp_avgs.push_back(s.exp_avg());
+      lists.exp_avg_sqs.push_back(s.exp_avg_sq());
+      if (options.amsgrad()) lists.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+      lists.steps.push_back(g.device_step(key, s.step(), p));
+      g.attempt.stepped.push_back(key);
+    }
+    std::vector<Lists*> all;
+    for (auto& [dtype, lists] : direct) all.push_back(&lists);
+    if (!rounded.params.empty()) all.push_back(&rounded);
+    if (all.empty()) return;
+    std::optional<at::Tensor> flag;
+    if (g.found_inf.defined()) flag = g.found_inf.to(all.front()->params.front().device());
+    for (Lists* lists : all) {
+      if (flag) {
+        at::_foreach_add_(lists->steps, (1 - *flag).reshape({}));  // step counts move only if taken
+      } else {
+        at::_foreach_add_(lists->steps, 1);
+      }
+    }
+    const auto [beta1, beta2] = options.betas();
+    auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps) {
+      if constexpr (std::is_same_v<Options, torch::optim::AdamWOptions>) {
+        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
+                          beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                          /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
+      } else {
+        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, options.lr(), beta1,
+                         beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                         /*maximize=*/false, /*grad_scale=*/std::nullopt, flag);
+      }
+    };
+    for (auto& [dtype, l] : direct) kernel(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps);
+    if (!rounded.params.empty()) {
+      step_widened({&rounded.params, &rounded.grads, &rounded.exp_avgs, &rounded.exp_avg_sqs,
+                    &rounded.max_exp_avg_sqs, &rounded.steps},
+                   {true, false, true, true, true, false}, *g.rounding->rounder,
+                   [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
+    }
+  }
+};
+
+}  // namespace
+
+const FusedKernel& Fusable<torch::optim::Adam>::kernel() {
+  static const AdamKernel<torch::optim::AdamOptions, torch::optim::AdamParamState> adam;
+  return adam;
+}
+
+const FusedKernel& Fusable<torch::optim::AdamW>::kernel() {
+  static const AdamKernel<torch::optim::AdamWOptions, torch::optim::AdamWParamState> adamw;
+  return adamw;
+}
+
+}  // namespace amp::optim::internal

@@ -1,0 +1,82 @@
+// The kernel of amp::optim::FusedSGD: LibTorch's SGD step
+// (torch/optim/sgd.cpp) as ATen's _fused_sgd_, one call per dtype, rounding
+// and first step. Parameters without a momentum buffer yet take their first
+// step, which sets it to the gradient.
+#include "optim/fused_kernel.h"
+
+#include <torch/optim/sgd.h>
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <optional>
+#include <tuple>
+
+namespace amp::optim::internal {
+namespace {
+
+class SgdKernel final : public FusedKernel {
+ public:
+  bool needs_state(const torch::optim::OptimizerOptions&, size_t) const override { return true; }
+  bool steps_low_precision_on_cpu() const override { return false; }
+
+  void step(GroupStep& g) const override {
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(g.group.options());
+    const bool momentum = options.momentum() != 0;
+    struct Batch {
+      std::vector<at::Tensor> params, grads, buffers;
+    };
+    // One kernel call per (dtype, rounded, first step): ATen's kernels take
+    // one dtype per call.
+    std::map<std::tuple<c10::ScalarType, bool, bool>, Batch> batches;
+    for (const at::Tensor& p : g.group.params()) {
+      if (!p.grad().defined()) continue;
+      void* key = p.unsafeGetTensorImpl();
+      const bool rounded = g.rounding != nullptr && p.scalar_type() == at::kBFloat16;
+      bool first = false;
+      at::Tensor buffer;
+      if (momentum) {
+        auto it = g.state.find(key);
+        if (it == g.state.end()) {
+          auto fresh = std::make_unique<torch::optim::SGDParamState>();
+          fresh->momentum_buffer(at::empty_like(p, p.options().dtype(state_dtype_of(p, g.rounding)),
+                                                at::MemoryFormat::Preserve));
+          it = g.state.emplace(key, std::move(fresh)).first;
+          g.attempt.created.push_back(key);
+          first = true;
+        }
+        buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
+      }
+      Batch& batch = batches[{p.scalar_type(), rounded, first}];
+      if (buffer.defined()) batch.buffers.push_back(buffer);
+      batch.params.push_back(p);
+      batch.grads.push_back(p.grad());
+    }
+    for (const auto& entry : batches) {
+      const bool rounded = std::get<1>(entry.first), first = std::get<2>(entry.first);
+      const Batch& batch = entry.second;
+      std::optional<at::Tensor> flag;
+      if (g.found_inf.defined()) flag = g.found_inf.to(batch.params.front().device());
+      auto kernel = [&](at::TensorList params, at::TensorList grads, at::TensorList buffers) {
+        at::_fused_sgd_(params, grads, buffers, options.weight_decay(), options.momentum(), options.lr(),
+                        options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/first,
+                        /*grad_scale=*/std::nullopt, flag);
+      };
+      if (!rounded) {
+        kernel(batch.params, batch.grads, batch.buffers);
+      } else {
+        step_widened({&batch.params, &batch.grads, &batch.buffers}, {true, false, true}, *g.rounding->rounder,
+                     [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
+      }
+    }
+  }
+};
+
+}  // namespace
+
+const FusedKernel& Fusable<torch::optim::SGD>::kernel() {
+  static const SgdKernel sgd;
+  return sgd;
+}
+
+}  // namespace amp::optim::internal
