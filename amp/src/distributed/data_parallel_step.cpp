@@ -12,9 +12,9 @@ namespace amp::detail {
 
 // One guard's averaging, started when it opened and finished before it
 // unscales.
-class DataParallelStep::Part final : public GuardPart {
+class DataParallelParticipant::Part final : public GuardPart {
  public:
-  Part(DataParallelStep& owner, std::unique_ptr<GradientReducer::Reduction> reduction)
+  Part(DataParallelParticipant& owner, std::unique_ptr<GradientReducer::Reduction> reduction)
       : owner_(owner), reduction_(std::move(reduction)) {}
 
   void before_unscale(Guard&) override {
@@ -56,22 +56,22 @@ class DataParallelStep::Part final : public GuardPart {
   }
 
  private:
-  DataParallelStep& owner_;
+  DataParallelParticipant& owner_;
   std::unique_ptr<GradientReducer::Reduction> reduction_;
   at::Tensor agreed_;  // the ranks' overflow, known from the sums without a collective
 };
 
-DataParallelStep::DataParallelStep(GradientReducer* reducer, ShardedMasters* sharded,
+DataParallelParticipant::DataParallelParticipant(GradientReducer* reducer, ShardedMasters* sharded,
                                    std::function<void(at::Tensor&)> reduce_overflow)
     : reducer_(reducer), sharded_(sharded), reduce_overflow_(std::move(reduce_overflow)) {}
 
-void DataParallelStep::check_open(const Guard& guard) const {
+void DataParallelParticipant::check_open(const Guard& guard) const {
   TORCH_CHECK(!(reducer_ && guard.capturing && !guard.passthrough), "amp: this scale_loss guard is "
               "being captured in a CUDA graph, but with Options::data_parallel its gradients are "
               "averaged by hooks and collectives the host drives; capture without data_parallel.");
 }
 
-std::unique_ptr<GuardPart> DataParallelStep::open(Guard& guard) {
+std::unique_ptr<GuardPart> DataParallelParticipant::open(Guard& guard) {
   std::unique_ptr<GradientReducer::Reduction> reduction;
   if (sharded_ != nullptr) {
     // ZeRO-2 reduces in every guard, delay_unscale too: the pieces
@@ -88,11 +88,11 @@ std::unique_ptr<GuardPart> DataParallelStep::open(Guard& guard) {
   return std::make_unique<Part>(*this, std::move(reduction));
 }
 
-void DataParallelStep::after_fused_step(const torch::optim::Optimizer& optimizer) {
+void DataParallelParticipant::after_fused_step(const torch::optim::Optimizer& optimizer) {
   if (sharded_ != nullptr) sharded_->gather_after_step(optimizer);
 }
 
-void DataParallelStep::total_over_ranks(const torch::optim::Optimizer&, at::Tensor& sum_of_squares) {
+void DataParallelParticipant::total_over_ranks(const torch::optim::Optimizer&, at::Tensor& sum_of_squares) {
   if (sharded_ == nullptr) return;  // replicas hold the same (averaged) gradients
   std::vector<at::Tensor> tensors{sum_of_squares};
   sharded_->group()->allreduce(tensors)->wait();

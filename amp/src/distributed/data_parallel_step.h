@@ -19,11 +19,11 @@
 
 namespace amp::detail {
 
-class DataParallelStep final : public StepParticipant {
+class DataParallelParticipant final : public StepParticipant {
  public:
   // `reducer` and `sharded` may be null (no data_parallel, or no sharding);
   // `reduce_overflow` combines the ranks' overflow flags (MAX), or is empty.
-  DataParallelStep(GradientReducer* reducer, ShardedMasters* sharded,
+  DataParallelParticipant(GradientReducer* reducer, ShardedMasters* sharded,
                    std::function<void(at::Tensor&)> reduce_overflow);
 
   void check_open(const Guard& guard) const override;

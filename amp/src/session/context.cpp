@@ -68,7 +68,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   parameter_names_ = std::move(parameter_names);
   model_buffers_ = std::move(model_buffers);
   if (options.precision_telemetry) {
-    telemetry_ = std::make_unique<TelemetryRecorder>(
+    telemetry_ = std::make_unique<TelemetryParticipant>(
         options.num_losses, parameter_names_,
         [p = properties_](c10::DeviceType device) { return p.low_precision_dtype(device); });
   }
@@ -92,13 +92,19 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   }
   if (forward_log_) g_observers.fetch_or(kForwardWatch);
   if (options.measured_policy) g_observers.fetch_or(kMeasuredPolicy);
+  // The step's participants (step/step_participant.h), in the order their
+  // parts run (unwound in reverse): data parallel first, so every later
+  // part sees the gradients reduced and the overflow flag agreed by all
+  // ranks; telemetry records those gradients; provenance names the op
+  // behind a verdict; fp8 updates its scales last, once the step is known
+  // to commit. A new participant is its own file and one entry here.
   if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
   // Options::reduce_overflow, or with sharding amp's own (each rank checks
   // only its shard): all ranks skip together.
   std::function<void(at::Tensor&)> reduce_overflow = options.reduce_overflow;
   if (sharded_) reduce_overflow = overflow_all_reduce(sharded_->group());
   if (reducer_ || reduce_overflow) {
-    data_parallel_ = std::make_unique<DataParallelStep>(reducer_.get(), sharded_.get(), std::move(reduce_overflow));
+    data_parallel_ = std::make_unique<DataParallelParticipant>(reducer_.get(), sharded_.get(), std::move(reduce_overflow));
     participants_.push_back(data_parallel_.get());
   }
   if (telemetry_) participants_.push_back(telemetry_.get());
@@ -107,7 +113,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
     participants_.push_back(provenance_.get());
   }
   if (fp8_) {
-    fp8_step_ = std::make_unique<Fp8Step>(*fp8_);
+    fp8_step_ = std::make_unique<Fp8Participant>(*fp8_);
     participants_.push_back(fp8_step_.get());
   }
 }

@@ -64,7 +64,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   // Where forward ops record for provenance; null when it is off or at O0.
   ForwardLog* forward_log() const override { return forward_log_.get(); }
   // Options::precision_telemetry's records; null when it is off.
-  TelemetryRecorder* telemetry() const override { return telemetry_.get(); }
+  TelemetryParticipant* telemetry() const override { return telemetry_.get(); }
   // How the fused optimizers round updates into bf16 weights
   // (Properties::stochastic_rounding); null without it.
   StochasticRounding* rounding() const override { return rounding_.get(); }
@@ -119,7 +119,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   std::vector<SkipLog> skip_logs_;
   std::shared_ptr<const ParameterNames> parameter_names_;
   NamedBuffers model_buffers_;
-  std::unique_ptr<TelemetryRecorder> telemetry_;
+  std::unique_ptr<TelemetryParticipant> telemetry_;
   std::unique_ptr<StochasticRounding> rounding_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<Interceptor> interceptor_;
@@ -129,9 +129,9 @@ class Context final : public CastingSession, public StepSession, public Recomput
   std::unique_ptr<ShardedMasters> sharded_;  // before weights_, which points to it
   std::unique_ptr<ModelWeights> weights_;
   std::unordered_map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerStep>> steps_;
-  std::unique_ptr<DataParallelStep> data_parallel_;
+  std::unique_ptr<DataParallelParticipant> data_parallel_;
   std::unique_ptr<ProvenanceParticipant> provenance_;
-  std::unique_ptr<Fp8Step> fp8_step_;
+  std::unique_ptr<Fp8Participant> fp8_step_;
   std::vector<StepParticipant*> participants_;
   std::exception_ptr deferred_error_;
   std::mutex workers_mutex_;

@@ -12,9 +12,9 @@
 
 namespace amp::detail {
 
-class Fp8Step final : public StepParticipant {
+class Fp8Participant final : public StepParticipant {
  public:
-  explicit Fp8Step(Fp8Gemms& gemms) : gemms_(gemms) {}
+  explicit Fp8Participant(Fp8Gemms& gemms) : gemms_(gemms) {}
 
   std::unique_ptr<GuardPart> open(Guard&) override { return std::make_unique<Part>(gemms_); }
 

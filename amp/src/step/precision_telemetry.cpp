@@ -18,7 +18,7 @@ namespace {
 // the scale its backward ran at (accumulating micro-batches are not).
 class TelemetryPart final : public GuardPart {
  public:
-  explicit TelemetryPart(TelemetryRecorder& recorder) : recorder_(recorder) {}
+  explicit TelemetryPart(TelemetryParticipant& recorder) : recorder_(recorder) {}
   void after_unscale(Guard& guard) override {
     if (guard.options.delay_unscale) return;
     std::vector<torch::optim::Optimizer*> optimizers;
@@ -28,14 +28,14 @@ class TelemetryPart final : public GuardPart {
   }
 
  private:
-  TelemetryRecorder& recorder_;
+  TelemetryParticipant& recorder_;
 };
 
 }  // namespace
 
-std::unique_ptr<GuardPart> TelemetryRecorder::open(Guard&) { return std::make_unique<TelemetryPart>(*this); }
+std::unique_ptr<GuardPart> TelemetryParticipant::open(Guard&) { return std::make_unique<TelemetryPart>(*this); }
 
-TelemetryRecorder::TelemetryRecorder(int num_losses, std::shared_ptr<const ParameterNames> names,
+TelemetryParticipant::TelemetryParticipant(int num_losses, std::shared_ptr<const ParameterNames> names,
                                      std::function<c10::ScalarType(c10::DeviceType)> low_dtype)
     : names_(std::move(names)), low_dtype_(std::move(low_dtype)), scales_(num_losses) {}
 
@@ -43,7 +43,7 @@ TelemetryRecorder::TelemetryRecorder(int num_losses, std::shared_ptr<const Param
 // `scale` and held in the device's low dtype, and how many are zero,
 // counted from one buffer of all of them (a cumulative count read at each
 // parameter's end); and the largest magnitude (one foreach norm).
-TelemetryRecorder::Part TelemetryRecorder::record_part(const std::vector<at::Tensor>& params,
+TelemetryParticipant::Part TelemetryParticipant::record_part(const std::vector<at::Tensor>& params,
                                                        const std::vector<at::Tensor>& grads,
                                                        const at::Tensor& scale) const {
   Part part;
@@ -68,7 +68,7 @@ TelemetryRecorder::Part TelemetryRecorder::record_part(const std::vector<at::Ten
   return part;
 }
 
-void TelemetryRecorder::record(int loss_id, const at::Tensor& scale,
+void TelemetryParticipant::record(int loss_id, const at::Tensor& scale,
                                const std::vector<torch::optim::Optimizer*>& optimizers) {
   at::NoGradGuard no_grad;
   const at::Tensor kept_scale = scale.reshape({}).to(at::kFloat).clone();
@@ -96,7 +96,7 @@ void TelemetryRecorder::record(int loss_id, const at::Tensor& scale,
   }
 }
 
-std::optional<PrecisionTelemetry> TelemetryRecorder::read(const torch::optim::Optimizer& optimizer) const {
+std::optional<PrecisionTelemetry> TelemetryParticipant::read(const torch::optim::Optimizer& optimizer) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = latest_.find(&optimizer);
   if (it == latest_.end()) return std::nullopt;
@@ -134,7 +134,7 @@ std::optional<PrecisionTelemetry> TelemetryRecorder::read(const torch::optim::Op
   return out;
 }
 
-std::vector<double> TelemetryRecorder::scale_history(int loss_id) const {
+std::vector<double> TelemetryParticipant::scale_history(int loss_id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::deque<at::Tensor>& history = scales_.at(loss_id);
   return read_to_host(std::vector<at::Tensor>(history.begin(), history.end()));
@@ -145,7 +145,7 @@ std::vector<double> TelemetryRecorder::scale_history(int loss_id) const {
 namespace amp {
 namespace {
 
-const detail::TelemetryRecorder& recorder_of(const detail::StepSession& session, const char* what) {
+const detail::TelemetryParticipant& recorder_of(const detail::StepSession& session, const char* what) {
   TORCH_CHECK(session.telemetry() != nullptr, "amp: ", what, " needs precision telemetry, which is "
               "off. Set amp::Options::precision_telemetry = true when calling amp::initialize.");
   return *session.telemetry();

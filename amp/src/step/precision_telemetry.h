@@ -21,12 +21,12 @@
 namespace amp::detail {
 
 // A step participant: each guard records what it unscaled.
-class TelemetryRecorder final : public StepParticipant {
+class TelemetryParticipant final : public StepParticipant {
  public:
   static constexpr size_t kHistory = 10000;  // scales kept per loss
 
   // `low_dtype`: the low-precision dtype of a device type.
-  TelemetryRecorder(int num_losses, std::shared_ptr<const ParameterNames> names,
+  TelemetryParticipant(int num_losses, std::shared_ptr<const ParameterNames> names,
                     std::function<c10::ScalarType(c10::DeviceType)> low_dtype);
 
   // A guard of `loss_id` unscaled the gradients of `optimizers`; its

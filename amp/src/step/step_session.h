@@ -50,7 +50,7 @@ class StepSession {
   // Where forward ops record for provenance; null when it is off or at O0.
   virtual ForwardLog* forward_log() const = 0;
   // Options::precision_telemetry's records; null when it is off.
-  virtual TelemetryRecorder* telemetry() const = 0;
+  virtual TelemetryParticipant* telemetry() const = 0;
   // The fp8 property's GEMM sites; null without it.
   virtual Fp8Gemms* fp8() const = 0;
   // How the fused optimizers round updates into bf16 weights
