@@ -20,6 +20,7 @@ class JournalParticipant final : public detail::StepParticipant {
 
   bool refuse = false;      // check_open throws
   bool fail_open = false;   // open throws
+  bool fail_prepare = false;  // prepare throws
   bool overflow_seen = false;
 
   void check_open(const detail::Guard&) const override {
@@ -41,7 +42,11 @@ class JournalParticipant final : public detail::StepParticipant {
       owner.write("judged");
       owner.overflow_seen = verdict.snapshot[0].item<float>() > 0;
     }
-    void commit(detail::Guard&) override { owner.write("commit"); }
+    void prepare(detail::Guard&) override {
+      owner.write("prepare");
+      if (owner.fail_prepare) throw std::runtime_error(owner.name_ + " failed to prepare");
+    }
+    void commit(detail::Guard&) noexcept override { owner.write("commit"); }
     void unwind(detail::Guard&) noexcept override { owner.write("unwind"); }
     JournalParticipant& owner;
   };
@@ -75,7 +80,8 @@ TEST_F(StepTransactionTest, AGuardRunsEveryHookOfEveryParticipantInOrder) {
   }
   EXPECT_THAT(journal_, ::testing::ElementsAre("a.open", "b.open", "a.before_unscale", "b.before_unscale",
                                                "a.after_unscale", "b.after_unscale", "a.agree_overflow",
-                                               "b.agree_overflow", "a.judged", "b.judged", "a.commit", "b.commit"));
+                                               "b.agree_overflow", "a.judged", "b.judged", "a.prepare", "b.prepare", "a.commit",
+                                               "b.commit"));
   EXPECT_FALSE(a_.overflow_seen);
   EXPECT_EQ(state(), detail::OptimizerStep::State::kReady);
 }
@@ -101,9 +107,10 @@ TEST_F(StepTransactionTest, AccumulatingAndStaticGuardsNeitherAgreeNorJudge) {
     scaled.backward();
   }
   EXPECT_THAT(journal_, ::testing::ElementsAre("a.open", "b.open", "a.before_unscale", "b.before_unscale",
-                                               "a.after_unscale", "b.after_unscale", "a.commit", "b.commit",
-                                               "a.open", "b.open", "a.before_unscale", "b.before_unscale",
-                                               "a.after_unscale", "b.after_unscale", "a.commit", "b.commit"));
+                                               "a.after_unscale", "b.after_unscale", "a.prepare", "b.prepare",
+                                               "a.commit", "b.commit", "a.open", "b.open", "a.before_unscale",
+                                               "b.before_unscale", "a.after_unscale", "b.after_unscale",
+                                               "a.prepare", "b.prepare", "a.commit", "b.commit"));
 }
 
 TEST_F(StepTransactionTest, AnExceptionUnwindsTheParticipantsInReverseAndCommitsNothing) {
@@ -145,6 +152,49 @@ TEST_F(StepTransactionTest, AParticipantThatRefusesLeavesEverythingAsItWas) {
   journal_.clear();
   {
     scale_loss scaled(loss(), optimizer_);  // and the next guard opens normally
+    scaled.backward();
+  }
+  EXPECT_EQ(journal_.back(), "b.commit");
+}
+
+// A participant that fails at the end: the optimizers have not committed
+// either, and the whole guard unwinds - gradients, optimizer state, loss
+// scale and skip counts as before it, nobody half committed.
+TEST_F(StepTransactionTest, AParticipantFailingToPrepareUnwindsTheWholeStep) {
+  start(O1);
+  optimizer_.zero_grad();
+  {
+    scale_loss scaled(loss(), optimizer_);
+    scaled.backward();
+  }
+  const at::Tensor grad = model_->fc1->weight.grad().clone();
+  journal_.clear();
+  b_.fail_prepare = true;
+  for (bool overflow : {false, true}) {
+    SCOPED_TRACE(overflow ? "an overflowing step" : "a clean step");
+    journal_.clear();
+    EXPECT_THROW(
+        {
+          scale_loss scaled(loss(), optimizer_);
+          scaled.backward();
+          if (overflow) model_->fc1->weight.grad()[0][0] = kInf;
+          scaled.finish();
+        },
+        std::runtime_error);
+    EXPECT_THAT(journal_, ::testing::ElementsAre("a.open", "b.open", "a.before_unscale", "b.before_unscale",
+                                                 "a.after_unscale", "b.after_unscale", "a.agree_overflow",
+                                                 "b.agree_overflow", "a.judged", "b.judged", "a.prepare",
+                                                 "b.prepare", "b.unwind", "a.unwind"));
+    EXPECT_TRUE(BitEqual(model_->fc1->weight.grad(), grad));
+    EXPECT_EQ(state(), detail::OptimizerStep::State::kReady);
+    EXPECT_EQ(loss_scale(0), 65536.0);  // the overflow's halving undone
+    EXPECT_EQ(skipped_steps(optimizer_), 0);
+    EXPECT_FALSE(last_step_skipped(optimizer_));
+  }
+  b_.fail_prepare = false;
+  journal_.clear();
+  {
+    scale_loss scaled(loss(), optimizer_);  // the next guard commits normally
     scaled.backward();
   }
   EXPECT_EQ(journal_.back(), "b.commit");

@@ -71,7 +71,10 @@
 //     CUDA graphs.
 // unscale(): called twice, after finish(), or with delay_unscale.
 // finish(): called twice; errors of the overflow all-reduce; an overflow at
-// the floor with DynamicScaling::AtFloor::kRaise. The guard has ended when finish() throws.
+// the floor with DynamicScaling::AtFloor::kRaise; a failure while the step
+// commits (memory for ZeRO-1's held sums, float8's scale update), which
+// unwinds the whole guard: gradients, optimizer and loss scale as before
+// it. The guard has ended when finish() throws.
 #pragma once
 
 #include <amp/internal/refs.h>

@@ -32,16 +32,21 @@ class DataParallelParticipant::Part final : public GuardPart {
     }
   }
 
-  void commit(Guard& guard) override {
+  // ZeRO-1 (shard_gradients=false) keeps each rank's whole sum until the
+  // accumulation's last guard; ZeRO-2's pieces already hold the averages.
+  void prepare(Guard& guard) override {
+    ShardedMasters* sharded = owner_.sharded_;
+    if (sharded == nullptr || !guard.options.delay_unscale || owner_.reducer_->config().shard_gradients) return;
+    for (OptimizerStep* step : guard.steps) sums_.push_back(sharded->of(step->optimizer())->sums_with_micro_batch());
+  }
+
+  void commit(Guard& guard) noexcept override {
     ShardedMasters* sharded = owner_.sharded_;
     if (sharded == nullptr) return;
-    // ZeRO-1 (shard_gradients=false) keeps each rank's whole sum until the
-    // accumulation's last guard; ZeRO-2's pieces already hold the averages.
-    const bool holds = guard.options.delay_unscale && !owner_.reducer_->config().shard_gradients;
-    for (OptimizerStep* step : guard.steps) {
-      ShardedOptimizer& s = *sharded->of(step->optimizer());
-      if (holds) {
-        s.hold_micro_batch();
+    for (size_t i = 0; i < guard.steps.size(); ++i) {
+      ShardedOptimizer& s = *sharded->of(guard.steps[i]->optimizer());
+      if (!sums_.empty()) {
+        s.hold(std::move(sums_[i]));
       } else if (!guard.options.delay_unscale) {
         s.end_accumulation();
         s.mark_stale();
@@ -59,6 +64,7 @@ class DataParallelParticipant::Part final : public GuardPart {
   DataParallelParticipant& owner_;
   std::unique_ptr<GradientReducer::Reduction> reduction_;
   at::Tensor agreed_;  // the ranks' overflow, known from the sums without a collective
+  std::vector<ShardedOptimizer::Sums> sums_;  // prepared: ZeRO-1's sums, per optimizer of the guard
 };
 
 DataParallelParticipant::DataParallelParticipant(GradientReducer* reducer, ShardedMasters* sharded,

@@ -194,20 +194,27 @@ void ShardedOptimizer::take_values(const at::Tensor& member, const at::Tensor& f
   storages_[m] = member.storage().unsafeGetStorageImpl();
 }
 
-void ShardedOptimizer::hold_micro_batch() {
+ShardedOptimizer::Sums ShardedOptimizer::sums_with_micro_batch() const {
   at::NoGradGuard no_grad;
-  for (ReduceBucket& bucket : buckets_) {
-    bucket.asides.resize(bucket.members.size());
+  Sums sums;
+  for (const ReduceBucket& bucket : buckets_) {
+    std::vector<at::Tensor>& bucket_sums = sums.emplace_back(bucket.asides);
+    bucket_sums.resize(bucket.members.size());
     for (size_t j = 0; j < bucket.members.size(); ++j) {
       const at::Tensor& grad = bucket.members[j].grad();
       if (!grad.defined()) continue;
-      at::Tensor& sum = bucket.asides[j];
+      at::Tensor& sum = bucket_sums[j];
       sum = sum.defined() ? grad.to(at::kFloat) + sum : grad.to(at::kFloat);  // as the plan sums asides
     }
   }
+  return sums;
 }
 
-void ShardedOptimizer::end_accumulation() {
+void ShardedOptimizer::hold(Sums sums) noexcept {
+  for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].asides = std::move(sums[b]);
+}
+
+void ShardedOptimizer::end_accumulation() noexcept {
   for (ReduceBucket& bucket : buckets_) bucket.asides.clear();
 }
 

@@ -95,11 +95,15 @@ class ShardedOptimizer {
   bool stale() const { return stale_; }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
-  // shard_gradients=false, a delay_unscale guard ended: the members'
-  // gradients join their whole float32 sums (bucket asides).
-  void hold_micro_batch();
+  // shard_gradients=false, a delay_unscale guard is ending: the members'
+  // gradients added to their whole float32 sums, per bucket (new tensors:
+  // nothing changes until hold).
+  using Sums = std::vector<std::vector<at::Tensor>>;
+  Sums sums_with_micro_batch() const;
+  // The guard ended: `sums` become the buckets' asides.
+  void hold(Sums sums) noexcept;
   // The accumulation's last guard ended: the sums are reduced.
-  void end_accumulation();
+  void end_accumulation() noexcept;
   // All-gathers the pieces into the members, every bucket (collective;
   // nothing when none is stale). A gather starting takes writes behind
   // amp's back into the pieces first.

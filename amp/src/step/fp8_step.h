@@ -21,7 +21,10 @@ class Fp8Participant final : public StepParticipant {
  private:
   struct Part final : GuardPart {
     explicit Part(Fp8Gemms& gemms) : gemms(gemms) {}
-    void commit(Guard& guard) override {
+    // In prepare, as it can fail; it is the last participant (session/
+    // context.cpp), so after it nothing fails and the scales it updated in
+    // place (a CUDA graph replays the update) are the committed step's.
+    void prepare(Guard& guard) override {
       if (!guard.options.delay_unscale) gemms.update();
     }
     Fp8Gemms& gemms;

@@ -109,9 +109,19 @@ void OptimizerStep::move_scaled_gradients(bool to_parameters) {
   }
 }
 
-void OptimizerStep::commit(const GuardOutcome& outcome) {
+void OptimizerStep::prepare(const GuardOutcome& outcome) {
   TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: a guard committed an optimizer that is ",
                         to_string(state_));
+  if (outcome.verdict == GuardOutcome::Verdict::kOnDevice) queued_.reserve(queued_.size() + 1);
+  if (!outcome.delay_unscale) return;
+  size_t held = scaled_.size();
+  for (const auto& group : optimizer_->param_groups()) {
+    for (const auto& p : group.params()) held += p.grad().defined() ? 1 : 0;
+  }
+  scaled_.reserve(held);
+}
+
+void OptimizerStep::commit(const GuardOutcome& outcome) noexcept {
   switch (outcome.verdict) {
     case GuardOutcome::Verdict::kNone:
       break;

@@ -94,8 +94,11 @@ class OptimizerStep {
   // gradients kept from a step the device skipped are discarded.
   void settle_before_guard();
   void open();  // kReady | kAccumulating -> kInGuard
+  // The guard is ending with `outcome`: allocates what commit needs, so
+  // that commit cannot fail (changes nothing else).
+  void prepare(const GuardOutcome& outcome);
   // The guard ended: one outcome, applied as a whole.
-  void commit(const GuardOutcome& outcome);  // kInGuard -> kReady | kAccumulating
+  void commit(const GuardOutcome& outcome) noexcept;  // kInGuard -> kReady | kAccumulating
   void unwind() noexcept;  // kInGuard -> the state before open()
 
   // ---- amp's fused step() ------------------------------------------------

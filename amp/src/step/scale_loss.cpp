@@ -115,6 +115,7 @@ void Guard::unscale() {
   for (const auto& part : parts_) part->after_unscale(*this);
   if (!unscaling || !scaler().dynamic()) return;  // a static scale never skips
   for (const auto& part : parts_) part->agree_overflow(*this, found_inf);
+  if (!scaler_before_) scaler_before_ = scaler().state();  // to unwind the update
   verdict_ = std::make_shared<OverflowVerdict>();
   verdict_->snapshot = scaler().update(found_inf);
   verdict_->loss_id = options.loss_id;
@@ -123,7 +124,6 @@ void Guard::unscale() {
 }
 
 void Guard::unscale_by_program() {
-  scaler_before_ = scaler().state();
   unscale();
   if (steps.size() > 1) check_kept_gradients();
   stage = Stage::kUnscaled;
@@ -142,7 +142,6 @@ void Guard::check_kept_gradients() {
 }
 
 void Guard::commit() {
-  for (auto& [param, aside] : held_) param.mutable_grad() = std::move(aside);
   // LibTorch's optimizers step on whatever gradients they find: the host
   // must know the verdict now. amp's fused ones take it on the device.
   bool host_reads = false;
@@ -165,6 +164,17 @@ void Guard::commit() {
     outcome.verdict = GuardOutcome::Verdict::kOnDevice;
     outcome.device_verdict = verdict_;
   }
+  // What can fail runs first, and a failure there unwinds the whole guard;
+  // from the commits on nothing fails, so the optimizers and participants
+  // commit together or not at all.
+  try {
+    for (OptimizerStep* step : steps) step->prepare(outcome);
+    for (const auto& part : parts_) part->prepare(*this);
+  } catch (...) {
+    unwind();
+    throw;
+  }
+  for (auto& [param, aside] : held_) param.mutable_grad() = std::move(aside);
   for (OptimizerStep* step : steps) step->commit(outcome);
   for (const auto& part : parts_) part->commit(*this);
   stage = Stage::kFinished;

@@ -8,9 +8,13 @@
 //   unscale   parts see the gradients before unscaling (reduce them), after
 //             it (record them), add the other ranks' overflow flags to this
 //             rank's (agree_overflow) and see the verdict (judged);
-//   commit    the guard ended well: parts finish, in order;
-//   unwind    an exception left the guard's scope: parts undo, in reverse
-//             order, and must not throw.
+//   prepare   the guard is ending well: parts do, in order, whatever can
+//             fail (allocating, computing), changing nothing their unwind
+//             cannot undo; a part that throws unwinds the whole guard;
+//   commit    after every part and optimizer prepared: parts finish, in
+//             order, and cannot fail - a step commits whole or not at all;
+//   unwind    an exception left the guard's scope, or a part failed to
+//             prepare: parts undo, in reverse order, and must not throw.
 //
 // Parts run in the order the session lists its participants (session/
 // context.cpp). Adding a participant touches its own file and that list.
@@ -36,7 +40,8 @@ class GuardPart {
   // (this rank's flag, 1 element on the device) with the other ranks'.
   virtual void agree_overflow(Guard&, at::Tensor& /*found_inf*/) {}
   virtual void judged(Guard&, OverflowVerdict&) {}
-  virtual void commit(Guard&) {}
+  virtual void prepare(Guard&) {}
+  virtual void commit(Guard&) noexcept {}
   virtual void unwind(Guard&) noexcept {}
 };
 
