@@ -7,7 +7,10 @@
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
 // without masters, stochastic rounding) with recomputation; the O2, O5 and
 // recomputed ones sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
-// started by this program, bytes per rank); and Python's torch on the same model
+// started by this program, bytes per rank), each beside the same
+// configuration replicated (plain data parallel) at the same per-rank
+// batch, which separates sharding's saving from the smaller batch's; and
+// Python's torch on the same model
 // (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint.
 //
 // Table 1: one step at equal batch and depth: the allocator's peak bytes
@@ -60,10 +63,10 @@ ABSL_FLAG(std::string, only, "", "run only the configurations whose name contain
 ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: no peer rows)");
 ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
 ABSL_FLAG(double, bucket_mib, 4,
-          "sharded rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
+          "data-parallel rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
           "of float32 gradients at once)");
 // Set by the launcher for the ranks it starts.
-ABSL_FLAG(int, rank, -1, "internal: this process is one rank of a sharded configuration");
+ABSL_FLAG(int, rank, -1, "internal: this process is one rank of a data-parallel configuration");
 ABSL_FLAG(int, world, 1, "internal: ranks of that configuration");
 ABSL_FLAG(std::string, store, "", "internal: rendezvous file of the ranks");
 ABSL_FLAG(std::string, config, "", "internal: the configuration a rank runs");
@@ -79,6 +82,7 @@ struct Config {
   std::optional<amp::OptLevel> level;  // none: LibTorch without amp
   bool recompute = false;
   int world = 1;
+  bool shard = false;  // with world > 1: ZeRO-2 (otherwise replicated)
 };
 
 std::vector<Config> configs() {
@@ -86,11 +90,13 @@ std::vector<Config> configs() {
                              {"amp O2", amp::O2},             {"amp O5", amp::O5},
                              {"amp O5 + recompute", amp::O5, true}, {"amp O6 + recompute", amp::O6, true}};
   for (int world : {2, 4}) {
-    const std::string per = " sharded x" + std::to_string(world);
-    out.push_back({"amp O2" + per, amp::O2, false, world});
-    out.push_back({"amp O5" + per, amp::O5, false, world});
-    out.push_back({"amp O5 + recompute" + per, amp::O5, true, world});
-    out.push_back({"amp O6 + recompute" + per, amp::O6, true, world});
+    for (bool shard : {false, true}) {
+      const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
+      out.push_back({"amp O2" + per, amp::O2, false, world, shard});
+      out.push_back({"amp O5" + per, amp::O5, false, world, shard});
+      out.push_back({"amp O5 + recompute" + per, amp::O5, true, world, shard});
+      out.push_back({"amp O6 + recompute" + per, amp::O6, true, world, shard});
+    }
   }
   return out;
 }
@@ -127,7 +133,7 @@ class Trainer {
       options.verbosity = 0;
       if (group_) {
         options.data_parallel.group = group_;
-        options.data_parallel.shard = true;
+        options.data_parallel.shard = config_.shard;
         options.data_parallel.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mib) * 1048576);
       }
       handle_.initialize(model_, *optimizer_, options);
@@ -172,7 +178,7 @@ class Trainer {
     return bytes;
   }
 
-  // One step on batch `number` (this rank's rows of it when sharded).
+  // One step on batch `number` (this rank's rows of it in data parallel).
   double step(int number) {
     torch::manual_seed(1000 + number);
     const auto starts = torch::randint(0, corpus_.size(0) - kContext - 1, {kBatch});
@@ -215,7 +221,7 @@ Figures deserialize(const std::string& text) {
   return f;
 }
 
-// A sharded configuration: its ranks as processes of this program; the
+// A data-parallel configuration: its ranks as processes of this program; the
 // largest rank's peak, rank 0's time and loss.
 Figures run_ranks(const Config& config, int layers, int timed, int train_steps) {
   const std::string base = "/tmp/amp_memory_" + std::to_string(getpid()) + "_" + std::to_string(std::rand());
@@ -262,7 +268,7 @@ Figures measure(const Config& config, int layers, int timed, int train_steps) {
   return Trainer(config, layers, nullptr).run(timed, train_steps);
 }
 
-// One rank of a sharded configuration (started by run_ranks).
+// One rank of a data-parallel configuration (started by run_ranks).
 int rank_main() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
@@ -328,7 +334,7 @@ std::vector<Row> rows() {
 
 void equal_batch_table(const std::vector<Row>& table, int layers) {
   std::printf("\n1. One AdamW step, GPT-shaped decoder (width %lld, context %lld, batch %lld, %d blocks), "
-              "allocator bytes (per rank when sharded)\n\n",
+              "allocator bytes (per rank in data parallel)\n\n",
               (long long)kWidth, (long long)kContext, (long long)kBatch, layers);
   std::printf("| configuration | parameters | peak MiB | peak / fp32 | above start MiB | above start / fp32 | ms/step | "
               "time / fp32 |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -367,7 +373,7 @@ std::pair<int, Figures> largest_in_budget(const Row& row, double budget) {
 }
 
 void budget_table(const std::vector<Row>& table, double budget, int train_steps) {
-  std::printf("\n2. The largest model whose step fits %.0f MiB of allocator bytes (per rank when sharded), "
+  std::printf("\n2. The largest model whose step fits %.0f MiB of allocator bytes (per rank in data parallel), "
               "trained %d steps\n\n", budget, train_steps);
   std::printf("| configuration | blocks | parameters | parameters / fp32 | peak MiB | loss (last 5 steps) |\n"
               "|---|---:|---:|---:|---:|---:|\n");
