@@ -65,6 +65,17 @@ class StepTransactionTest : public AmpTest {
   }
   at::Tensor loss() { return model_->forward(torch::randn({4, 8})).to(at::kFloat).pow(2).mean(); }
   detail::OptimizerStep::State state() { return detail::live_context()->step_of(optimizer_)->state(); }
+  // One committed guard from zeroed gradients: the first layer's gradient
+  // it leaves (a copy), with the journal cleared.
+  at::Tensor gradient_after_one_step() {
+    optimizer_.zero_grad();
+    {
+      scale_loss scaled(loss(), optimizer_);
+      scaled.backward();
+    }
+    journal_.clear();
+    return model_->fc1->weight.grad().clone();
+  }
 
   TinyNet model_;
   torch::optim::SGD optimizer_{model_->parameters(), 0.1};
@@ -130,13 +141,7 @@ TEST_F(StepTransactionTest, AnExceptionUnwindsTheParticipantsInReverseAndCommits
 
 TEST_F(StepTransactionTest, AParticipantThatRefusesLeavesEverythingAsItWas) {
   start(O1);
-  optimizer_.zero_grad();
-  {
-    scale_loss scaled(loss(), optimizer_);
-    scaled.backward();
-  }
-  const at::Tensor grad = model_->fc1->weight.grad().clone();
-  journal_.clear();
+  const at::Tensor grad = gradient_after_one_step();
   b_.refuse = true;
   EXPECT_THROW({ scale_loss scaled(loss(), optimizer_); }, std::runtime_error);
   EXPECT_TRUE(journal_.empty());  // nobody opened
@@ -162,13 +167,7 @@ TEST_F(StepTransactionTest, AParticipantThatRefusesLeavesEverythingAsItWas) {
 // scale and skip counts as before it, nobody half committed.
 TEST_F(StepTransactionTest, AParticipantFailingToPrepareUnwindsTheWholeStep) {
   start(O1);
-  optimizer_.zero_grad();
-  {
-    scale_loss scaled(loss(), optimizer_);
-    scaled.backward();
-  }
-  const at::Tensor grad = model_->fc1->weight.grad().clone();
-  journal_.clear();
+  const at::Tensor grad = gradient_after_one_step();
   b_.fail_prepare = true;
   for (bool overflow : {false, true}) {
     SCOPED_TRACE(overflow ? "an overflowing step" : "a clean step");
