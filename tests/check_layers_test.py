@@ -30,38 +30,31 @@ down = {"amp/include/amp/amp.h": "#include <amp/scale_loss.h>\n",
 code, out = run(down)
 assert code == 0, out
 
-up = dict(down)
-up["amp/src/step/guard.cpp"] += '#include "distributed/sharded_optimizer.h"\n'
-code, out = run(up)
-assert code == 1, out
-assert "amp/src/step/guard.cpp:3: layer 'step' includes \"distributed/sharded_optimizer.h\" from 'distributed'" in out, out
 
-stray = dict(down)
-stray["amp/src/misc/helper.cpp"] = "\n"
-code, out = run(stray)
-assert code == 1 and "amp/src/misc: not a layer" in out, out
+def fails(added, expected):
+    """The check fails on `down` with `added` text appended to its files
+    (new files where absent), saying `expected`."""
+    files = dict(down)
+    for path, text in added.items():
+        files[path] = files.get(path, "") + text
+    code, out = run(files)
+    assert code == 1 and expected in out, out
 
-private_in_public = dict(down)
-private_in_public["amp/include/amp/amp.h"] += '#include "step/guard.h"\n'
-code, out = run(private_in_public)
-assert code == 1 and "a public header includes a private one" in out, out
+
+fails({"amp/src/step/guard.cpp": '#include "distributed/sharded_optimizer.h"\n'},
+      "amp/src/step/guard.cpp:3: layer 'step' includes \"distributed/sharded_optimizer.h\" from 'distributed'")
+fails({"amp/src/misc/helper.cpp": "\n"}, "amp/src/misc: not a layer")
+fails({"amp/include/amp/amp.h": '#include "step/guard.h"\n'}, "a public header includes a private one")
 
 # Angle brackets reach amp/src too: an upward one fails, as does a private
 # header in a public one; other libraries' headers pass.
-angled_up = dict(down)
-angled_up["amp/src/step/guard.cpp"] += "#include <distributed/sharded_optimizer.h>\n#include <ATen/ATen.h>\n"
-code, out = run(angled_up)
-assert code == 1 and "layer 'step' includes <distributed/sharded_optimizer.h> from 'distributed'" in out, out
-angled_public = dict(down)
-angled_public["amp/include/amp/amp.h"] += "#include <model/model_weights.h>\n"
-code, out = run(angled_public)
-assert code == 1 and "a public header includes a private one (model/model_weights.h)" in out, out
+fails({"amp/src/step/guard.cpp": "#include <distributed/sharded_optimizer.h>\n#include <ATen/ATen.h>\n"},
+      "layer 'step' includes <distributed/sharded_optimizer.h> from 'distributed'")
+fails({"amp/include/amp/amp.h": "#include <model/model_weights.h>\n"},
+      "a public header includes a private one (model/model_weights.h)")
 
 # The README's layer line is the table's.
-with_readme = dict(down)
-with_readme["README.md"] = "`support <- model <- step`\n"
-code, out = run(with_readme)
-assert code == 1 and "README.md: its layer line is not" in out, out
+fails({"README.md": "`support <- model <- step`\n"}, "README.md: its layer line is not")
 
 
 def link(sources):
