@@ -115,7 +115,9 @@ void Guard::unscale() {
   for (const auto& part : parts_) part->after_unscale(*this);
   if (!unscaling || !scaler().dynamic()) return;  // a static scale never skips
   for (const auto& part : parts_) part->agree_overflow(*this, found_inf);
-  if (!scaler_before_) scaler_before_ = scaler().state();  // to unwind the update
+  // To unwind the update if a participant then fails to prepare (without
+  // participants nothing after it can fail, and a step saves the copies).
+  if (!scaler_before_ && !parts_.empty()) scaler_before_ = scaler().state();
   verdict_ = std::make_shared<OverflowVerdict>();
   verdict_->snapshot = scaler().update(found_inf);
   verdict_->loss_id = options.loss_id;
@@ -124,6 +126,7 @@ void Guard::unscale() {
 }
 
 void Guard::unscale_by_program() {
+  scaler_before_ = scaler().state();  // the program may throw before the guard ends
   unscale();
   if (steps.size() > 1) check_kept_gradients();
   stage = Stage::kUnscaled;
