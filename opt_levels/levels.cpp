@@ -104,6 +104,11 @@ std::string describe(const Properties& p) {
       << (p.loss_scale.dynamic ? "dynamic" : std::to_string(p.loss_scale.value)) << "\n"
       << "  cast_model_outputs    " << c10::toString(p.cast_model_outputs) << "\n"
       << "  stochastic_rounding   " << (p.stochastic_rounding ? "True" : "False") << "\n"
+      << "  optimizer_state_dtype "
+      << (p.optimizer_state_dtype == c10::kByte ? "8-bit (uint8, blockwise)"
+          : p.stochastic_rounding               ? c10::toString(p.optimizer_state_dtype)
+                                                : "the weights' (or masters') dtype")
+      << "\n"
       << "  fp8                   " << (p.fp8 ? "True (linear GEMMs in float8)" : "False") << "\n"
       << "  low precision dtype   CPU " << c10::toString(p.cpu_dtype) << ", CUDA "
       << c10::toString(p.cuda_dtype) << "\n";

@@ -137,11 +137,17 @@ Properties internal::resolve_properties(OptLevel level, const PropertyOverrides&
   }
   if (o.optimizer_state_dtype) {
     const c10::ScalarType t = *o.optimizer_state_dtype;
-    TORCH_CHECK(t == c10::kFloat || t == c10::kBFloat16, "amp: optimizer_state_dtype must be float32 "
-                "or bfloat16, got ", t);
-    TORCH_CHECK(p.stochastic_rounding, "amp: optimizer_state_dtype applies with stochastic_rounding "
-                "(O6); under ", name, " the optimizer keeps its state in the dtype of what it steps. "
-                "Remove the override, or use O6.");
+    TORCH_CHECK(t == c10::kFloat || t == c10::kBFloat16 || t == c10::kByte, "amp: optimizer_state_dtype must "
+                "be float32 or bfloat16 (O6), or uint8 (8-bit state, torch::kUInt8), got ", t);
+    const bool low_model = p.cast_model_type && *p.cast_model_type != c10::kFloat;
+    TORCH_CHECK(t != c10::kByte || !low_model || p.master_weights || p.stochastic_rounding, "amp: 8-bit "
+                "optimizer state (optimizer_state_dtype uint8) is stepped in float32: float32 parameters (O0, "
+                "O1, O4), masters (O2, O5) or O6's rounded bfloat16 weights; under ", name, " the optimizer "
+                "steps the model's ", *p.cast_model_type, " weights as they are. Use O2, O5 or O6.");
+    TORCH_CHECK(t == c10::kByte || p.stochastic_rounding, "amp: optimizer_state_dtype applies with "
+                "stochastic_rounding (O6) where it is float32 or bfloat16 (got ", t, "); under ", name, " the "
+                "optimizer keeps its state in the dtype of what it steps, or in 8 bits (uint8). Remove the "
+                "override, or use O6.");
   }
   p.optimizer_state_dtype = o.optimizer_state_dtype.value_or(p.stochastic_rounding ? c10::kBFloat16 : c10::kFloat);
   p.fp8 = o.fp8.value_or(false);

@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
                                            {"shard_gradients", "1"}, {"recompute", "0"},
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
                                            {"lone", "1"}, {"group_timeout_ms", "1800000"},
-                                           {"fp8", "0"}, {"positions", "none"}};
+                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -168,6 +168,7 @@ int main(int argc, char** argv) {
   options.verbosity = 0;
   options.loss_scale = amp::LossScale::Dynamic();  // O5 too, so that every level skips the overflow
   if (flags["fp8"] == "1") options.fp8 = true;
+  if (flags["state8"] == "1") options.optimizer_state_dtype = at::kByte;  // 8-bit optimizer state
   if (reduce == "builtin") {
     options.data_parallel.group = group;
     options.data_parallel.reduce_dtype = parse_dtype(flags["reduce_dtype"]);

@@ -2,8 +2,9 @@
 //
 // amp's state is every loss scaler (scale, growth tracker, hysteresis
 // tracker) plus the opt level and num_losses it was made with, and with
-// stochastic rounding (O6) the rounding's seed and step count, so a resumed
-// run draws what the uninterrupted one would, and with the fp8 property
+// stochastic rounding (O6) or 8-bit optimizer state the rounding's seed and
+// step count, so a resumed run draws what the uninterrupted one would (a run
+// keeping its state in float32 drops 8-bit state's), and with the fp8 property
 // every float8 GEMM's scales and amax histories, by its weight's name, so a
 // resumed run scales as the uninterrupted one would. Master weights (O2/O5) travel
 // with the optimizer: torch::save(*optimizer) includes them.
@@ -22,7 +23,7 @@
 //
 // Errors (c10::Error; on error nothing is changed): amp is not initialized; a
 // missing or mistyped entry; a different num_losses or opt level than the
-// live initialization; static/dynamic scaling mismatch; a rounding entry
+// live initialization; static/dynamic scaling mismatch; O6's rounding entry
 // when amp runs without stochastic rounding, or one that is not a seed and
 // a step count >= 0; fp8 scales when amp runs without fp8, for a weight
 // that is no parameter of initialize's models, or with an amax history of

@@ -1,6 +1,7 @@
 #include "distributed/sharded_optimizer.h"
 
 #include "support/log.h"
+#include "optim/eight_bit_state.h"
 #include "optim/optimizer_state_load.h"
 #include "optim/optimizer_kinds.h"
 #include "support/trace_range.h"
@@ -128,7 +129,7 @@ const ReduceBucket::Piece* ShardedOptimizer::piece(size_t member) const {
 }
 
 at::ScalarType ShardedOptimizer::state_dtype(const ReduceBucket::Piece& piece) const {
-  return kept_state_dtype(piece.stepped.scalar_type(), rounded_state_);
+  return kept_state_dtype(piece.stepped, rounded_state_);
 }
 
 void ShardedOptimizer::set_group_params(const std::vector<at::Tensor>* per_member) {
@@ -378,7 +379,7 @@ ShardedOptimizer::StateMap ShardedOptimizer::whole_state(const std::vector<at::T
       const torch::optim::OptimizerParamState* state = known(p);
       if (!state) return {};
       int64_t step = 0;
-      return state_tensors(*state, step)[k].value;
+      return state_values(state_tensors(*state, step)[k].value, p.stepped, non_negative_state(names[k]));
     });
   }
   StateMap state;
@@ -441,7 +442,10 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
       int64_t step = 0;
       std::vector<StateTensor> tensors = state_tensors(*it->second, step);
       for (StateTensor& t : tensors) {
-        if (t.value.defined()) t.value = t.value.reshape(-1).narrow(0, p->begin, p->length).to(state_dtype(*p), false, true);
+        if (t.value.defined()) {
+          t.value = state_kept_as(t.value.reshape(-1).narrow(0, p->begin, p->length), state_dtype(*p),
+                                  non_negative_state(t.name));
+        }
       }
       pieces[p->stepped.unsafeGetTensorImpl()] = make_state(groups[g].options(), tensors, step);
     }

@@ -4,6 +4,7 @@
 #include <amp/fused.h>
 
 #include "optim/fused_stepping.h"
+#include "optim/optimizer_state_load.h"
 #include "step/step_session.h"
 
 #include <ATen/ATen.h>
@@ -20,12 +21,25 @@ Fused::~Fused() = default;
 bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
   const std::shared_ptr<detail::StepSession> session = detail::live_step_session();
   detail::OptimizerStep* amp_step = session ? session->step_of(optimizer) : nullptr;
-  std::optional<UpdateRounding> rounding;
+  // The session's rounding streams exist where it rounds: O6's weights, or
+  // 8-bit state.
+  std::optional<UpdatePrecision> precision;
   if (amp_step != nullptr && session->rounding() != nullptr) {
-    rounding = UpdateRounding{session->rounding(), session->properties().optimizer_state_dtype};
+    const Properties& p = session->properties();
+    precision = UpdatePrecision{session->rounding(), p.stochastic_rounding, p.optimizer_state_dtype};
   }
-  const UpdateRounding* rounds = rounding ? &*rounding : nullptr;
-  const bool kernels = stepping_->suits(optimizer, rounds);
+  const UpdatePrecision* kept = precision ? &*precision : nullptr;
+  if (kept && kept->state_dtype == at::kByte) {
+    // State the program loaded (torch::load) or held before initialize is
+    // packed as it is first stepped; packed state stays as it is.
+    detail::convert_state(optimizer, [kept](const at::Tensor& p) { return state_dtype_of(p, kept); });
+  }
+  const bool kernels = stepping_->suits(optimizer, kept);
+  TORCH_CHECK(kernels || !kept || kept->state_dtype != at::kByte, "amp: optimizer_state_dtype uint8 keeps the "
+              "optimizer's state in 8 bits, which only amp's fused kernels step, and they cannot step this "
+              "optimizer now: they need every gradient dense, contiguous and of its parameter's dtype, and every "
+              "parameter on one CPU or CUDA device. Make the gradients so (sparse=false embeddings, no gradient "
+              "hooks that change their dtype), or keep the state in float32 (optimizer_state_dtype unset).");
   detail::OptimizerStep::FusedDecision decision;
   if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels);
   if (decision.skip) return true;
@@ -33,7 +47,7 @@ bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
     stepping_->reset();  // LibTorch's step counts on the host
     return false;
   }
-  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf, rounds);
+  FusedAttempt attempt = stepping_->step(optimizer, decision.found_inf, kept);
   if (amp_step != nullptr) {
     amp_step->end_fused_step(std::move(attempt), std::move(decision));
   } else {

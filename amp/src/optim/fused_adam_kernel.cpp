@@ -1,7 +1,7 @@
 // The kernels of amp::optim::FusedAdam and FusedAdamW: LibTorch's Adam /
 // AdamW step (torch/optim/adam.cpp, adamw.cpp) with the state it would
 // create, as one ATen _fused_adam_ / _fused_adamw_ call per group and dtype
-// (per chunk for rounded parameters), reading step counts kept on the device.
+// (per chunk for widened parameters: O6's, 8-bit state's), reading step counts kept on the device.
 #include "optim/fused_kernel.h"
 
 #include <ATen/ATen.h>
@@ -28,24 +28,24 @@ class AdamKernel final : public FusedKernel {
     };
     // ATen's kernels take one dtype per call: direct parameters by dtype
     // (float32 with float16 at O3's kept-float32 batch norms), and the
-    // rounded ones (O6), stepped in float32 a chunk at a time.
+    // widened ones (O6's rounded weights, 8-bit state), stepped in float32 a
+    // chunk at a time.
     std::map<c10::ScalarType, Lists> direct;
-    Lists rounded;
+    Lists widened;
     for (const at::Tensor& p : g.group.params()) {
       if (!p.grad().defined()) continue;
       void* key = p.unsafeGetTensorImpl();
       auto it = g.state.find(key);
       if (it == g.state.end()) {
-        const at::TensorOptions dtype = p.options().dtype(state_dtype_of(p, g.rounding));
         auto fresh = std::make_unique<ParamState>();
-        fresh->exp_avg(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
-        if (options.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, dtype, at::MemoryFormat::Preserve));
+        fresh->exp_avg(zero_state(p, g.precision, /*non_negative=*/false));
+        fresh->exp_avg_sq(zero_state(p, g.precision, /*non_negative=*/true));
+        if (options.amsgrad()) fresh->max_exp_avg_sq(zero_state(p, g.precision, /*non_negative=*/true));
         it = g.state.emplace(key, std::move(fresh)).first;
         g.attempt.created.push_back(key);
       }
       auto& s = static_cast<ParamState&>(*it->second);
-      Lists& lists = g.rounding != nullptr && p.scalar_type() == at::kBFloat16 ? rounded : direct[p.scalar_type()];
+      Lists& lists = steps_widened(p, g.precision) ? widened : direct[p.scalar_type()];
       lists.params.push_back(p);
       lists.grads.push_back(p.grad());
       lists.exp_avgs.push_back(s.exp_avg());
@@ -56,7 +56,7 @@ class AdamKernel final : public FusedKernel {
     }
     std::vector<Lists*> all;
     for (auto& [dtype, lists] : direct) all.push_back(&lists);
-    if (!rounded.params.empty()) all.push_back(&rounded);
+    if (!widened.params.empty()) all.push_back(&widened);
     if (all.empty()) return;
     std::optional<at::Tensor> flag;
     if (g.found_inf.defined()) flag = g.found_inf.to(all.front()->params.front().device());
@@ -81,10 +81,11 @@ class AdamKernel final : public FusedKernel {
       }
     };
     for (auto& [dtype, l] : direct) kernel(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps);
-    if (!rounded.params.empty()) {
-      step_widened({&rounded.params, &rounded.grads, &rounded.exp_avgs, &rounded.exp_avg_sqs,
-                    &rounded.max_exp_avg_sqs, &rounded.steps},
-                   {true, false, true, true, true, false}, *g.rounding->rounder,
+    if (!widened.params.empty()) {
+      step_widened({{&widened.params, true}, {&widened.grads}, {&widened.exp_avgs, true},
+                    {&widened.exp_avg_sqs, true, /*non_negative=*/true}, {&widened.max_exp_avg_sqs, true, true},
+                    {&widened.steps}},
+                   *g.precision->rounder,
                    [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
     }
   }

@@ -20,12 +20,16 @@
 
 namespace amp::optim::internal {
 
-// O6 (Properties::stochastic_rounding): bfloat16 parameters are stepped in
-// float32 copies, a chunk at a time, and the results - and, with a
-// bfloat16 state, the state - rounded back stochastically.
-struct UpdateRounding {
-  detail::StochasticRounding* rounder = nullptr;
-  c10::ScalarType state_dtype = c10::kFloat;
+// How amp's session keeps what the kernels step. O6
+// (Properties::stochastic_rounding) steps bfloat16 parameters in float32
+// copies, a chunk at a time, and rounds the results - and a bfloat16 state -
+// back stochastically; an 8-bit state (Properties::optimizer_state_dtype
+// uint8, eight_bit_state.h) is unpacked into float32 copies the same way
+// and packed again, rounded stochastically from the same streams.
+struct UpdatePrecision {
+  detail::StochasticRounding* rounder = nullptr;  // the session's rounding streams
+  bool rounds_weights = false;                    // O6: bfloat16 parameters rounded
+  c10::ScalarType state_dtype = c10::kFloat;      // Properties::optimizer_state_dtype
 };
 
 // What one fused step did, for settling it once its outcome is known.
@@ -39,7 +43,7 @@ struct GroupStep {
   torch::optim::OptimizerParamGroup& group;
   ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>& state;
   const at::Tensor& found_inf;  // 1 element, 0 or 1 (undefined: never)
-  const UpdateRounding* rounding;  // null: parameters stepped in their dtype
+  const UpdatePrecision* precision;  // null: parameters and state stepped in their dtype
   FusedAttempt& attempt;
   // The device step count of parameter `key` (a float32 scalar next to
   // `param`), created from the state's host count `host` the first time.
@@ -64,16 +68,28 @@ class FusedKernel {
   virtual void step(GroupStep& step) const = 0;
 };
 
-// The dtype of the state a step creates for `param`.
-c10::ScalarType state_dtype_of(const at::Tensor& param, const UpdateRounding* rounding);
+// The dtype of the state a step creates for `param` (uint8: packed 8-bit).
+c10::ScalarType state_dtype_of(const at::Tensor& param, const UpdatePrecision* precision);
+// Whether `param` is stepped through step_widened: a bfloat16 weight O6
+// rounds, or one whose state is packed in 8 bits.
+bool steps_widened(const at::Tensor& param, const UpdatePrecision* precision);
+// A new state tensor for `param` holding zeros, in state_dtype_of's dtype.
+at::Tensor zero_state(const at::Tensor& param, const UpdatePrecision* precision, bool non_negative);
 
-// Steps `columns` (parallel lists; column 0 the parameters) through
-// `kernel` in float32, a chunk at a time: bfloat16 tensors are widened,
-// float32 ones passed as they are; afterwards the bfloat16 tensors of the
-// columns the kernel writes (`written`) take its results, rounded
-// stochastically. Empty columns stay empty.
-void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, const std::vector<bool>& written,
-                  detail::StochasticRounding& rounder,
+// One list of step_widened's tensors (parallel to the parameters).
+struct WideColumn {
+  const std::vector<at::Tensor>* tensors;
+  bool written = false;       // the kernel writes it: its results go back
+  bool non_negative = false;  // packed 8-bit state: the code it is kept in
+};
+
+// Steps `columns` (column 0 the parameters) through `kernel` in float32, a
+// chunk at a time: bfloat16 tensors are widened and packed 8-bit state
+// unpacked, float32 ones passed as they are; afterwards the written
+// columns' bfloat16 tensors take the kernel's results rounded
+// stochastically, and their packed state the results packed again. Empty
+// columns stay empty.
+void step_widened(const std::vector<WideColumn>& columns, detail::StochasticRounding& rounder,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel);
 
 }  // namespace amp::optim::internal

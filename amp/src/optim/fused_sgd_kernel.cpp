@@ -26,34 +26,33 @@ class SgdKernel final : public FusedKernel {
     struct Batch {
       std::vector<at::Tensor> params, grads, buffers;
     };
-    // One kernel call per (dtype, rounded, first step): ATen's kernels take
+    // One kernel call per (dtype, widened, first step): ATen's kernels take
     // one dtype per call.
     std::map<std::tuple<c10::ScalarType, bool, bool>, Batch> batches;
     for (const at::Tensor& p : g.group.params()) {
       if (!p.grad().defined()) continue;
       void* key = p.unsafeGetTensorImpl();
-      const bool rounded = g.rounding != nullptr && p.scalar_type() == at::kBFloat16;
+      const bool widened = steps_widened(p, g.precision);
       bool first = false;
       at::Tensor buffer;
       if (momentum) {
         auto it = g.state.find(key);
         if (it == g.state.end()) {
           auto fresh = std::make_unique<torch::optim::SGDParamState>();
-          fresh->momentum_buffer(at::empty_like(p, p.options().dtype(state_dtype_of(p, g.rounding)),
-                                                at::MemoryFormat::Preserve));
+          fresh->momentum_buffer(zero_state(p, g.precision, /*non_negative=*/false));
           it = g.state.emplace(key, std::move(fresh)).first;
           g.attempt.created.push_back(key);
           first = true;
         }
         buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
       }
-      Batch& batch = batches[{p.scalar_type(), rounded, first}];
+      Batch& batch = batches[{p.scalar_type(), widened, first}];
       if (buffer.defined()) batch.buffers.push_back(buffer);
       batch.params.push_back(p);
       batch.grads.push_back(p.grad());
     }
     for (const auto& entry : batches) {
-      const bool rounded = std::get<1>(entry.first), first = std::get<2>(entry.first);
+      const bool widened = std::get<1>(entry.first), first = std::get<2>(entry.first);
       const Batch& batch = entry.second;
       std::optional<at::Tensor> flag;
       if (g.found_inf.defined()) flag = g.found_inf.to(batch.params.front().device());
@@ -62,10 +61,10 @@ class SgdKernel final : public FusedKernel {
                         options.dampening(), options.nesterov(), /*maximize=*/false, /*is_first_step=*/first,
                         /*grad_scale=*/std::nullopt, flag);
       };
-      if (!rounded) {
+      if (!widened) {
         kernel(batch.params, batch.grads, batch.buffers);
       } else {
-        step_widened({&batch.params, &batch.grads, &batch.buffers}, {true, false, true}, *g.rounding->rounder,
+        step_widened({{&batch.params, true}, {&batch.grads}, {&batch.buffers, true}}, *g.precision->rounder,
                      [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
       }
     }

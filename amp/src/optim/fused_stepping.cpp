@@ -1,5 +1,6 @@
 #include "optim/fused_stepping.h"
 
+#include "optim/eight_bit_state.h"
 #include "optim/optimizer_kinds.h"
 #include "support/host_read.h"
 #include "support/trace_range.h"
@@ -13,21 +14,21 @@ namespace amp::optim::internal {
 namespace {
 
 bool kernel_ready(const at::Tensor& t, const at::Tensor& param, c10::ScalarType dtype) {
+  if (dtype == at::kByte) return !t.defined() || detail::packs(t, param);
   return !t.defined() || (t.layout() == at::kStrided && t.is_contiguous() && t.scalar_type() == dtype &&
                           t.device() == param.device() && t.sizes() == param.sizes());
 }
 
 // At most this many elements of parameters are widened to float32 at once
-// (UpdateRounding): 4 MiB per widened list, a few per step - a transient
-// that stays small beside the bytes O6 saves.
+// (step_widened): 4 MiB per widened list, a few per step - a transient
+// that stays small beside the bytes O6 and 8-bit state save.
 constexpr int64_t kChunkElements = int64_t{1} << 20;
 
 }  // namespace
 
-void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, const std::vector<bool>& written,
-                  detail::StochasticRounding& rounder,
+void step_widened(const std::vector<WideColumn>& columns, detail::StochasticRounding& rounder,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel) {
-  const std::vector<at::Tensor>& params = *columns[0];
+  const std::vector<at::Tensor>& params = *columns[0].tensors;
   for (size_t begin = 0; begin < params.size();) {
     size_t end = begin;
     for (int64_t elements = 0; end < params.size() && (end == begin || elements + params[end].numel() <= kChunkElements);
@@ -36,18 +37,24 @@ void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, co
     }
     std::vector<std::vector<at::Tensor>> wide(columns.size());
     for (size_t c = 0; c < columns.size(); ++c) {
-      if (columns[c]->empty()) continue;
-      for (size_t i = begin; i < end; ++i) {
-        const at::Tensor& t = (*columns[c])[i];
-        wide[c].push_back(t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t);
+      for (size_t i = begin; i < end && !columns[c].tensors->empty(); ++i) {
+        const at::Tensor& t = (*columns[c].tensors)[i];
+        if (t.scalar_type() == at::kBFloat16) {
+          wide[c].push_back(t.to(at::kFloat));
+        } else if (detail::is_packed_state(t)) {
+          wide[c].push_back(detail::unpack_state(t, params[i].sizes(), columns[c].non_negative));
+        } else {
+          wide[c].push_back(t);
+        }
       }
     }
     kernel(wide);
     for (size_t c = 0; c < columns.size(); ++c) {
-      if (!written[c] || columns[c]->empty()) continue;
-      for (size_t i = begin; i < end; ++i) {
-        const at::Tensor& t = (*columns[c])[i];
+      if (!columns[c].written) continue;
+      for (size_t i = begin; i < end && !columns[c].tensors->empty(); ++i) {
+        const at::Tensor& t = (*columns[c].tensors)[i];
         if (t.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][i - begin], t);
+        if (detail::is_packed_state(t)) detail::pack_state_into(wide[c][i - begin], t, columns[c].non_negative, &rounder);
       }
     }
     begin = end;
@@ -56,11 +63,22 @@ void step_widened(const std::vector<const std::vector<at::Tensor>*>& columns, co
 
 // ---- FusedStepping ------------------------------------------------------------
 
-c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdateRounding* rounding) {
-  return detail::kept_state_dtype(p.scalar_type(), rounding ? std::optional(rounding->state_dtype) : std::nullopt);
+c10::ScalarType state_dtype_of(const at::Tensor& p, const UpdatePrecision* precision) {
+  return detail::kept_state_dtype(p, precision ? std::optional(precision->state_dtype) : std::nullopt);
 }
 
-bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const {
+bool steps_widened(const at::Tensor& p, const UpdatePrecision* precision) {
+  return precision != nullptr && ((precision->rounds_weights && p.scalar_type() == at::kBFloat16) ||
+                                  state_dtype_of(p, precision) == at::kByte);
+}
+
+at::Tensor zero_state(const at::Tensor& p, const UpdatePrecision* precision, bool non_negative) {
+  const c10::ScalarType dtype = state_dtype_of(p, precision);
+  if (dtype == at::kByte) return detail::pack_state(at::zeros({p.numel()}, p.options().dtype(at::kFloat)), non_negative, nullptr);
+  return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
+}
+
+bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdatePrecision* precision) const {
   std::optional<c10::Device> device;
   for (const auto& group : optimizer.param_groups()) {
     for (const at::Tensor& p : group.params()) {
@@ -72,9 +90,8 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
       // stepped widened to float32.
       const c10::ScalarType dtype = p.scalar_type();
       const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
-      const bool rounded = rounding != nullptr && dtype == at::kBFloat16;
       if (dtype != at::kFloat && dtype != at::kDouble && !reduced) return false;
-      if (reduced && !rounded && !kernel_.steps_low_precision_on_cpu() && p.is_cpu()) return false;
+      if (reduced && !steps_widened(p, precision) && !kernel_.steps_low_precision_on_cpu() && p.is_cpu()) return false;
       if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
       if (device && *device != p.device()) return false;
       device = p.device();
@@ -83,7 +100,7 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
       int64_t step = 0;
       const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
       if (tensors.empty()) return false;  // state of another kind
-      const c10::ScalarType state_dtype = state_dtype_of(p, rounding);
+      const c10::ScalarType state_dtype = state_dtype_of(p, precision);
       for (size_t i = 0; i < tensors.size(); ++i) {
         if (kernel_.needs_state(group.options(), i) && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
       }
@@ -93,18 +110,18 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
 }
 
 FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
-                                  const UpdateRounding* rounding) {
+                                  const UpdatePrecision* precision) {
   AMP_TRACE_RANGE("amp::fused step");
   at::NoGradGuard no_grad;
   FusedAttempt attempt;
-  if (rounding != nullptr) rounding->rounder->next_step();
+  if (precision != nullptr) precision->rounder->next_step();
   auto device_step = [this](void* key, int64_t host, const at::Tensor& param) -> at::Tensor& {
     at::Tensor& count = device_steps_[key];
     if (!count.defined()) count = at::full({}, static_cast<double>(host), param.options().dtype(at::kFloat));
     return count;
   };
   for (auto& group : optimizer.param_groups()) {
-    GroupStep step{group, optimizer.state(), found_inf, rounding, attempt, device_step};
+    GroupStep step{group, optimizer.state(), found_inf, precision, attempt, device_step};
     kernel_.step(step);
   }
   return attempt;

@@ -30,14 +30,14 @@ class FusedStepping {
 
   // Whether the kernels can step `optimizer` now: every gradient dense,
   // contiguous and of its parameter's dtype, float32 or float64 (or
-  // bfloat16 with `rounding`), every parameter on one CPU or CUDA device,
-  // and state of the same kind, in the parameter's dtype (with `rounding`:
-  // in its state dtype).
-  bool suits(const torch::optim::Optimizer& optimizer, const UpdateRounding* rounding) const;
+  // bfloat16 stepped widened), every parameter on one CPU or CUDA device,
+  // and state of the same kind, in state_dtype_of's dtype (packed where
+  // that is uint8).
+  bool suits(const torch::optim::Optimizer& optimizer, const UpdatePrecision* precision) const;
   // Steps the parameters with gradients, skipping on the device when
   // `found_inf` (1 element, exactly 0 or 1; undefined: never) is 1.
   FusedAttempt step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
-                    const UpdateRounding* rounding);
+                    const UpdatePrecision* precision);
   // The outcome of `attempt`: counts its step, or drops the state it created.
   void settle(const FusedAttempt& attempt, bool skipped, StateMap& state);
   // Whether a step now could be captured in a CUDA graph: every parameter

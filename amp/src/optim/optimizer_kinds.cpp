@@ -46,6 +46,11 @@ std::vector<StateTensor> state_tensors(const OptimizerParamState& state, int64_t
   return {};
 }
 
+bool non_negative_state(const char* name) {
+  const std::string n = name;
+  return n == "exp_avg_sq" || n == "max_exp_avg_sq" || n == "sum" || n == "square_avg";
+}
+
 void set_step_count(OptimizerParamState& state, int64_t steps) {
   if (auto* s = dynamic_cast<AdamParamState*>(&state)) s->step(steps);
   if (auto* s = dynamic_cast<AdamWParamState*>(&state)) s->step(steps);

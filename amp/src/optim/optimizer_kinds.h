@@ -36,12 +36,30 @@ void set_step_count(torch::optim::OptimizerParamState& state, int64_t steps);
 // Counts one more step taken in a state that keeps a step count.
 void count_step(torch::optim::OptimizerParamState& state);
 
-// The dtype of the state amp's fused optimizers keep for a parameter of
-// dtype `param`: with stochastic rounding (O6) a bfloat16 one's is
-// `rounded` (Properties::optimizer_state_dtype), any other its own.
-inline at::ScalarType kept_state_dtype(at::ScalarType param, std::optional<at::ScalarType> rounded) {
-  return rounded && param == at::kBFloat16 ? *rounded : param;
+// Parameters this small keep float32 state under 8-bit state, as
+// bitsandbytes' min_8bit_size: a block's scale and padding would cost more
+// than the bytes they save.
+inline constexpr int64_t kMinPackedElements = 4096;
+
+// The dtype of the state amp's fused optimizers keep for `param`, given
+// Properties::optimizer_state_dtype `chosen` (nullopt: the session neither
+// rounds nor packs): with uint8, float32 and bfloat16 parameters of at
+// least kMinPackedElements elements keep theirs packed in 8 bits
+// (eight_bit_state.h), smaller ones in float32; float32 or bfloat16 for
+// O6's bfloat16 ones; any other its own dtype.
+inline at::ScalarType kept_state_dtype(const at::Tensor& param, std::optional<at::ScalarType> chosen) {
+  const at::ScalarType dtype = param.scalar_type();
+  if (chosen == at::kByte) {
+    if (dtype != at::kFloat && dtype != at::kBFloat16) return dtype;
+    return param.numel() >= kMinPackedElements ? at::kByte : at::kFloat;
+  }
+  return chosen && dtype == at::kBFloat16 ? *chosen : dtype;
 }
+
+// Whether the state tensor `name` never holds negative values (Adam's
+// second moments, Adagrad's sums, RMSprop's square averages): 8-bit state
+// keeps it in the non-negative code.
+bool non_negative_state(const char* name);
 
 // The numeric options of a known optimizer (empty for others).
 std::vector<std::pair<const char*, double>> numeric_options(const torch::optim::OptimizerOptions& options);

@@ -1,5 +1,6 @@
 #include "optim/optimizer_state_load.h"
 
+#include "optim/eight_bit_state.h"
 #include "optim/optimizer_kinds.h"
 
 #include <c10/util/Exception.h>
@@ -14,7 +15,6 @@
 namespace amp::detail {
 
 void convert_state(torch::optim::Optimizer& optimizer, const StateDtype& dtype) {
-  if (!dtype) return;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       auto it = optimizer.state().find(p.unsafeGetTensorImpl());
@@ -23,14 +23,27 @@ void convert_state(torch::optim::Optimizer& optimizer, const StateDtype& dtype) 
       std::vector<StateTensor> tensors = state_tensors(*it->second, step);
       bool converted = false;
       for (StateTensor& t : tensors) {
-        if (!t.value.defined() || !t.value.is_floating_point() || t.value.scalar_type() == dtype(p)) continue;
-        t.value = t.value.to(dtype(p));
+        const at::ScalarType kept = dtype ? dtype(p) : p.scalar_type();
+        const bool packed = is_packed_state(t.value);
+        if (!t.value.defined() || !(packed || (dtype && t.value.is_floating_point()))) continue;
+        if (packed ? kept == at::kByte : t.value.scalar_type() == kept) continue;
+        const bool non_negative = non_negative_state(t.name);
+        t.value = state_kept_as(state_values(t.value, p, non_negative), kept, non_negative);
         converted = true;
       }
       if (converted) it->second = make_state(group.options(), tensors, step);
     }
   }
 }
+
+namespace {
+
+std::string kept_name(at::ScalarType dtype, const at::Tensor& p) {
+  if (dtype != at::kByte) return c10::toString(dtype);
+  return "8-bit: Byte[" + std::to_string(packed_blocks(p.numel())) + ", " + std::to_string(kPackedRow) + "]";
+}
+
+}  // namespace
 
 void check_state_fits_params(const torch::optim::Optimizer& optimizer, const StateDtype& dtype) {
   size_t index = 0, group_index = 0;
@@ -48,11 +61,13 @@ void check_state_fits_params(const torch::optim::Optimizer& optimizer, const Sta
           TORCH_CHECK(t.value.defined() || !t.required, "the state of parameter ", index, " has no '", t.name, "'");
           if (!t.value.defined()) continue;
           const at::ScalarType expected = dtype ? dtype(p) : p.scalar_type();
-          TORCH_CHECK(t.value.sizes() == p.sizes() && t.value.scalar_type() == expected &&
-                          t.value.device() == p.device(),
+          const bool fits = expected == at::kByte ? packs(t.value, p)
+                                                  : t.value.sizes() == p.sizes() && t.value.scalar_type() == expected &&
+                                                        t.value.device() == p.device();
+          TORCH_CHECK(fits,
                       "the state '", t.name, "' of parameter ", index, " is ", t.value.scalar_type(), t.value.sizes(),
                       " on ", t.value.device(), " but the parameter is ", p.scalar_type(), p.sizes(), " on ",
-                      p.device(), expected == p.scalar_type() ? "" : " (its state " + std::string(c10::toString(expected)) + ")");
+                      p.device(), expected == p.scalar_type() ? "" : " (its state " + kept_name(expected, p) + ")");
         }
         TORCH_CHECK(step >= 0, "the state of parameter ", index, " has step count ", step);
       }

@@ -18,13 +18,14 @@ std::string state_bytes(const torch::optim::Optimizer& optimizer);
 void restore_state_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes);
 
 // The dtype a parameter's state is kept in; null: the parameter's own.
-// O6 keeps a bfloat16 parameter's state in optimizer_state_dtype, and a
-// checkpoint holds it as it was kept: a run keeping another dtype (or
-// sharded, whose whole state is float32) converts it as it loads.
+// O6 keeps a bfloat16 parameter's state in optimizer_state_dtype, uint8
+// packs it in 8 bits (eight_bit_state.h), and a checkpoint holds it as it
+// was kept: a run keeping another dtype (or sharded, whose whole state is
+// float32) converts it as it loads.
 using StateDtype = std::function<at::ScalarType(const at::Tensor& param)>;
 
-// Loads `archive` into `optimizer`, floating state tensors converted to
-// `dtype`; `before` is its state_bytes, restored on error. Errors
+// Loads `archive` into `optimizer`, state tensors converted as
+// convert_state does; `before` is its state_bytes, restored on error. Errors
 // (c10::Error; the optimizer is unchanged): any error of the optimizer's
 // own load, translated; a state tensor that is missing, or whose shape or
 // device differs from its parameter's, or whose dtype from `dtype`'s; a
@@ -33,7 +34,8 @@ using StateDtype = std::function<at::ScalarType(const at::Tensor& param)>;
 void load_optimizer_state(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
                           const std::string& before, const StateDtype& dtype = nullptr);
 
-// Converts the floating state tensors to `dtype` (after a load).
+// Converts the floating and packed state tensors to `dtype` (after a load);
+// null `dtype`: packed ones to their parameter's dtype.
 void convert_state(torch::optim::Optimizer& optimizer, const StateDtype& dtype);
 
 // Checks the loaded state against the parameters (as load_optimizer_state

@@ -10,6 +10,7 @@ namespace amp::detail {
 namespace {
 
 constexpr const char* kEntry = "stochastic_rounding";
+constexpr const char* kStateEntry = "state_rounding";
 constexpr int32_t kKeptBits = static_cast<int32_t>(0xFFFF0000u);  // sign, exponent, bf16's 7 mantissa bits
 
 // SplitMix64's finalizer: neighbouring inputs give unrelated seeds.
@@ -59,18 +60,25 @@ void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst
   dst.copy_(bits.view(at::kFloat));  // exact: the cut bits are zero
 }
 
-void StochasticRounding::save(torch::serialize::OutputArchive& archive) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  archive.write(kEntry, at::tensor({static_cast<int64_t>(seed_), steps_}, at::kLong));
+at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device) {
+  return at::rand(sizes, generator(device), at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
-bool StochasticRounding::is_entry(const std::string& key) { return key == kEntry; }
+void StochasticRounding::save(torch::serialize::OutputArchive& archive) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  archive.write(weights_ ? kEntry : kStateEntry, at::tensor({static_cast<int64_t>(seed_), steps_}, at::kLong));
+}
+
+bool StochasticRounding::is_entry(const std::string& key) { return key == kEntry || key == kStateEntry; }
+
+bool StochasticRounding::is_weights_entry(const std::string& key) { return key == kEntry; }
 
 void StochasticRounding::load(torch::serialize::InputArchive& archive) {
   at::Tensor state;
-  if (!archive.try_read(kEntry, state)) return;
+  const char* entry = kEntry;
+  if (!archive.try_read(entry, state) && !archive.try_read(entry = kStateEntry, state)) return;
   TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.numel() == 2 && state[1].item<int64_t>() >= 0,
-              "amp: entry '", kEntry, "' should hold the rounding's seed and step count (two int64 "
+              "amp: entry '", entry, "' should hold the rounding's seed and step count (two int64 "
               "values, the count >= 0), got ", state.scalar_type(), " of shape ", state.sizes());
   std::lock_guard<std::mutex> lock(mutex_);
   seed_ = static_cast<uint64_t>(state[0].item<int64_t>());

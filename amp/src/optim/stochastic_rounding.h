@@ -33,24 +33,37 @@ namespace amp::detail {
 
 class StochasticRounding {
  public:
-  StochasticRounding(uint64_t seed, uint64_t stream) : seed_(seed), stream_(stream) {}
+  // `weights`: the session rounds weights (O6), not only 8-bit optimizer
+  // state; it names the entry in amp's state.
+  StochasticRounding(uint64_t seed, uint64_t stream, bool weights = true)
+      : seed_(seed), stream_(stream), weights_(weights) {}
 
   // An optimizer step begins: its roundings draw from the step's streams.
   void next_step();
   // dst (bfloat16) = src (float32, same shape and device), rounded.
   void round_into(const at::Tensor& src, const at::Tensor& dst);
+  // Uniform float32 noise in [0, 1) of `sizes` on `device`, from the
+  // step's stream (8-bit optimizer state's rounding: eight_bit_state.h).
+  at::Tensor uniform(at::IntArrayRef sizes, c10::Device device);
 
-  // Entry "stochastic_rounding": the seed and the steps taken.
+  // Entry "stochastic_rounding" (rounding weights) or "state_rounding"
+  // (8-bit state only): the seed and the steps taken.
   void save(torch::serialize::OutputArchive& archive) const;
-  // Errors (nothing changes): an entry that is not two int64 values.
+  // Reads either entry. Errors (nothing changes): an entry that is not two
+  // int64 values.
   void load(torch::serialize::InputArchive& archive);
   static bool is_entry(const std::string& key);
+  // Whether `key` is the entry of a session that rounds weights: a run
+  // without rounding cannot continue it (8-bit state's entry it can drop,
+  // keeping its state in float32).
+  static bool is_weights_entry(const std::string& key);
 
  private:
   at::Generator generator(c10::Device device);
 
   mutable std::mutex mutex_;
   uint64_t seed_, stream_;
+  bool weights_;
   int64_t steps_ = 0;
   // By device ("cpu", "cuda:0"): its generator and the step it was seeded for.
   std::map<std::string, std::pair<at::Generator, int64_t>> generators_;

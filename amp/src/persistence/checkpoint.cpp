@@ -47,12 +47,13 @@ at::Tensor fp32_value(const at::Tensor& t, const MasterValues& masters) {
   return internal::is_low_precision(t.scalar_type()) ? t.detach().to(at::kFloat) : t.detach();
 }
 
-// The dtype `optimizer` keeps its state in: with stochastic rounding (O6)
-// amp's fused optimizers' kept_state_dtype; otherwise the parameter's own.
+// The dtype `optimizer` keeps its state in: where the session rounds (O6's
+// weights, 8-bit state) amp's fused optimizers' kept_state_dtype; otherwise
+// the parameter's own.
 detail::StateDtype state_dtype(const detail::Context& context, torch::optim::Optimizer& optimizer) {
   if (context.rounding() == nullptr || detail::fused_optimizer(optimizer) == nullptr) return nullptr;
-  const at::ScalarType rounded = context.properties().optimizer_state_dtype;
-  return [rounded](const at::Tensor& p) { return detail::kept_state_dtype(p.scalar_type(), rounded); };
+  const at::ScalarType chosen = context.properties().optimizer_state_dtype;
+  return [chosen](const at::Tensor& p) { return detail::kept_state_dtype(p, chosen); };
 }
 
 torch::nn::Module& model_of(const internal::ModelRef& ref) {

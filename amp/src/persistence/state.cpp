@@ -65,14 +65,14 @@ void load_state(torch::serialize::InputArchive& archive) {
               " loss scaler(s) but amp was initialized with num_losses=", context->num_losses(),
               "; initialize with num_losses=", num_losses, ".");
   for (const std::string& key : archive.keys()) {
-    TORCH_CHECK(!detail::StochasticRounding::is_entry(key) || context->rounding() != nullptr, "amp: the "
+    TORCH_CHECK(!detail::StochasticRounding::is_weights_entry(key) || context->rounding() != nullptr, "amp: the "
                 "state holds the stochastic rounding streams of a run with stochastic_rounding (O6), but "
                 "amp runs without it; initialize with the checkpoint's opt_level and overrides.");
     TORCH_CHECK(!detail::Fp8Gemms::is_entry(key) || context->fp8() != nullptr, "amp: the state holds the fp8 "
                 "scales of a run with the fp8 property, but amp runs without it; initialize with fp8 = true.");
     const bool known = key == "opt_level" || key == "num_losses" || detail::Fp8Gemms::is_entry(key) ||
                        (key.rfind("loss_scaler", 0) == 0 && key.size() > 11) ||
-                       (detail::StochasticRounding::is_entry(key) && context->rounding() != nullptr);
+                       detail::StochasticRounding::is_entry(key);  // 8-bit state's: dropped without rounding
     TORCH_CHECK(known, "amp: unexpected entry '", key, "' in amp's state; was the archive written by "
                 "amp::save_state?");
   }

@@ -72,11 +72,11 @@ Context::Context(const Properties& properties, const Options& options, const Reg
         options.num_losses, parameter_names_,
         [p = properties_](c10::DeviceType device) { return p.low_precision_dtype(device); });
   }
-  if (properties.stochastic_rounding) {
+  if (properties.stochastic_rounding || properties.optimizer_state_dtype == at::kByte) {  // rounds weights or 8-bit state
     uint64_t seed = at::detail::getDefaultCPUGenerator().current_seed();
     const c10::intrusive_ptr<c10d::Backend>& group = options.data_parallel.group;
     if (group) seed = rank0_seed(seed, *group);
-    rounding_ = std::make_unique<StochasticRounding>(seed, sharded_ ? group->getRank() : 0);
+    rounding_ = std::make_unique<StochasticRounding>(seed, sharded_ ? group->getRank() : 0, properties.stochastic_rounding);
   }
   for (torch::optim::Optimizer* optimizer : optimizers) {
     steps_[optimizer] = std::make_unique<OptimizerStep>(*optimizer, fused_optimizer(*optimizer));

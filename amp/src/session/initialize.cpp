@@ -180,7 +180,16 @@ void check_sharding(const Options& o, const Properties& p, const Optimizers& opt
 
 // Stochastic rounding (O6) happens in amp's fused optimizers; LibTorch's
 // own would round every update to nearest, and small ones would vanish.
+// 8-bit state is packed and unpacked by amp's fused optimizers alone.
 void check_rounding_optimizers(const Optimizers& optimizers, const Properties& p) {
+  if (p.optimizer_state_dtype == at::kByte) {
+    for (torch::optim::Optimizer* optimizer : optimizers) {
+      TORCH_CHECK(detail::fused_optimizer(*optimizer) != nullptr, "amp: optimizer_state_dtype uint8 keeps the "
+                  "optimizer's state in 8 bits, which amp's fused optimizers step; this optimizer is LibTorch's "
+                  "own, whose step reads float state. Use amp::optim::FusedAdamW, FusedAdam or FusedSGD (same "
+                  "options), or leave optimizer_state_dtype unset.");
+    }
+  }
   if (!p.stochastic_rounding) return;
   for (torch::optim::Optimizer* optimizer : optimizers) {
     TORCH_CHECK(detail::fused_optimizer(*optimizer) != nullptr, "amp: opt_level ", to_string(p.opt_level),

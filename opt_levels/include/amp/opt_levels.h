@@ -43,8 +43,10 @@
 //   - a dtype other than float16/bfloat16, or float16 under O4/O5/O6;
 //   - stochastic_rounding=true with master_weights, or with a model cast to
 //     anything but bfloat16 (it rounds updates into bf16 weights: use O6);
-//   - optimizer_state_dtype other than float32/bfloat16, or set without
-//     stochastic_rounding (other levels keep the state in the weights' dtype);
+//   - optimizer_state_dtype other than float32/bfloat16/uint8; float32 or
+//     bfloat16 set without stochastic_rounding (other levels keep the state
+//     in the weights' dtype); uint8 where the optimizer steps a
+//     low-precision model without masters or rounding (O3);
 //   - fp8=true at any level but O5 (or with O5's masters or bfloat16 model
 //     overridden);
 //   - scaler values out of range: a loss scale <= 0
@@ -130,9 +132,14 @@ struct PropertyOverrides {
   // Without master weights, amp's fused optimizers round each update into
   // the bf16 weights stochastically instead of to nearest (O6).
   std::optional<bool> stochastic_rounding;
-  // With stochastic_rounding: the dtype of the fused optimizers' state
-  // (Adam's moments, SGD's momentum), float32 or bfloat16 (O6: bfloat16,
-  // rounded stochastically too).
+  // The dtype of amp's fused optimizers' state (Adam's moments, SGD's
+  // momentum). With stochastic_rounding: float32 or bfloat16 (O6's
+  // default, rounded stochastically too). At any level whose optimizer
+  // steps float32 values or O6's weights (all but O3): uint8
+  // (torch::kUInt8), 8-bit blockwise state as bitsandbytes' and torchao's
+  // 8-bit optimizers keep it - 256 values a block scaled by their maximum,
+  // logarithmic codes, rounded stochastically: 2 bytes a parameter for
+  // Adam's two moments, where float32 takes 8.
   std::optional<c10::ScalarType> optimizer_state_dtype;
   // On top of O5: linear layers' GEMMs (forward and both gradients) in
   // float8 with per-tensor scales (Options::fp8_scaling), through
@@ -155,7 +162,7 @@ struct Properties {
   c10::ScalarType cuda_dtype = c10::kHalf;
   DynamicScaling dynamic_scaling;
   bool stochastic_rounding = false;
-  c10::ScalarType optimizer_state_dtype = c10::kFloat;  // read with stochastic_rounding
+  c10::ScalarType optimizer_state_dtype = c10::kFloat;  // read with stochastic_rounding, and uint8 anywhere
   bool fp8 = false;  // linear GEMMs in float8 (O5's model and masters)
 
   // False when Options::enabled is false: the loop runs as plain float32

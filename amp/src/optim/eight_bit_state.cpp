@@ -1,0 +1,128 @@
+#include "optim/eight_bit_state.h"
+
+#include "optim/stochastic_rounding.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+namespace amp::detail {
+namespace {
+
+// Code k's magnitude is 2^(-k / kSteps); doubling a value moves its code by
+// kSteps (a block re-coded one exponent down).
+constexpr int64_t kSignedSteps = 8, kNonNegativeSteps = 4;
+constexpr int64_t kSignedZero = 127;  // the signed table's index of 0
+constexpr int kMinExponent = -126, kMaxExponent = 127;  // 2^e a normal float32
+
+// The code values in ascending order (float32): signed -1 .. 0 .. 1 (255
+// values), non-negative 0 .. 1 (256).
+at::Tensor make_code_values(bool non_negative) {
+  const int64_t count = non_negative ? 255 : 127;
+  const double steps = non_negative ? kNonNegativeSteps : kSignedSteps;
+  const at::Tensor magnitudes = at::exp2(at::arange(count, at::kDouble).div(-steps));  // 1 .. smallest
+  const at::Tensor zero = at::zeros({1}, at::kDouble);
+  const at::Tensor values = non_negative ? at::cat({zero, magnitudes.flip(0)})
+                                         : at::cat({magnitudes.neg(), zero, magnitudes.flip(0)});
+  return values.to(at::kFloat);
+}
+
+// The table on `device`, made once per device.
+const at::Tensor& code_values(bool non_negative, c10::Device device) {
+  static std::mutex mutex;
+  static std::map<std::pair<bool, std::string>, at::Tensor> tables;
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& table = tables[{non_negative, device.str()}];
+  if (!table.defined()) table = make_code_values(non_negative).to(device);
+  return table;
+}
+
+// 2^e (int32 exponents in [-126, 127]) as float32, exactly: the bit pattern.
+at::Tensor power_of_two(const at::Tensor& exponent) {
+  return exponent.add(127).mul_(int64_t{1} << 23).view(at::kFloat);
+}
+
+}  // namespace
+
+bool is_packed_state(const at::Tensor& state) {
+  return state.defined() && state.scalar_type() == at::kByte && state.dim() == 2 && state.size(1) == kPackedRow;
+}
+
+int64_t packed_blocks(int64_t numel) { return (numel + kStateBlock - 1) / kStateBlock; }
+
+bool packs(const at::Tensor& state, const at::Tensor& param) {
+  return is_packed_state(state) && state.is_contiguous() && state.device() == param.device() &&
+         state.size(0) == packed_blocks(param.numel());
+}
+
+void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                     StochasticRounding* rounder) {
+  const int64_t blocks = packed.size(0), numel = values.numel();
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
+  at::Tensor x;
+  if (numel == blocks * kStateBlock) {
+    x = values.reshape({blocks, kStateBlock});
+  } else {  // the last block padded with zeros
+    x = at::zeros({blocks * kStateBlock}, values.options());
+    x.narrow(0, 0, numel).copy_(values.reshape(-1));
+    x = x.view({blocks, kStateBlock});
+  }
+  // Each block's scale: the smallest power of two holding its maximum.
+  const auto [mantissa, exponent] = at::frexp(x.abs().amax(1, /*keepdim=*/true));
+  at::Tensor e = exponent.sub(mantissa.eq(0.5).to(at::kInt)).clamp_(kMinExponent, kMaxExponent);
+  const at::Tensor y = x.div(power_of_two(e)).clamp_(non_negative ? 0.0 : -1.0, 1.0);
+
+  // Each value between its two neighbouring codes a <= y <= b.
+  const at::Tensor& table = code_values(non_negative, x.device());
+  const int64_t last = table.numel() - 1;
+  const at::Tensor lo = at::bucketize(y, table, /*out_int32=*/true, /*right=*/true).sub_(1).clamp_(0, last);
+  const at::Tensor hi = lo.add(1).clamp_max_(last);
+  const at::Tensor a = table.index_select(0, lo.view(-1)).view_as(y);
+  const at::Tensor b = table.index_select(0, hi.view(-1)).view_as(y);
+  // Up with probability (y - a) / (b - a): the expected code value is y. A
+  // value on a code stays there.
+  const at::Tensor up = rounder ? rounder->uniform(y.sizes(), y.device()).mul_(b - a).lt(y - a) : (y - a).gt(b - y);
+  at::Tensor code = lo.add(up.to(at::kInt));
+
+  // A block whose maximum rounded down onto 0.5 is coded one exponent down
+  // (its codes doubled), so a block's bytes follow from its values alone.
+  const at::Tensor halve =
+      at::where(up, b, a).abs_().amax(1, /*keepdim=*/true).eq(0.5).logical_and_(e.gt(kMinExponent));
+  const at::Tensor doubled = non_negative ? code.add(code.gt(0).to(at::kInt).mul_(kNonNegativeSteps))
+                                          : code.add(code.sub(kSignedZero).sign_().mul_(kSignedSteps));
+  code = at::where(halve, doubled, code);
+  e = e.sub(halve.to(at::kInt));
+
+  packed.narrow(1, 0, kStateBlock).copy_(code);
+  packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
+}
+
+at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder) {
+  at::Tensor packed = at::empty({packed_blocks(values.numel()), kPackedRow}, values.options().dtype(at::kByte));
+  pack_state_into(values.to(at::kFloat), packed, non_negative, rounder);
+  return packed;
+}
+
+at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed));
+  const int64_t blocks = packed.size(0);
+  const at::Tensor& table = code_values(non_negative, packed.device());
+  const at::Tensor codes = packed.narrow(1, 0, kStateBlock).reshape(-1).to(at::kInt);
+  const at::Tensor scale = power_of_two(packed.narrow(1, kStateBlock, 1).view(at::kChar).to(at::kInt));
+  const at::Tensor values = table.index_select(0, codes).view({blocks, kStateBlock}).mul_(scale);
+  return values.view(-1).narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
+}
+
+at::Tensor state_values(const at::Tensor& state, const at::Tensor& param, bool non_negative) {
+  return is_packed_state(state) ? unpack_state(state, param.sizes(), non_negative) : state;
+}
+
+at::Tensor state_kept_as(const at::Tensor& values, at::ScalarType dtype, bool non_negative) {
+  return dtype == at::kByte ? pack_state(values, non_negative, nullptr) : values.to(dtype, false, /*copy=*/true);
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,70 @@
+// Private: optimizer state kept in 8 bits a value
+// (Properties::optimizer_state_dtype = uint8), as bitsandbytes' and
+// torchao's 8-bit optimizers keep it: blockwise, each block of 256 values
+// scaled by its own absolute maximum and coded in one byte each.
+//
+// Layout (one uint8 tensor per state tensor, so LibTorch's state classes,
+// torch::save and amp's checkpoints carry it unchanged): [blocks, 257],
+// blocks = ceil(numel / 256); a row is a block's 256 codes (the last
+// block padded with zeros), then the block's scale as a signed power-of-two
+// exponent (int8). 257 bytes per 256 values: Adam's two moments take 2.01
+// bytes a parameter, against 8 in float32.
+//
+// A value is code_value[code] * 2^exponent. The exponent is the smallest
+// whose power of two holds the block's absolute maximum, so scaling and
+// unscaling are exact and a block read and packed again is the same bytes
+// (a step skipped on the device, a checkpoint split over ranks and joined
+// again). The codes are logarithmic, so small values keep their relative
+// precision beside a large one in their block:
+//   - signed (Adam's first moment, SGD's momentum): 0 and +-2^(-k/8),
+//     k = 0..126 (9% apart, down to 2^-15.75 of the block's maximum);
+//   - non-negative (Adam's second moment): 0 and 2^(-k/4), k = 0..254
+//     (down to 2^-63.5: the square root, which divides the update, keeps
+//     the signed code's precision and twice its range, so a small
+//     gradient's second moment beside a large one is not coded as 0).
+//
+// Packing rounds each value to one of its two neighbouring codes with
+// probabilities that make the expected code value the value itself
+// (stochastic rounding): Adam's second moment moves 0.1% a step with
+// beta2 = 0.999, far less than a code's step, so rounding to nearest would
+// freeze it. The noise comes from amp's rounding streams
+// (stochastic_rounding.h): runs are reproducible and resume bit for bit.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace amp::detail {
+
+class StochasticRounding;
+
+inline constexpr int64_t kStateBlock = 256;
+inline constexpr int64_t kPackedRow = kStateBlock + 1;  // codes, then the exponent
+
+// Whether `state` is packed 8-bit state (uint8 [blocks, 257]).
+bool is_packed_state(const at::Tensor& state);
+// Whether `state` is the packed form of `param`'s values: contiguous, on
+// its device, with ceil(numel / 256) blocks.
+bool packs(const at::Tensor& state, const at::Tensor& param);
+// The packed form's rows for `numel` values.
+int64_t packed_blocks(int64_t numel);
+
+// The packed form of `values` (float32, any shape). Rounded stochastically
+// with `rounder`'s stream of the current step; to nearest without one
+// (converting loaded state).
+at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder);
+// Packs `values` (float32, numel of the state's values) into `packed`.
+void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                     StochasticRounding* rounder);
+// The float32 values of `packed`, shaped `sizes`.
+at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative);
+
+// A state tensor's values in its parameter's shape: packed state unpacked
+// to float32, any other as it is.
+at::Tensor state_values(const at::Tensor& state, const at::Tensor& param, bool non_negative);
+// `values` kept as `dtype` in a tensor of their own: uint8 packs them (to
+// nearest), another dtype casts them.
+at::Tensor state_kept_as(const at::Tensor& values, at::ScalarType dtype, bool non_negative);
+
+}  // namespace amp::detail
