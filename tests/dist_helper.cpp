@@ -48,6 +48,8 @@
 //                             through a view sliced to the batch
 //                             (Python's pos[:n]): taken before any other op
 //                             of the forward, or after the layers (none)
+//     state8=0|1              1: optimizer_state_dtype uint8 (8-bit state) (0)
+//     hidden=N                the hidden layer's width (16)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -86,8 +88,8 @@ at::Tensor flat_params(torch::nn::Module& model) {
   return torch::cat(parts);
 }
 
-torch::nn::Sequential make_model(bool positions) {
-  torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+torch::nn::Sequential make_model(bool positions, int64_t hidden) {
+  torch::nn::Sequential model(torch::nn::Linear(6, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, 2));
   if (positions) model->register_parameter("positions", torch::randn({24, 2}) * 0.1);
   return model;
 }
@@ -98,7 +100,8 @@ torch::nn::Sequential make_model(bool positions) {
 at::Tensor masters_of(const torch::nn::Sequential& model, const std::string& scratch, c10d::Backend& group) {
   amp::save_fp32_weights(model, scratch);
   group.barrier()->wait();
-  torch::nn::Sequential fp32 = make_model(model->named_parameters(/*recurse=*/false).contains("positions"));
+  torch::nn::Sequential fp32 = make_model(model->named_parameters(/*recurse=*/false).contains("positions"),
+                                          model->named_parameters()["0.weight"].size(0));
   torch::load(fp32, scratch);
   group.barrier()->wait();
   return flat_params(*fp32);
@@ -126,7 +129,7 @@ int main(int argc, char** argv) {
                                            {"shard_gradients", "1"}, {"recompute", "0"},
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
                                            {"lone", "1"}, {"group_timeout_ms", "1800000"},
-                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}};
+                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -149,7 +152,7 @@ int main(int argc, char** argv) {
   }
 
   torch::manual_seed(3 + (flags["seed_per_rank"] == "1" ? rank : 0));
-  torch::nn::Sequential model = make_model(flags["positions"] != "none");
+  torch::nn::Sequential model = make_model(flags["positions"] != "none", std::stoll(flags["hidden"]));
   const torch::Device device(flags["device"]);
   model->to(device);
   std::shared_ptr<torch::optim::Optimizer> optimizer;

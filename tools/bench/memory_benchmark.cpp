@@ -5,7 +5,8 @@
 // GELU MLP, tied head; width 256, context 256, batch 8) takes AdamW steps on
 // Debian's license texts under each configuration: plain LibTorch float32;
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
-// without masters, stochastic rounding) with recomputation; the O2, O5 and
+// without masters, stochastic rounding) with recomputation; both with 8-bit
+// optimizer state (optimizer_state_dtype uint8); the O2, O5 and
 // recomputed ones sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
 // started by this program, bytes per rank), each beside the same
 // configuration replicated (plain data parallel) at the same per-rank
@@ -38,6 +39,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include <regex>
+
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -59,7 +62,7 @@ ABSL_FLAG(int, layers, 4, "depth of the equal-batch table");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
-ABSL_FLAG(std::string, only, "", "run only the configurations whose name contains this");
+ABSL_FLAG(std::string, only, "", "run only the configurations whose name a match of this regular expression contains");
 ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: no peer rows)");
 ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
 ABSL_FLAG(double, bucket_mib, 4,
@@ -83,12 +86,15 @@ struct Config {
   bool recompute = false;
   int world = 1;
   bool shard = false;  // with world > 1: ZeRO-2 (otherwise replicated)
+  bool state8 = false;  // optimizer_state_dtype uint8 (amp's FusedAdamW)
 };
 
 std::vector<Config> configs() {
   std::vector<Config> out = {{"LibTorch fp32", std::nullopt}, {"amp O1", amp::O1},
                              {"amp O2", amp::O2},             {"amp O5", amp::O5},
-                             {"amp O5 + recompute", amp::O5, true}, {"amp O6 + recompute", amp::O6, true}};
+                             {"amp O5 + recompute", amp::O5, true}, {"amp O6 + recompute", amp::O6, true},
+                             {"amp O5 + recompute + 8-bit state", amp::O5, true, 1, false, true},
+                             {"amp O6 + recompute + 8-bit state", amp::O6, true, 1, false, true}};
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
       const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
@@ -123,7 +129,7 @@ class Trainer {
     shape.recompute = config.recompute;
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);
-    if (config.level == amp::O6) {
+    if (config.level == amp::O6 || config.state8) {
       optimizer_ = std::make_shared<amp::optim::FusedAdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
     } else {
       optimizer_ = std::make_shared<torch::optim::AdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -131,6 +137,7 @@ class Trainer {
     if (config.level) {
       amp::Options options = *config.level;
       options.verbosity = 0;
+      if (config.state8) options.optimizer_state_dtype = at::kByte;
       if (group_) {
         options.data_parallel.group = group_;
         options.data_parallel.shard = config_.shard;
@@ -318,15 +325,15 @@ struct Row {
 
 std::vector<Row> rows() {
   std::vector<Row> out;
-  const std::string only = absl::GetFlag(FLAGS_only);
+  const std::regex only(absl::GetFlag(FLAGS_only));
   for (const Config& c : configs()) {
-    if (!only.empty() && c.name.find(only) == std::string::npos && c.name != "LibTorch fp32") continue;
+    if (!std::regex_search(c.name, only) && c.name != "LibTorch fp32") continue;
     out.push_back({c.name, [c](int layers, int timed, int train) { return measure(c, layers, timed, train); }});
   }
   if (absl::GetFlag(FLAGS_python).empty()) return out;
   for (const auto& [name, mode] : std::vector<std::pair<std::string, std::string>>{
            {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"}}) {
-    if (!only.empty() && name.find(only) == std::string::npos) continue;
+    if (!std::regex_search(name, only)) continue;
     out.push_back({name, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
   }
   return out;
