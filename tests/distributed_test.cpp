@@ -360,6 +360,7 @@ TEST_F(RanksAsProcesses, ShardedEightBitStateAgreesAndResumesBitForBit) {
     // gradient, so a moment rounded to another code moves a weight by up to
     // lr: on average the runs stay together.
     const auto replicated = run_ranks(2, args);
+    expect_same_bits({replicated[1]}, {replicated[0]}, "replicated rank 1");  // rank 0's rounding stream
     const at::Tensor last = sharded[0].steps.back(), start = sharded[0].steps.front();
     const double moved = (last - start).abs().mean().item<double>();
     const double apart = (last - replicated[0].steps.back()).abs().mean().item<double>();

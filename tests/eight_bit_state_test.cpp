@@ -463,6 +463,42 @@ TEST_F(AmpTest, EightBitAdamStateTakesTwoBytesAParameter) {
   EXPECT_EQ(train(with_state(O5, std::nullopt), 1).bytes.optimizer_state, 8 * parameters);
 }
 
+// On a GPU: packing to nearest gives the CPU's bytes, and a fused step packs
+// its state on the device.
+TEST_F(AmpTest, OnCudaEightBitStateIsTheCpusAndStaysOnTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  for (const bool non_negative : {false, true}) {
+    const at::Tensor values = wide_values(non_negative, 3);
+    const at::Tensor on_cpu = detail::pack_state(values, non_negative, nullptr);
+    const at::Tensor on_cuda = detail::pack_state(values.cuda(), non_negative, nullptr);
+    EXPECT_TRUE(BitEqual(on_cuda, on_cpu)) << non_negative;
+    EXPECT_TRUE(BitEqual(detail::unpack_state(on_cuda, {1000}, non_negative), detail::unpack_state(on_cpu, {1000}, non_negative)));
+  }
+  for (const OptLevel level : {O2, O6}) {
+    torch::manual_seed(0);
+    Student model;
+    model->to(torch::kCUDA);
+    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+    Handle handle;
+    handle.initialize(model, optimizer, with_state(level, at::kByte));
+    std::vector<double> losses;
+    for (int step = 0; step < 20; ++step) {
+      const auto [x, y] = batch(step);
+      optimizer.zero_grad();
+      const at::Tensor loss = torch::cross_entropy_loss(model->forward(x.cuda()).to(at::kFloat), y.cuda());
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      losses.push_back(loss.item<double>());
+    }
+    const at::Tensor state = state_of(optimizer, model->parameters())[1];
+    EXPECT_TRUE(detail::is_packed_state(state) && state.is_cuda()) << to_string(level);
+    EXPECT_LT(losses.back(), 0.8 * losses.front()) << to_string(level);
+  }
+}
+
 // ---- Errors ----------------------------------------------------------------
 
 TEST_F(AmpTest, EightBitStateRefusesWhatCannotStepIt) {

@@ -12,7 +12,8 @@
 // configuration replicated (plain data parallel) at the same per-rank
 // batch, which separates sharding's saving from the smaller batch's; and
 // Python's torch on the same model
-// (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint.
+// (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint,
+// and that with torchao's AdamW8bit.
 //
 // Table 1: one step at equal batch and depth: the allocator's peak bytes
 // (amp::allocated_bytes: everything the step's tensors held at once,
@@ -332,7 +333,8 @@ std::vector<Row> rows() {
   }
   if (absl::GetFlag(FLAGS_python).empty()) return out;
   for (const auto& [name, mode] : std::vector<std::pair<std::string, std::string>>{
-           {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"}}) {
+           {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"},
+           {"Python autocast + checkpoint + torchao AdamW8bit", "checkpoint8bit"}}) {
     if (!std::regex_search(name, only)) continue;
     out.push_back({name, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
   }
@@ -388,7 +390,8 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
   for (const Row& row : table) {
     const auto [layers, fit] = largest_in_budget(row, budget);
     if (layers == 0) continue;
-    const Figures trained = row.measure(layers, /*timed=*/0, train_steps);
+    // Without training, the search's own step at that depth is the row.
+    const Figures trained = train_steps > 0 ? row.measure(layers, /*timed=*/0, train_steps) : fit;
     if (fp32_parameters == 0) fp32_parameters = trained.parameters;
     std::printf("| %s | %d | %lld | %.2f | %.1f | %.3f |\n", row.name.c_str(), layers, (long long)trained.parameters,
                 double(trained.parameters) / fp32_parameters, fit.peak_mib, trained.loss);

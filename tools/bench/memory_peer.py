@@ -3,8 +3,9 @@
 The same GPT-shaped decoder as examples/common/char_transformer.cpp (byte
 tokens, learned positions, pre-norm blocks of causal 4-head attention and a
 4x GELU MLP, tied head), the same AdamW step, in Python's torch: float32,
-torch.autocast(bfloat16), and autocast with torch.utils.checkpoint on every
-block. Bytes are LibTorch's CPU allocator's, as amp counts them: the tensors
+torch.autocast(bfloat16), autocast with torch.utils.checkpoint on every
+block, and that with torchao's 8-bit AdamW (torchao.optim.AdamW8bit:
+blockwise 8-bit moments; `pip install torchao` into the same Python). Bytes are LibTorch's CPU allocator's, as amp counts them: the tensors
 held before the step, plus the most the profiler's memory events
 (profile_memory=True) see allocated at once during it.
 
@@ -56,11 +57,19 @@ def batch_for(corpus, step, batch, context):
     return windows[:, :-1], windows[:, 1:]
 
 
+def plain_tensors(t):
+    """The tensors holding `t`'s bytes: a tensor subclass's inner ones (torchao's 8-bit state)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names for inner in plain_tensors(getattr(t, name))]
+    return [t]
+
+
 def tensor_bytes(model, optimizer):
     seen, total = set(), 0
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     for state in optimizer.state.values():
-        tensors += [t for t in state.values() if torch.is_tensor(t)]
+        tensors += [inner for t in state.values() if torch.is_tensor(t) for inner in plain_tensors(t)]
     for t in tensors:
         key = t.untyped_storage().data_ptr()
         if key not in seen:
@@ -71,7 +80,7 @@ def tensor_bytes(model, optimizer):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint"], required=True)
+    parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint", "checkpoint8bit"], required=True)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--context", type=int, default=256)
@@ -84,8 +93,12 @@ def main():
         torch.set_num_threads(args.threads)
     corpus = corpus_bytes()
     torch.manual_seed(0)
-    model = Gpt(args.layers, args.width, args.context, recompute=args.mode == "checkpoint")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = Gpt(args.layers, args.width, args.context, recompute=args.mode.startswith("checkpoint"))
+    if args.mode == "checkpoint8bit":
+        from torchao.optim import AdamW8bit
+        optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's default decay
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(number):
         inputs, targets = batch_for(corpus, number, args.batch, args.context)

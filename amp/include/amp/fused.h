@@ -30,11 +30,18 @@
 // every op) - except FusedSGD's on the CPU, where ATen's kernel does not
 // update them and LibTorch's step runs.
 //
+// Under amp with Options::optimizer_state_dtype = torch::kUInt8 the state
+// of parameters of 4096 elements or more is kept in 8 bits (blockwise,
+// docs/guide.md "8-bit optimizer state"): each step unpacks it into
+// float32 a chunk at a time, runs the kernel and packs the results again.
+//
 // A whole step (forward, scale_loss, step) can be captured in a CUDA graph
 // after warm-up steps; replays skip on the device and are counted there
 // (docs/guide.md, "A whole step in a CUDA graph").
 //
-// Errors: those of the base class's step(); inside a CUDA graph capture, a
+// Errors: those of the base class's step(); with 8-bit state, a step the
+// kernels cannot take (a sparse gradient, parameters on several devices),
+// which LibTorch's step cannot take either; inside a CUDA graph capture, a
 // step the graph could not replay: gradients the kernels cannot take, state
 // not yet created (no warm-up), a pending step's outcome the capture would
 // have to wait for, or a verdict already read on the host.
