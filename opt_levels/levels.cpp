@@ -110,6 +110,7 @@ std::string describe(const Properties& p) {
                                                 : "the weights' (or masters') dtype")
       << "\n"
       << "  fp8                   " << (p.fp8 ? "True (linear GEMMs in float8)" : "False") << "\n"
+      << "  step_in_backward      " << (p.step_in_backward ? "True" : "False") << "\n"
       << "  low precision dtype   CPU " << c10::toString(p.cpu_dtype) << ", CUDA "
       << c10::toString(p.cuda_dtype) << "\n";
   return out.str();

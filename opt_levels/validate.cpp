@@ -156,6 +156,14 @@ Properties internal::resolve_properties(OptLevel level, const PropertyOverrides&
               "amp: fp8 runs linear layers' GEMMs in float8 on top of O5 (a bfloat16 model with float32 "
               "masters); under ", name, " it does not apply. Use opt_level O5 with fp8 = true, "
               "without overriding master_weights or cast_model_type.");
+  p.step_in_backward = o.step_in_backward.value_or(false);
+  TORCH_CHECK(!p.step_in_backward || !p.loss_scale.dynamic, "amp: step_in_backward applies each update during "
+              "backward, but ", name, "'s dynamic loss scale may skip the step after backward, when its "
+              "overflow check has seen every gradient. Use a bfloat16 level with its static scale (O4, O6), or "
+              "a static scale: loss_scale = amp::LossScale::Static(s).");
+  TORCH_CHECK(!p.step_in_backward || !p.master_weights, "amp: step_in_backward steps the weights backward writes "
+              "gradients to, but ", name, " keeps float32 master weights, which are stepped from gradients "
+              "gathered after backward. Use O6 (bfloat16 weights without masters) or O4 (float32 weights).");
   return p;
 }
 

@@ -88,13 +88,13 @@ TEST(EightBitStateTest, PackingToNearestMatchesAFloat64Reference) {
 // errors, where rounding to nearest is off by 40 of them.
 TEST(EightBitStateTest, StochasticPackingIsUnbiased) {
   detail::StochasticRounding rounder(/*seed=*/5, /*stream=*/0);
-  rounder.next_step();
+  const detail::RoundingKey key{rounder.next_step(), 0};
   for (const bool non_negative : {false, true}) {
     const int64_t blocks = 4096;
     at::Tensor values = torch::full({blocks, detail::kStateBlock}, 0.3f);
     values.select(1, 0).fill_(1.0f);  // each block's maximum: its scale is 1
     const at::Tensor unpacked =
-        detail::unpack_state(detail::pack_state(values.view(-1), non_negative, &rounder), values.sizes(), non_negative)
+        detail::unpack_state(detail::pack_state(values.view(-1), non_negative, &rounder, key), values.sizes(), non_negative)
             .narrow(1, 1, detail::kStateBlock - 1);
     const double a = std::exp2(-(non_negative ? 7 : 14) / (non_negative ? 4.0 : 8.0));  // the code below 0.3
     const double b = std::exp2(-(non_negative ? 6 : 13) / (non_negative ? 4.0 : 8.0));
@@ -118,12 +118,11 @@ TEST(EightBitStateTest, APackedBlockPackedAgainIsTheSameBytes) {
     const at::Tensor nearest = detail::pack_state(values, non_negative, nullptr);
     EXPECT_EQ(static_cast<int8_t>(nearest[0][detail::kStateBlock].item<uint8_t>()), -1);  // 2^-1: codes of 1.0
     EXPECT_TRUE(BitEqual(detail::unpack_state(nearest, {1000}, non_negative).narrow(0, 0, 4), torch::full({4}, 0.5f)));
-    rounder.next_step();
-    const at::Tensor stochastic = detail::pack_state(values, non_negative, &rounder);
+    const at::Tensor stochastic = detail::pack_state(values, non_negative, &rounder, {rounder.next_step(), 0});
     for (const at::Tensor& packed : {nearest, stochastic}) {
       const at::Tensor unpacked = detail::unpack_state(packed, {1000}, non_negative);
-      rounder.next_step();
-      EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, &rounder), packed)) << non_negative;
+      EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, &rounder, {rounder.next_step(), 0}), packed))
+          << non_negative;
       EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, nullptr), packed)) << non_negative;
     }
   }

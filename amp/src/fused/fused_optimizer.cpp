@@ -4,7 +4,6 @@
 #include <amp/fused.h>
 
 #include "optim/fused_stepping.h"
-#include "optim/optimizer_state_load.h"
 #include "step/step_session.h"
 
 #include <ATen/ATen.h>
@@ -21,19 +20,10 @@ Fused::~Fused() = default;
 bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
   const std::shared_ptr<detail::StepSession> session = detail::live_step_session();
   detail::OptimizerStep* amp_step = session ? session->step_of(optimizer) : nullptr;
-  // The session's rounding streams exist where it rounds: O6's weights, or
-  // 8-bit state.
   std::optional<UpdatePrecision> precision;
-  if (amp_step != nullptr && session->rounding() != nullptr) {
-    const Properties& p = session->properties();
-    precision = UpdatePrecision{session->rounding(), p.stochastic_rounding, p.optimizer_state_dtype};
-  }
+  if (amp_step != nullptr) precision = detail::update_precision(*session);
   const UpdatePrecision* kept = precision ? &*precision : nullptr;
-  if (kept && kept->state_dtype == at::kByte) {
-    // State the program loaded (torch::load) or held before initialize is
-    // packed as it is first stepped; packed state stays as it is.
-    detail::convert_state(optimizer, [kept](const at::Tensor& p) { return state_dtype_of(p, kept); });
-  }
+  detail::pack_loaded_state(optimizer, kept);
   const bool kernels = stepping_->suits(optimizer, kept);
   TORCH_CHECK(kernels || !kept || kept->state_dtype != at::kByte, "amp: optimizer_state_dtype uint8 keeps the "
               "optimizer's state in 8 bits, which only amp's fused kernels step, and they cannot step this "

@@ -60,7 +60,7 @@ bool packs(const at::Tensor& state, const at::Tensor& param) {
 }
 
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
-                     StochasticRounding* rounder) {
+                     StochasticRounding* rounder, RoundingKey key) {
   const int64_t blocks = packed.size(0), numel = values.numel();
   TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
   at::Tensor x;
@@ -85,7 +85,7 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
   const at::Tensor b = table.index_select(0, hi.view(-1)).view_as(y);
   // Up with probability (y - a) / (b - a): the expected code value is y. A
   // value on a code stays there.
-  const at::Tensor up = rounder ? rounder->uniform(y.sizes(), y.device()).mul_(b - a).lt(y - a) : (y - a).gt(b - y);
+  const at::Tensor up = rounder ? rounder->uniform(y.sizes(), y.device(), key).mul_(b - a).lt(y - a) : (y - a).gt(b - y);
   at::Tensor code = lo.add(up.to(at::kInt));
 
   // A block whose maximum rounded down onto 0.5 is coded one exponent down
@@ -101,9 +101,10 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
   packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
 }
 
-at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder) {
+at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
+                      RoundingKey key) {
   at::Tensor packed = at::empty({packed_blocks(values.numel()), kPackedRow}, values.options().dtype(at::kByte));
-  pack_state_into(values.to(at::kFloat), packed, non_negative, rounder);
+  pack_state_into(values.to(at::kFloat), packed, non_negative, rounder, key);
   return packed;
 }
 

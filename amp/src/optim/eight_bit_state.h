@@ -31,13 +31,13 @@
 // (stochastic_rounding.h): runs are reproducible and resume bit for bit.
 #pragma once
 
+#include "optim/stochastic_rounding.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
 namespace amp::detail {
-
-class StochasticRounding;
 
 inline constexpr int64_t kStateBlock = 256;
 inline constexpr int64_t kPackedRow = kStateBlock + 1;  // codes, then the exponent
@@ -51,12 +51,13 @@ bool packs(const at::Tensor& state, const at::Tensor& param);
 int64_t packed_blocks(int64_t numel);
 
 // The packed form of `values` (float32, any shape). Rounded stochastically
-// with `rounder`'s stream of the current step; to nearest without one
-// (converting loaded state).
-at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder);
+// with `rounder`'s stream `key`; to nearest without one (converting loaded
+// state).
+at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
+                      RoundingKey key = {});
 // Packs `values` (float32, numel of the state's values) into `packed`.
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
-                     StochasticRounding* rounder);
+                     StochasticRounding* rounder, RoundingKey key = {});
 // The float32 values of `packed`, shaped `sizes`.
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative);
 

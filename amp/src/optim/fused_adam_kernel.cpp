@@ -25,6 +25,7 @@ class AdamKernel final : public FusedKernel {
     const auto& options = static_cast<const Options&>(g.group.options());
     struct Lists {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+      std::vector<uint64_t> keys;  // rounding keys
     };
     // ATen's kernels take one dtype per call: direct parameters by dtype
     // (float32 with float16 at O3's kept-float32 batch norms), and the
@@ -32,7 +33,8 @@ class AdamKernel final : public FusedKernel {
     // chunk at a time.
     std::map<c10::ScalarType, Lists> direct;
     Lists widened;
-    for (const at::Tensor& p : g.group.params()) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const at::Tensor& p = g.params[i];
       if (!p.grad().defined()) continue;
       void* key = p.unsafeGetTensorImpl();
       auto it = g.state.find(key);
@@ -47,6 +49,7 @@ class AdamKernel final : public FusedKernel {
       auto& s = static_cast<ParamState&>(*it->second);
       Lists& lists = steps_widened(p, g.precision) ? widened : direct[p.scalar_type()];
       lists.params.push_back(p);
+      lists.keys.push_back(g.keys[i]);
       lists.grads.push_back(p.grad());
       lists.exp_avgs.push_back(s.exp_avg());
       lists.exp_avg_sqs.push_back(s.exp_avg_sq());
@@ -85,7 +88,7 @@ class AdamKernel final : public FusedKernel {
       step_widened({{&widened.params, true}, {&widened.grads}, {&widened.exp_avgs, true},
                     {&widened.exp_avg_sqs, true, /*non_negative=*/true}, {&widened.max_exp_avg_sqs, true, true},
                     {&widened.steps}},
-                   *g.precision->rounder,
+                   widened.keys, *g.precision,
                    [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
     }
   }

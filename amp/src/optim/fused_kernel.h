@@ -30,6 +30,7 @@ struct UpdatePrecision {
   detail::StochasticRounding* rounder = nullptr;  // the session's rounding streams
   bool rounds_weights = false;                    // O6: bfloat16 parameters rounded
   c10::ScalarType state_dtype = c10::kFloat;      // Properties::optimizer_state_dtype
+  int64_t step = 0;                               // the rounding step (rounder->next_step())
 };
 
 // What one fused step did, for settling it once its outcome is known.
@@ -41,6 +42,11 @@ struct FusedAttempt {
 // One group's step, as a kernel sees it.
 struct GroupStep {
   torch::optim::OptimizerParamGroup& group;
+  // The group's parameters this step considers (all of them, or those a
+  // step during backward applies now), and each one's rounding key: its
+  // position among the optimizer's parameters.
+  const std::vector<at::Tensor>& params;
+  const std::vector<uint64_t>& keys;
   ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>>& state;
   const at::Tensor& found_inf;  // 1 element, 0 or 1 (undefined: never)
   const UpdatePrecision* precision;  // null: parameters and state stepped in their dtype
@@ -83,13 +89,15 @@ struct WideColumn {
   bool non_negative = false;  // packed 8-bit state: the code it is kept in
 };
 
-// Steps `columns` (column 0 the parameters) through `kernel` in float32, a
-// chunk at a time: bfloat16 tensors are widened and packed 8-bit state
-// unpacked, float32 ones passed as they are; afterwards the written
-// columns' bfloat16 tensors take the kernel's results rounded
-// stochastically, and their packed state the results packed again. Empty
-// columns stay empty.
-void step_widened(const std::vector<WideColumn>& columns, detail::StochasticRounding& rounder,
+// Steps `columns` (column 0 the parameters, `keys` their rounding keys)
+// through `kernel` in float32, a chunk at a time: bfloat16 tensors are
+// widened and packed 8-bit state unpacked, float32 ones passed as they
+// are; afterwards the written columns' bfloat16 tensors take the kernel's
+// results rounded stochastically, and their packed state the results
+// packed again, each tensor from its own stream of `precision`'s step.
+// Empty columns stay empty.
+void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint64_t>& keys,
+                  const UpdatePrecision& precision,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel);
 
 }  // namespace amp::optim::internal

@@ -25,11 +25,13 @@ class SgdKernel final : public FusedKernel {
     const bool momentum = options.momentum() != 0;
     struct Batch {
       std::vector<at::Tensor> params, grads, buffers;
+      std::vector<uint64_t> keys;  // rounding keys
     };
     // One kernel call per (dtype, widened, first step): ATen's kernels take
     // one dtype per call.
     std::map<std::tuple<c10::ScalarType, bool, bool>, Batch> batches;
-    for (const at::Tensor& p : g.group.params()) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const at::Tensor& p = g.params[i];
       if (!p.grad().defined()) continue;
       void* key = p.unsafeGetTensorImpl();
       const bool widened = steps_widened(p, g.precision);
@@ -49,6 +51,7 @@ class SgdKernel final : public FusedKernel {
       Batch& batch = batches[{p.scalar_type(), widened, first}];
       if (buffer.defined()) batch.buffers.push_back(buffer);
       batch.params.push_back(p);
+      batch.keys.push_back(g.keys[i]);
       batch.grads.push_back(p.grad());
     }
     for (const auto& entry : batches) {
@@ -64,7 +67,7 @@ class SgdKernel final : public FusedKernel {
       if (!widened) {
         kernel(batch.params, batch.grads, batch.buffers);
       } else {
-        step_widened({{&batch.params, true}, {&batch.grads}, {&batch.buffers, true}}, *g.precision->rounder,
+        step_widened({{&batch.params, true}, {&batch.grads}, {&batch.buffers, true}}, batch.keys, *g.precision,
                      [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
       }
     }

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <numeric>
 #include <optional>
 
 namespace amp::optim::internal {
@@ -26,8 +27,10 @@ constexpr int64_t kChunkElements = int64_t{1} << 20;
 
 }  // namespace
 
-void step_widened(const std::vector<WideColumn>& columns, detail::StochasticRounding& rounder,
+void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint64_t>& keys,
+                  const UpdatePrecision& precision,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel) {
+  detail::StochasticRounding& rounder = *precision.rounder;
   const std::vector<at::Tensor>& params = *columns[0].tensors;
   for (size_t begin = 0; begin < params.size();) {
     size_t end = begin;
@@ -53,8 +56,9 @@ void step_widened(const std::vector<WideColumn>& columns, detail::StochasticRoun
       if (!columns[c].written) continue;
       for (size_t i = begin; i < end && !columns[c].tensors->empty(); ++i) {
         const at::Tensor& t = (*columns[c].tensors)[i];
-        if (t.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][i - begin], t);
-        if (detail::is_packed_state(t)) detail::pack_state_into(wide[c][i - begin], t, columns[c].non_negative, &rounder);
+        const detail::RoundingKey key{precision.step, keys[i] * columns.size() + c};
+        if (t.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][i - begin], t, key);
+        if (detail::is_packed_state(t)) detail::pack_state_into(wide[c][i - begin], t, columns[c].non_negative, &rounder, key);
       }
     }
     begin = end;
@@ -78,32 +82,38 @@ at::Tensor zero_state(const at::Tensor& p, const UpdatePrecision* precision, boo
   return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
 }
 
+bool FusedStepping::suits_parameter(const torch::optim::Optimizer& optimizer,
+                                    const torch::optim::OptimizerParamGroup& group, const at::Tensor& p,
+                                    const UpdatePrecision* precision) const {
+  const at::Tensor& grad = p.grad();
+  // ATen's fused kernels take the four floating dtypes; float16 and
+  // bfloat16 parameters (O3) keep their state in their own dtype, as
+  // LibTorch's step creates it, where the kernel steps them; O6's are
+  // stepped widened to float32.
+  const c10::ScalarType dtype = p.scalar_type();
+  const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+  if (dtype != at::kFloat && dtype != at::kDouble && !reduced) return false;
+  if (reduced && !steps_widened(p, precision) && !kernel_.steps_low_precision_on_cpu() && p.is_cpu()) return false;
+  if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
+  auto s = optimizer.state().find(p.unsafeGetTensorImpl());
+  if (s == optimizer.state().end()) return true;
+  int64_t step = 0;
+  const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
+  if (tensors.empty()) return false;  // state of another kind
+  const c10::ScalarType state_dtype = state_dtype_of(p, precision);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (kernel_.needs_state(group.options(), i) && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
+  }
+  return true;
+}
+
 bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const UpdatePrecision* precision) const {
   std::optional<c10::Device> device;
   for (const auto& group : optimizer.param_groups()) {
     for (const at::Tensor& p : group.params()) {
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      // ATen's fused kernels take the four floating dtypes; float16 and
-      // bfloat16 parameters (O3) keep their state in their own dtype, as
-      // LibTorch's step creates it, where the kernel steps them; O6's are
-      // stepped widened to float32.
-      const c10::ScalarType dtype = p.scalar_type();
-      const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
-      if (dtype != at::kFloat && dtype != at::kDouble && !reduced) return false;
-      if (reduced && !steps_widened(p, precision) && !kernel_.steps_low_precision_on_cpu() && p.is_cpu()) return false;
-      if (!(p.is_cpu() || p.is_cuda()) || !p.is_contiguous() || !kernel_ready(grad, p, p.scalar_type())) return false;
-      if (device && *device != p.device()) return false;
+      if (!p.grad().defined()) continue;
+      if (!suits_parameter(optimizer, group, p, precision) || (device && *device != p.device())) return false;
       device = p.device();
-      auto s = optimizer.state().find(p.unsafeGetTensorImpl());
-      if (s == optimizer.state().end()) continue;
-      int64_t step = 0;
-      const std::vector<detail::StateTensor> tensors = detail::state_tensors(*s->second, step);
-      if (tensors.empty()) return false;  // state of another kind
-      const c10::ScalarType state_dtype = state_dtype_of(p, precision);
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        if (kernel_.needs_state(group.options(), i) && (!tensors[i].value.defined() || !kernel_ready(tensors[i].value, p, state_dtype))) return false;
-      }
     }
   }
   return true;
@@ -112,19 +122,40 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
 FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
                                   const UpdatePrecision* precision) {
   AMP_TRACE_RANGE("amp::fused step");
-  at::NoGradGuard no_grad;
+  std::optional<UpdatePrecision> this_step;
+  if (precision != nullptr) {
+    this_step = *precision;
+    this_step->step = precision->rounder->next_step();
+  }
   FusedAttempt attempt;
-  if (precision != nullptr) precision->rounder->next_step();
+  uint64_t first = 0;  // the group's first parameter's position in the optimizer
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<uint64_t> keys(group.params().size());
+    std::iota(keys.begin(), keys.end(), first);
+    first += keys.size();
+    run_kernel(optimizer, group, group.params(), keys, found_inf, this_step ? &*this_step : nullptr, attempt);
+  }
+  return attempt;
+}
+
+FusedAttempt FusedStepping::step_parameter(torch::optim::Optimizer& optimizer, size_t group, uint64_t key,
+                                           const at::Tensor& param, const UpdatePrecision* precision) {
+  FusedAttempt attempt;
+  run_kernel(optimizer, optimizer.param_groups()[group], {param}, {key}, at::Tensor(), precision, attempt);
+  return attempt;
+}
+
+void FusedStepping::run_kernel(torch::optim::Optimizer& optimizer, torch::optim::OptimizerParamGroup& group,
+                               const std::vector<at::Tensor>& params, const std::vector<uint64_t>& keys,
+                               const at::Tensor& found_inf, const UpdatePrecision* precision, FusedAttempt& attempt) {
+  at::NoGradGuard no_grad;
   auto device_step = [this](void* key, int64_t host, const at::Tensor& param) -> at::Tensor& {
     at::Tensor& count = device_steps_[key];
     if (!count.defined()) count = at::full({}, static_cast<double>(host), param.options().dtype(at::kFloat));
     return count;
   };
-  for (auto& group : optimizer.param_groups()) {
-    GroupStep step{group, optimizer.state(), found_inf, precision, attempt, device_step};
-    kernel_.step(step);
-  }
-  return attempt;
+  GroupStep step{group, params, keys, optimizer.state(), found_inf, precision, attempt, device_step};
+  kernel_.step(step);
 }
 
 void FusedStepping::settle(const FusedAttempt& attempt, bool skipped, StateMap& state) {

@@ -34,10 +34,19 @@ class FusedStepping {
   // and state of the same kind, in state_dtype_of's dtype (packed where
   // that is uint8).
   bool suits(const torch::optim::Optimizer& optimizer, const UpdatePrecision* precision) const;
+  // The same for one parameter of `group`, its gradient set.
+  bool suits_parameter(const torch::optim::Optimizer& optimizer, const torch::optim::OptimizerParamGroup& group,
+                       const at::Tensor& param, const UpdatePrecision* precision) const;
   // Steps the parameters with gradients, skipping on the device when
   // `found_inf` (1 element, exactly 0 or 1; undefined: never) is 1.
   FusedAttempt step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
                     const UpdatePrecision* precision);
+  // Steps one parameter, the `key`th of the optimizer's, in its group
+  // `group`, as step() would within the whole step whose rounding step
+  // `precision` carries (a step applied during backward, parameter by
+  // parameter). Never skips.
+  FusedAttempt step_parameter(torch::optim::Optimizer& optimizer, size_t group, uint64_t key,
+                              const at::Tensor& param, const UpdatePrecision* precision);
   // The outcome of `attempt`: counts its step, or drops the state it created.
   void settle(const FusedAttempt& attempt, bool skipped, StateMap& state);
   // Whether a step now could be captured in a CUDA graph: every parameter
@@ -52,6 +61,10 @@ class FusedStepping {
   void reset() { device_steps_.clear(); }
 
  private:
+  void run_kernel(torch::optim::Optimizer& optimizer, torch::optim::OptimizerParamGroup& group,
+                  const std::vector<at::Tensor>& params, const std::vector<uint64_t>& keys, const at::Tensor& found_inf,
+                  const UpdatePrecision* precision, FusedAttempt& attempt);
+
   const FusedKernel& kernel_;
   std::unordered_map<void*, at::Tensor> device_steps_;  // kernels that count steps
 };

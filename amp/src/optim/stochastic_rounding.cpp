@@ -27,41 +27,41 @@ std::string device_key(c10::Device device) {
 
 }  // namespace
 
-void StochasticRounding::next_step() {
+int64_t StochasticRounding::next_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  ++steps_;
+  return ++steps_;
 }
 
-at::Generator StochasticRounding::generator(c10::Device device) {
-  const std::string key = device_key(device);
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = generators_.find(key);
+at::Generator StochasticRounding::seeded(c10::Device device, RoundingKey key) {
+  const std::string name = device_key(device);
+  auto it = generators_.find(name);
   if (it == generators_.end()) {
     at::Generator g = device.is_cpu() ? at::make_generator<at::CPUGeneratorImpl>()
-                                      : at::globalContext().defaultGenerator(c10::Device(key)).clone();
-    it = generators_.emplace(key, std::make_pair(g, int64_t{-1})).first;
+                                      : at::globalContext().defaultGenerator(c10::Device(name)).clone();
+    it = generators_.emplace(name, g).first;
   }
-  auto& [g, seeded_for] = it->second;
-  if (seeded_for != steps_) {
-    std::lock_guard<std::mutex> g_lock(g.mutex());
-    g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(steps_)))));
-    if (!device.is_cpu()) g.set_offset(0);
-    seeded_for = steps_;
-  }
+  at::Generator& g = it->second;
+  std::lock_guard<std::mutex> g_lock(g.mutex());
+  g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(key.step) ^ mix(key.tensor)))));
+  if (!device.is_cpu()) g.set_offset(0);
   return g;
 }
 
-void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst) {
+void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key) {
   TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kFloat && dst.scalar_type() == at::kBFloat16 &&
                         src.sizes() == dst.sizes());
-  const at::Tensor noise = at::randint(0, 1 << 16, src.sizes(), generator(src.device()),
-                                       src.options().dtype(at::kInt));
+  at::Tensor noise;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    noise = at::randint(0, 1 << 16, src.sizes(), seeded(src.device(), key), src.options().dtype(at::kInt));
+  }
   const at::Tensor bits = src.contiguous().view(at::kInt).add(noise).bitwise_and_(kKeptBits);
   dst.copy_(bits.view(at::kFloat));  // exact: the cut bits are zero
 }
 
-at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device) {
-  return at::rand(sizes, generator(device), at::TensorOptions().dtype(at::kFloat).device(device));
+at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return at::rand(sizes, seeded(device, key), at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
 void StochasticRounding::save(torch::serialize::OutputArchive& archive) const {

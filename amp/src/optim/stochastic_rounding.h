@@ -7,9 +7,12 @@
 // bit pattern, as torchao's bf16_stochastic_round: add 16 uniform random
 // bits below bf16's cut to the float32 pattern and truncate them.
 //
-// The noise comes from streams counted by optimizer step: at each step the
-// generator of each device is seeded anew from (seed, stream, step), so the
-// whole rounding state is two numbers. The seed is the CPU default
+// The noise comes from streams counted by optimizer step: each tensor a
+// step rounds draws from a generator seeded anew from (seed, stream, step,
+// the tensor's key), so the whole rounding state is two numbers, and what a
+// tensor draws does not depend on which tensors were rounded before it (a
+// step applied parameter by parameter during backward rounds bit for bit
+// as the whole step). The seed is the CPU default
 // generator's at initialize (torch::manual_seed; rank 0's under
 // data_parallel), so runs are reproducible and the program's own random
 // streams (dropout, data) are the same with and without O6. Replicas draw
@@ -31,6 +34,14 @@
 
 namespace amp::detail {
 
+// Which stream one rounding draws from: the step's number (next_step) and
+// the tensor's key within the step (its parameter's position in the
+// optimizer and which of its tensors).
+struct RoundingKey {
+  int64_t step = 0;
+  uint64_t tensor = 0;
+};
+
 class StochasticRounding {
  public:
   // `weights`: the session rounds weights (O6), not only 8-bit optimizer
@@ -38,13 +49,14 @@ class StochasticRounding {
   StochasticRounding(uint64_t seed, uint64_t stream, bool weights = true)
       : seed_(seed), stream_(stream), weights_(weights) {}
 
-  // An optimizer step begins: its roundings draw from the step's streams.
-  void next_step();
+  // An optimizer step begins: returns its number, which its roundings'
+  // keys carry.
+  int64_t next_step();
   // dst (bfloat16) = src (float32, same shape and device), rounded.
-  void round_into(const at::Tensor& src, const at::Tensor& dst);
-  // Uniform float32 noise in [0, 1) of `sizes` on `device`, from the
-  // step's stream (8-bit optimizer state's rounding: eight_bit_state.h).
-  at::Tensor uniform(at::IntArrayRef sizes, c10::Device device);
+  void round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key);
+  // Uniform float32 noise in [0, 1) of `sizes` on `device` (8-bit
+  // optimizer state's rounding: eight_bit_state.h).
+  at::Tensor uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key);
 
   // Entry "stochastic_rounding" (rounding weights) or "state_rounding"
   // (8-bit state only): the seed and the steps taken.
@@ -59,14 +71,14 @@ class StochasticRounding {
   static bool is_weights_entry(const std::string& key);
 
  private:
-  at::Generator generator(c10::Device device);
+  // The device's generator seeded for `key`; mutex_ held.
+  at::Generator seeded(c10::Device device, RoundingKey key);
 
-  mutable std::mutex mutex_;
+  mutable std::mutex mutex_;  // held from seeding a generator to its draw
   uint64_t seed_, stream_;
   bool weights_;
   int64_t steps_ = 0;
-  // By device ("cpu", "cuda:0"): its generator and the step it was seeded for.
-  std::map<std::string, std::pair<at::Generator, int64_t>> generators_;
+  std::map<std::string, at::Generator> generators_;  // by device ("cpu", "cuda:0")
 };
 
 }  // namespace amp::detail

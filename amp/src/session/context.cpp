@@ -97,7 +97,9 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   // part sees the gradients reduced and the overflow flag agreed by all
   // ranks; telemetry records those gradients; provenance names the op
   // behind a verdict; fp8 updates its scales last, once the step is known
-  // to commit. A new participant is its own file and one entry here.
+  // to commit; the step in backward (which refuses the others but fp8's,
+  // and fp8 needs masters, which it refuses too) stands alone. A new
+  // participant is its own file and one entry here.
   if (options.data_parallel.group) reducer_ = std::make_unique<GradientReducer>(options.data_parallel);
   // Options::reduce_overflow, or with sharding amp's own (each rank checks
   // only its shard): all ranks skip together.
@@ -115,6 +117,10 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   if (fp8_) {
     fp8_step_ = std::make_unique<Fp8Participant>(*fp8_);
     participants_.push_back(fp8_step_.get());
+  }
+  if (properties.step_in_backward) {
+    backward_step_ = std::make_unique<BackwardStepParticipant>();
+    participants_.push_back(backward_step_.get());
   }
 }
 

@@ -15,6 +15,7 @@
 #include "interception/casting_session.h"
 #include "fp8/fp8_gemms.h"
 #include "recompute/recompute_session.h"
+#include "step/backward_step.h"
 #include "step/fp8_step.h"
 #include "step/step_session.h"
 
@@ -132,6 +133,7 @@ class Context final : public CastingSession, public StepSession, public Recomput
   std::unique_ptr<DataParallelParticipant> data_parallel_;
   std::unique_ptr<ProvenanceParticipant> provenance_;
   std::unique_ptr<Fp8Participant> fp8_step_;
+  std::unique_ptr<BackwardStepParticipant> backward_step_;
   std::vector<StepParticipant*> participants_;
   std::exception_ptr deferred_error_;
   std::mutex workers_mutex_;

@@ -200,6 +200,28 @@ void check_rounding_optimizers(const Optimizers& optimizers, const Properties& p
   }
 }
 
+// Properties::step_in_backward: amp's fused optimizers apply each update as
+// its gradient becomes final, on this rank, and nothing reads the gradients
+// afterwards.
+void check_step_in_backward(const Options& o, const Properties& p, const Optimizers& optimizers) {
+  if (!p.step_in_backward) return;
+  TORCH_CHECK(!optimizers.empty(), "amp: step_in_backward applies the optimizers' updates during backward; pass "
+              "them to amp::initialize(model, optimizer, options).");
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    TORCH_CHECK(detail::fused_optimizer(*optimizer) != nullptr, "amp: step_in_backward applies each update "
+                "during backward with amp's fused kernels, one parameter at a time; this optimizer is LibTorch's "
+                "own, whose step() takes all parameters at once. Use amp::optim::FusedAdamW, FusedAdam or FusedSGD "
+                "(same options).");
+  }
+  TORCH_CHECK(!o.data_parallel.group && !o.reduce_overflow, "amp: step_in_backward applies each update as soon "
+              "as this rank's gradient is final, but with data_parallel (or reduce_overflow) a gradient is final "
+              "only once every rank's backward has reached it. Leave step_in_backward unset for data-parallel "
+              "training.");
+  TORCH_CHECK(!o.precision_telemetry && !o.overflow_provenance, "amp: precision_telemetry and "
+              "overflow_provenance read the gradients after backward, which step_in_backward frees as it applies "
+              "them. Turn those options off, or step_in_backward.");
+}
+
 // Options::data_parallel, checked before any collective runs.
 void check_data_parallel(const Options& o, const Modules& models) {
   const DataParallel& dp = o.data_parallel;
@@ -402,6 +424,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   if (properties.fp8) check_fp8_kernels(device);
   if (options.enabled) check_sharding(options, properties, optimizers);
   check_rounding_optimizers(optimizers, properties);
+  check_step_in_backward(options, properties, optimizers);
   check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);

@@ -46,6 +46,9 @@ at::Tensor clip_grad_norm(internal::OptimizerRef optimizer, double max_norm) {
               "while the optimizer is ", detail::to_string(step.state()), ": its gradients are "
               "still scaled and held by amp. Clip after the last micro-batch's guard "
               "(delay_unscale=false).");
+  TORCH_CHECK(!session->properties().step_in_backward, "amp: clip_grad_norm needs every gradient at once "
+              "to scale them by the global norm, but step_in_backward applies each gradient during backward "
+              "and frees it. Clip without step_in_backward.");
   std::vector<at::Tensor> grads;
   c10::Device device(c10::kCPU);
   for (const auto& group : step.optimizer().param_groups()) {

@@ -64,6 +64,11 @@ void OptimizerStep::drop_gradients() {
 void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
   TORCH_CHECK(state_ != State::kInGuard, "amp: the optimizer is ", to_string(state_), "; end that "
               "guard's scope before starting another over the same optimizer.");
+  TORCH_CHECK(!stepped_in_backward_, "amp: step_in_backward applied this optimizer's step during the last "
+              "scale_loss guard's backward, and its step() has not been called since. Call optimizer.step() "
+              "(it applies nothing more) to end the iteration before the next guard over it: two guards before "
+              "one step() would step the parameters twice. For several losses in one step, add them up and "
+              "run one guard.");
   if (state_ == State::kAccumulating) {
     TORCH_CHECK(scaled_by_ == loss_id, "amp: the optimizer is ", to_string(state_), " from "
                 "loss_id ", scaled_by_, "; finish it (delay_unscale=false) with the same loss_id "
@@ -136,6 +141,7 @@ void OptimizerStep::commit(const GuardOutcome& outcome) noexcept {
       break;
   }
   state_ = outcome.delay_unscale ? State::kAccumulating : State::kReady;
+  stepped_in_backward_ = outcome.stepped_in_backward;
   scaled_by_ = outcome.loss_id;
   if (outcome.delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
 }
@@ -175,6 +181,10 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
                   ? "; end the guard's scope (it unscales the gradients) before stepping."
                   : "; the last micro-batch's guard must use delay_unscale=false so the "
                     "accumulated gradients are unscaled and checked.");
+  if (std::exchange(stepped_in_backward_, false)) {
+    record_outcome(/*skipped=*/false);
+    return {.skip = true};  // backward applied it
+  }
   // A pending step that created state must be known taken before that
   // state is used again (on a GPU: once, after the first step).
   bool created = false;

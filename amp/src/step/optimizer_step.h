@@ -5,7 +5,8 @@
 //   state          meaning                                   leaves by
 //   -------------  ----------------------------------------  --------------------------------
 //   kReady         gradients, if any, hold true values;      a guard opening -> kInGuard
-//                  step() may run
+//                  step() may run                            (not while a step applied in
+//                                                            backward awaits its step())
 //   kInGuard       a scale_loss guard over it is open        commit(GuardOutcome) -> kReady or
 //                                                            kAccumulating (delay_unscale);
 //                                                            unwind -> the state before
@@ -74,6 +75,9 @@ struct GuardOutcome {
   uint64_t loss_graph = 0;
   bool delay_unscale = false;
   int loss_id = 0;
+  // Properties::step_in_backward: backward applied the step; the
+  // optimizer's step() only ends the iteration.
+  bool stepped_in_backward = false;
 };
 
 class OptimizerStep {
@@ -86,6 +90,7 @@ class OptimizerStep {
   State state() const { return state_; }
   torch::optim::Optimizer& optimizer() const { return *optimizer_; }
   bool fused() const { return fused_ != nullptr; }
+  optim::internal::Fused* fused_optimizer() const { return fused_; }
 
   // ---- scale_loss guards -------------------------------------------------
   // Throws, changing nothing, when a guard for `loss_id` cannot open now.
@@ -108,7 +113,8 @@ class OptimizerStep {
     Verdicts verdicts;      // what found_inf combines
   };
   // Errors: a step inside a guard or during delay_unscale accumulation; an
-  // overflow at the floor with AtFloor::kRaise (the step is skipped).
+  // overflow at the floor with AtFloor::kRaise (the step is skipped). After
+  // a guard that stepped in backward: decides `skip` (nothing is left).
   FusedDecision begin_fused_step(bool kernels_apply);
   // The kernels ran as `decision` said: with a device verdict the step is
   // pending until it reaches the host; without one it was taken.
@@ -143,6 +149,8 @@ class OptimizerStep {
   State state_ = State::kReady;
   State before_guard_ = State::kReady;
   int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry
+  // kReady after a guard that stepped in backward: step() not yet called.
+  bool stepped_in_backward_ = false;
   // kAccumulating: the scaled sum, off the parameters until the guard that
   // ends the accumulation.
   std::vector<std::pair<at::Tensor, at::Tensor>> scaled_;

@@ -153,6 +153,7 @@ void Guard::commit() {
   outcome.loss_graph = loss_graph;
   outcome.delay_unscale = options.delay_unscale;
   outcome.loss_id = options.loss_id;
+  outcome.stepped_in_backward = session->properties().step_in_backward;
   std::exception_ptr error;
   if (verdict_ && host_reads) {
     bool overflow = true;
@@ -248,6 +249,9 @@ void scale_loss::unscale() {
               "backward.");
   TORCH_CHECK(!s.options.delay_unscale, "amp: unscale() contradicts delay_unscale=true; unscale "
               "in the last micro-batch's guard (delay_unscale=false).");
+  TORCH_CHECK(!s.session->properties().step_in_backward, "amp: unscale() hands the program the unscaled "
+              "gradients, but step_in_backward applied each of them during backward and freed it. Read or "
+              "clip gradients without step_in_backward.");
   s.unscale_by_program();
 }
 

@@ -9,6 +9,7 @@
 
 #include "fp8/fp8_gemms.h"
 #include "model/model_weights.h"
+#include "optim/fused_kernel.h"
 #include "optim/stochastic_rounding.h"
 #include "step/optimizer_step.h"
 #include "step/overflow_provenance.h"
@@ -20,6 +21,7 @@
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace amp::detail {
@@ -64,6 +66,14 @@ class StepSession {
  protected:
   ~StepSession() = default;
 };
+
+// How amp's fused kernels keep what they step in `session` (O6's rounded
+// weights, 8-bit state), the rounding step not yet drawn; nullopt where
+// they step values as they are.
+std::optional<optim::internal::UpdatePrecision> update_precision(StepSession& session);
+// With 8-bit state: packs the state `optimizer` loaded or held before
+// initialize; packed state stays as it is.
+void pack_loaded_state(torch::optim::Optimizer& optimizer, const optim::internal::UpdatePrecision* precision);
 
 // The live session: published by the session layer (support/live_slot.h).
 LiveSlot<StepSession>& live_step_slot();

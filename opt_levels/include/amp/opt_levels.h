@@ -50,6 +50,8 @@
 //     low-precision model without masters or rounding (O3);
 //   - fp8=true at any level but O5 (or with O5's masters or bfloat16 model
 //     overridden);
+//   - step_in_backward=true with a dynamic loss scale (it could skip the
+//     step after backward) or with master weights (O2, O5);
 //   - scaler values out of range: a loss scale <= 0
 //     or not finite, growth_factor <= 1, backoff_factor outside (0, 1),
 //     growth_interval or hysteresis < 1 or above 2^31-1 (int32 counters),
@@ -146,6 +148,15 @@ struct PropertyOverrides {
   // float8 with per-tensor scales (Options::fp8_scaling), through
   // at::_scaled_mm; everything else as O5 (bfloat16, float32 masters).
   std::optional<bool> fp8;
+  // Each parameter's update applied during backward, as soon as its
+  // gradient is final, and the gradient freed then: a step never holds all
+  // gradients (torchtune's optimizer-in-backward, LOMO). Needs what no step
+  // after backward can skip or change: a static loss scale (the bfloat16
+  // levels' 1, O4 and O6, or LossScale::Static: as always with a static
+  // scale, inf/NaN gradients are applied, not skipped), no master weights,
+  // amp's fused optimizers, and no gradient clipping (docs/guide.md, "The
+  // step inside backward").
+  std::optional<bool> step_in_backward;
 };
 
 // A level with its overrides applied and validated.
@@ -165,6 +176,7 @@ struct Properties {
   bool stochastic_rounding = false;
   c10::ScalarType optimizer_state_dtype = c10::kFloat;  // read with stochastic_rounding, and uint8 anywhere
   bool fp8 = false;  // linear GEMMs in float8 (O5's model and masters)
+  bool step_in_backward = false;  // each update applied during backward
 
   // False when Options::enabled is false: the loop runs as plain float32
   // (O0's properties: no casts, no loss scaling, no skipped steps).

@@ -1,0 +1,150 @@
+#include "step/backward_step.h"
+
+#include "optim/fused_stepping.h"
+#include "optim/unscale_plan.h"
+#include "step/guard.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <optional>
+#include <unordered_map>
+#include <utility>
+
+namespace amp::detail {
+namespace {
+
+using optim::internal::FusedStepping;
+using optim::internal::UpdatePrecision;
+
+class BackwardStep final : public GuardPart {
+ public:
+  explicit BackwardStep(Guard& guard);
+  ~BackwardStep() override { unhook(); }
+
+  // The guard ends well: what backward did not reach but held a gradient
+  // from before the guard is stepped now.
+  void before_unscale(Guard& guard) override;
+  void unwind(Guard&) noexcept override { unhook(); }
+
+ private:
+  // Where a guard's slot is stepped.
+  struct Member {
+    size_t optimizer = 0;  // index into the guard's steps
+    size_t group = 0;
+    uint64_t key = 0;  // its position among the optimizer's parameters
+  };
+
+  void on_gradient(size_t slot);
+  void apply(size_t slot);
+  void unhook() noexcept;
+
+  Guard& guard_;
+  std::vector<std::optional<UpdatePrecision>> precisions_;  // per optimizer
+  std::vector<Member> members_;                             // per slot
+  std::vector<bool> applied_;                               // per slot
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  at::Tensor found_inf_;  // the unscale's flag, never read: a static scale never skips
+};
+
+BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
+  std::unordered_map<const c10::TensorImpl*, Member> where;
+  for (size_t k = 0; k < guard.steps.size(); ++k) {
+    torch::optim::Optimizer& optimizer = guard.steps[k]->optimizer();
+    std::optional<UpdatePrecision> precision = update_precision(*guard.session);
+    if (precision) precision->step = precision->rounder->next_step();  // as the optimizer's step() would
+    pack_loaded_state(optimizer, precision ? &*precision : nullptr);
+    precisions_.push_back(precision);
+    uint64_t key = 0;
+    for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+      for (const at::Tensor& p : optimizer.param_groups()[g].params()) where.emplace(p.unsafeGetTensorImpl(), Member{k, g, key++});
+    }
+  }
+  for (const GradSlot& slot : guard.slots) members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
+  applied_.assign(guard.slots.size(), false);
+  found_inf_ = at::zeros({1}, guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device()).options());
+  for (size_t i = 0; i < guard.slots.size(); ++i) {
+    // A parameter without an accumulator is in no live graph: backward
+    // cannot produce its gradient.
+    std::shared_ptr<torch::autograd::Node> accumulator =
+        torch::autograd::impl::try_get_grad_accumulator(guard.slots[i].param);
+    if (!accumulator) continue;
+    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          on_gradient(i);
+          return outputs;
+        }));
+    hooks_.emplace_back(std::move(accumulator), key);
+  }
+}
+
+void BackwardStep::unhook() noexcept {
+  for (auto& [accumulator, key] : hooks_) accumulator->del_post_hook(key);
+  hooks_.clear();
+}
+
+void BackwardStep::on_gradient(size_t slot) {
+  TORCH_CHECK(!applied_[slot], "amp: a parameter's gradient was accumulated twice inside one scale_loss guard "
+              "(two backward passes through it), but step_in_backward applied its step at the first. Run each "
+              "backward in a guard of its own, followed by step(), or sum the losses and run one backward.");
+  apply(slot);
+}
+
+void BackwardStep::apply(size_t slot) {
+  applied_[slot] = true;
+  GradSlot& s = guard_.slots[slot];
+  const Member& m = members_[slot];
+  // The gradient as the guard's unscale would leave it: with the aside
+  // held from before the guard, in the slot's dtype, unscaled.
+  std::vector<GradSlot> one{s};
+  UnscalePlan plan(one);
+  if (guard_.passthrough) {
+    plan.run({});
+  } else {
+    internal::LossScaling& scaler = guard_.session->scaler(guard_.options.loss_id);
+    plan.run([&](const std::vector<at::Tensor>& scaled) { scaler.unscale(scaled, found_inf_); });
+  }
+  const at::Tensor& p = s.param;
+  if (!p.grad().defined()) return;
+  OptimizerStep& step = *guard_.steps[m.optimizer];
+  torch::optim::Optimizer& optimizer = step.optimizer();
+  FusedStepping& stepping = step.fused_optimizer()->stepping();
+  const UpdatePrecision* precision = precisions_[m.optimizer] ? &*precisions_[m.optimizer] : nullptr;
+  TORCH_CHECK(stepping.suits_parameter(optimizer, optimizer.param_groups()[m.group], p, precision),
+              "amp: step_in_backward cannot step a parameter of shape ", p.sizes(), " (", p.scalar_type(), " on ",
+              p.device(), ") with its gradient (", p.grad().scalar_type(), p.grad().is_sparse() ? ", sparse" : "",
+              "): amp's fused kernels need it dense, contiguous and of the parameter's dtype (FusedSGD does not "
+              "step float16/bfloat16 parameters on the CPU). Make the gradient so, or leave step_in_backward unset.");
+  optim::internal::FusedAttempt attempt =
+      stepping.step_parameter(optimizer, m.group, m.key, p, precision);
+  stepping.settle(attempt, /*skipped=*/false, optimizer.state());
+  p.mutable_grad() = at::Tensor();  // the point: freed as soon as it is applied
+  s.aside = at::Tensor();           // applied: nothing to give back on unwind
+}
+
+void BackwardStep::before_unscale(Guard& guard) {
+  unhook();
+  for (size_t i = 0; i < guard.slots.size(); ++i) {
+    const GradSlot& s = guard.slots[i];
+    if (!applied_[i] && (s.param.grad().defined() || s.aside.defined())) apply(i);
+  }
+}
+
+}  // namespace
+
+void BackwardStepParticipant::check_open(const Guard& guard) const {
+  TORCH_CHECK(!guard.options.delay_unscale, "amp: delay_unscale=true accumulates gradients over several "
+              "guards before one step, but step_in_backward applies the step during each guard's backward. "
+              "Accumulate without step_in_backward, or train on the whole batch in one guard.");
+  TORCH_CHECK(!guard.capturing, "amp: step_in_backward steps from hooks during backward, which a CUDA graph "
+              "capture of the guard does not record as such; capture without step_in_backward.");
+}
+
+std::unique_ptr<GuardPart> BackwardStepParticipant::open(Guard& guard) {
+  return std::make_unique<BackwardStep>(guard);
+}
+
+}  // namespace amp::detail
