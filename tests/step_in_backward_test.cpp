@@ -358,6 +358,8 @@ TEST_F(AmpTest, StepInBackwardRefusesWhatCannotStepDuringBackward) {
   Options telemetry = options(O4);
   telemetry.precision_telemetry = true;
   EXPECT_AMP_ERROR(initialize(model, optimizer, telemetry), "read the gradients after backward");
+  amp::optim::FusedSGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  EXPECT_AMP_ERROR(initialize(model, sgd, options(O3)), "CPU SGD kernel does not step");
   Options reduced = options(O4);
   reduced.reduce_overflow = [](at::Tensor&) {};
   EXPECT_AMP_ERROR(initialize(model, optimizer, reduced), "every rank's backward");

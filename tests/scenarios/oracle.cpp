@@ -67,6 +67,11 @@ LevelRun level_run(const Program& p, OptLevel level) {
   if (p.dynamic_scaling || defaults.loss_scale.dynamic) o.loss_scale = LossScale::Dynamic(p.init_scale);
   o.dynamic_scaling.growth_interval = p.growth_interval;
   o.dynamic_scaling.max_loss_scale = p.max_scale;
+  // A static scale without masters; not O3 with SGD, whose CPU kernel leaves
+  // bfloat16 parameters to LibTorch's step (refused in backward).
+  const bool sgd = std::any_of(p.optimizers.begin(), p.optimizers.end(),
+                               [](const OptimizerSpec& s) { return s.kind == OptimizerKind::kSGD; });
+  if (p.step_in_backward && !defaults.master_weights && !o.loss_scale && !(level == O3 && sgd)) o.step_in_backward = true;
   const Properties resolved = internal::resolve_properties(level, o, c10::DeviceType::CPU);
   run.options = o;
   const bool casts_model = resolved.cast_model_type && internal::is_low_precision(*resolved.cast_model_type);

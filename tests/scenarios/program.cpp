@@ -177,6 +177,38 @@ int owner_of(const Program& program, int model) {
   return -1;
 }
 
+namespace {
+
+// Makes `p` a program Properties::step_in_backward trains as the ordinary
+// step does (program.h): amp's fused optimizers, a static scale without
+// faults, no exception, clipping, penalty or accumulation, gradients
+// zeroed, and in each phase a guard per optimizer at most (later losses
+// that would guard one again are dropped).
+void fit_step_in_backward(Program& p) {
+  p.fused_step = true;
+  p.dynamic_scaling = false;
+  p.faults.clear();
+  p.exception.reset();
+  if (p.zero == Zero::kNever) p.zero = Zero::kOptimizer;
+  for (Phase& phase : p.phases) {
+    phase.micro_batches = 1;
+    std::vector<bool> guarded(p.optimizers.size(), false);
+    std::vector<LossSpec> kept;
+    for (LossSpec& loss : phase.losses) {
+      const bool again = std::any_of(loss.guard.begin(), loss.guard.end(), [&](int o) { return guarded[o]; });
+      if (again) continue;
+      for (int o : loss.guard) guarded[o] = true;
+      loss.clip.reset();
+      loss.penalty = 0;
+      kept.push_back(loss);
+    }
+    phase.losses = std::move(kept);
+  }
+  p.step_in_backward = true;
+}
+
+}  // namespace
+
 Program generate_program(uint64_t seed) {
   Draw draw(seed);
   Program p;
@@ -279,6 +311,7 @@ Program generate_program(uint64_t seed) {
     if (m.recomputed && static_cast<size_t>(at) < m.recomputed->first) ++m.recomputed->first;
     if (m.recomputed && static_cast<size_t>(at) < m.recomputed->last) ++m.recomputed->last;
   }
+  if (draw.chance(0.25)) fit_step_in_backward(p);  // drawn last, as above
   return p;
 }
 
@@ -322,7 +355,8 @@ std::string describe(const Program& p) {
       << ", O1-O3 dtype " << (p.float16 ? "float16" : "bfloat16") << ", scaling "
       << (p.dynamic_scaling ? "dynamic from " + std::to_string(p.init_scale) : std::string("level default"))
       << ", growth_interval " << p.growth_interval << ", " << (p.fused_step ? "fused" : "LibTorch's own")
-      << " optimizer step" << (p.fp8 ? ", O5 with fp8" : "") << "\n";
+      << " optimizer step" << (p.fp8 ? ", O5 with fp8" : "")
+      << (p.step_in_backward ? ", step in backward (O0, O3, O4, O6)" : "") << "\n";
   for (const Fault& f : p.faults) {
     out << "  fault: " << name(f.kind) << " at iteration " << f.iteration << " phase " << f.phase << " loss "
         << f.loss << " micro-batch " << f.micro_batch << "\n";

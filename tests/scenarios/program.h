@@ -129,6 +129,13 @@ struct Program {
   // with a gradient penalty (a float8 backward cannot be differentiated
   // again).
   bool fp8 = false;
+  // Properties::step_in_backward at the levels that allow it (a static
+  // scale, no masters: O0, O3, O4, O6). A program drawn with it is made to
+  // fit: amp's fused optimizers, a static scale without faults, no
+  // exception, clipping, penalty or accumulation, gradients zeroed (they
+  // are freed, so none carry over), and each optimizer in one guard per
+  // phase.
+  bool step_in_backward = false;
 };
 
 Program generate_program(uint64_t seed);

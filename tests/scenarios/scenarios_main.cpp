@@ -72,6 +72,7 @@ struct Coverage {
     count["fresh-process restart"] += p.fresh_process_level.has_value();
     count["float16 at O1-O3"] += p.float16;
     count["fp8 at O5"] += p.fp8;
+    count["step in backward"] += p.step_in_backward;
     const auto recomputes = [&](bool nested) {
       return std::any_of(p.models.begin(), p.models.end(),
                          [&](const ModelSpec& m) { return m.recomputed && (!nested || m.recomputed->nested); });

@@ -88,6 +88,7 @@ struct Config {
   int world = 1;
   bool shard = false;  // with world > 1: ZeRO-2 (otherwise replicated)
   bool state8 = false;  // optimizer_state_dtype uint8 (amp's FusedAdamW)
+  bool in_backward = false;  // step_in_backward (amp's FusedAdamW)
 };
 
 std::vector<Config> configs() {
@@ -95,7 +96,9 @@ std::vector<Config> configs() {
                              {"amp O2", amp::O2},             {"amp O5", amp::O5},
                              {"amp O5 + recompute", amp::O5, true}, {"amp O6 + recompute", amp::O6, true},
                              {"amp O5 + recompute + 8-bit state", amp::O5, true, 1, false, true},
-                             {"amp O6 + recompute + 8-bit state", amp::O6, true, 1, false, true}};
+                             {"amp O6 + recompute + 8-bit state", amp::O6, true, 1, false, true},
+                             {"amp O6 + recompute + step in backward", amp::O6, true, 1, false, false, true},
+                             {"amp O6 + recompute + 8-bit state + step in backward", amp::O6, true, 1, false, true, true}};
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
       const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
@@ -130,7 +133,7 @@ class Trainer {
     shape.recompute = config.recompute;
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);
-    if (config.level == amp::O6 || config.state8) {
+    if (config.level == amp::O6 || config.state8 || config.in_backward) {
       optimizer_ = std::make_shared<amp::optim::FusedAdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
     } else {
       optimizer_ = std::make_shared<torch::optim::AdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -139,6 +142,7 @@ class Trainer {
       amp::Options options = *config.level;
       options.verbosity = 0;
       if (config.state8) options.optimizer_state_dtype = at::kByte;
+      options.step_in_backward = config.in_backward;
       if (group_) {
         options.data_parallel.group = group_;
         options.data_parallel.shard = config_.shard;

@@ -35,6 +35,11 @@
 // docs/guide.md "8-bit optimizer state"): each step unpacks it into
 // float32 a chunk at a time, runs the kernel and packs the results again.
 //
+// With Properties::step_in_backward each parameter is stepped during the
+// guard's backward, alone, as soon as its gradient is final, and the
+// gradient freed; step() then applies nothing (docs/guide.md, "The step
+// inside backward").
+//
 // A whole step (forward, scale_loss, step) can be captured in a CUDA graph
 // after warm-up steps; replays skip on the device and are counted there
 // (docs/guide.md, "A whole step in a CUDA graph").

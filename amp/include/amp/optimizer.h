@@ -44,7 +44,8 @@ int64_t skipped_steps(internal::OptimizerRef optimizer);
 // float32 tensor; no host read). With Options::data_parallel.shard the norm
 // spans every rank's shard (a collective: every rank calls it). Call it
 // after the guard, or inside it after unscale(). Errors: max_norm not finite
-// and > 0; the optimizer accumulating (delay_unscale).
+// and > 0; the optimizer accumulating (delay_unscale); step_in_backward
+// (backward applied and freed the gradients).
 at::Tensor clip_grad_norm(internal::OptimizerRef optimizer, double max_norm);
 
 // Whether the gradients of the latest guard over `optimizer` overflowed, so

@@ -69,7 +69,14 @@
 //     with amp::optim's fused ones), or with Options::data_parallel (its
 //     hooks and collectives are driven by the host). See docs/guide.md,
 //     CUDA graphs.
-// unscale(): called twice, after finish(), or with delay_unscale.
+//   - with Properties::step_in_backward: delay_unscale=true, a CUDA graph
+//     capture, or an optimizer whose step() was not called since the last
+//     guard over it (two guards would step it twice in one iteration).
+// backward() with step_in_backward: a second backward through the same
+// parameters in one guard; a gradient amp's fused kernels cannot step (a
+// sparse one). The parameters already stepped stay stepped.
+// unscale(): called twice, after finish(), with delay_unscale, or with
+// step_in_backward (the gradients were applied and freed in backward).
 // finish(): called twice; errors of the overflow all-reduce; an overflow at
 // the floor with DynamicScaling::AtFloor::kRaise; a failure while the step
 // commits (memory for ZeRO-1's held sums, float8's scale update), which

@@ -17,6 +17,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/optim/sgd.h>
 
 #include <mutex>
 #include <optional>
@@ -203,8 +204,17 @@ void check_rounding_optimizers(const Optimizers& optimizers, const Properties& p
 // Properties::step_in_backward: amp's fused optimizers apply each update as
 // its gradient becomes final, on this rank, and nothing reads the gradients
 // afterwards.
-void check_step_in_backward(const Options& o, const Properties& p, const Optimizers& optimizers) {
+void check_step_in_backward(const Options& o, const Properties& p, const Optimizers& optimizers, c10::Device device) {
   if (!p.step_in_backward) return;
+  const bool low_precision_steps = p.cast_model_type && *p.cast_model_type != at::kFloat && !p.master_weights &&
+                                   !p.stochastic_rounding;  // O3
+  for (torch::optim::Optimizer* optimizer : optimizers) {
+    TORCH_CHECK(!(low_precision_steps && device.is_cpu() && dynamic_cast<torch::optim::SGD*>(optimizer) != nullptr),
+                "amp: step_in_backward steps each parameter with amp's fused kernels, but ATen's CPU SGD kernel "
+                "does not step ", *p.cast_model_type, " parameters, which ", to_string(p.opt_level), " leaves "
+                "to LibTorch's step after backward. Use FusedAdamW or FusedAdam, or O6 (bfloat16 weights stepped "
+                "in float32).");
+  }
   TORCH_CHECK(!optimizers.empty(), "amp: step_in_backward applies the optimizers' updates during backward; pass "
               "them to amp::initialize(model, optimizer, options).");
   for (torch::optim::Optimizer* optimizer : optimizers) {
@@ -424,7 +434,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   if (properties.fp8) check_fp8_kernels(device);
   if (options.enabled) check_sharding(options, properties, optimizers);
   check_rounding_optimizers(optimizers, properties);
-  check_step_in_backward(options, properties, optimizers);
+  check_step_in_backward(options, properties, optimizers, device);
   check_storages(models);
   if (options.enabled) {
     warn_about_dtypes(models, properties, options.verbosity);
