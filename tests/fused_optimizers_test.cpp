@@ -48,28 +48,6 @@ const std::vector<OptimizerCase>& optimizer_cases() {
   return cases;
 }
 
-// Every state tensor, step counts as tensors, in parameter order.
-std::vector<at::Tensor> state_of(const torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> out;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
-      if (it == optimizer.state().end()) continue;
-      const auto* s = it->second.get();
-      if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-        out.push_back(sgd->momentum_buffer());
-      } else if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-        out.insert(out.end(), {torch::tensor(adam->step()), adam->exp_avg(), adam->exp_avg_sq()});
-        if (adam->max_exp_avg_sq().defined()) out.push_back(adam->max_exp_avg_sq());
-      } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-        out.insert(out.end(), {torch::tensor(adamw->step()), adamw->exp_avg(), adamw->exp_avg_sq()});
-        if (adamw->max_exp_avg_sq().defined()) out.push_back(adamw->max_exp_avg_sq());
-      }  // other optimizers' state is not compared here
-    }
-  }
-  return out;
-}
-
 // The documented tolerance: the kernels order float32 arithmetic differently
 // from LibTorch's step, a few roundings per step. Over these 8 steps the
 // largest difference seen is 1.2e-7 (Adam, SGD with momentum); plain SGD and
@@ -130,7 +108,7 @@ std::vector<StepRecord> train(const OptimizerCase& opt, const Loop& loop) {
     optimizer->step();
     const int64_t step_syncs = host_syncs() - syncs;
     records.push_back({clones(master_params(*optimizer)), clones(model->parameters()),
-                       clones(state_of(*optimizer)), last_step_skipped(*optimizer), step_syncs});
+                       clones(optimizer_state_tensors(*optimizer)), last_step_skipped(*optimizer), step_syncs});
   }
   EXPECT_EQ(skipped_steps(*optimizer), static_cast<int64_t>(loop.overflow_at.size()));
   return records;
@@ -325,12 +303,12 @@ TEST_F(FusedStepTest, SkippedStepDiscardsGradientsAndCounts) {
       if (step == 1) model->fc1->weight.mutable_grad().fill_(kInf);
     }
     const auto before = clones(model->parameters());
-    const auto state_before = clones(state_of(*optimizer));
+    const auto state_before = clones(optimizer_state_tensors(*optimizer));
     optimizer->step();
     EXPECT_EQ(last_step_skipped(*optimizer), step == 1);
     if (step == 1) {
       EXPECT_TRUE(AllBitEqual(model->parameters(), before));
-      EXPECT_TRUE(AllBitEqual(state_of(*optimizer), state_before));
+      EXPECT_TRUE(AllBitEqual(optimizer_state_tensors(*optimizer), state_before));
       for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
     } else {
       EXPECT_TRUE(model->fc1->weight.grad().defined()) << "taken steps keep gradients (LibTorch)";
@@ -378,7 +356,7 @@ TEST_F(FusedStepTest, CheckpointsLoadIntoEitherPathAndPlainLibTorch) {
       archive.save_to(out);
       *save_to = out.str();
     }
-    return std::make_pair(clones(model->parameters()), clones(state_of(*optimizer)));
+    return std::make_pair(clones(model->parameters()), clones(optimizer_state_tensors(*optimizer)));
   };
   std::string fused_bytes, own_bytes;
   const auto fused_first = run(true, nullptr, &fused_bytes);
@@ -392,7 +370,7 @@ TEST_F(FusedStepTest, CheckpointsLoadIntoEitherPathAndPlainLibTorch) {
   torch::serialize::InputArchive archive;
   archive.load_from(in);
   plain.load(archive);
-  EXPECT_TRUE(AllBitEqual(state_of(plain), fused_first.second));
+  EXPECT_TRUE(AllBitEqual(optimizer_state_tensors(plain), fused_first.second));
   EXPECT_EQ(static_cast<const torch::optim::AdamParamState&>(
                 *plain.state().at(plain_model->fc1->weight.unsafeGetTensorImpl())).step(), 4);
 

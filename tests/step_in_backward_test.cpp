@@ -77,26 +77,6 @@ Options with(Options o, const std::function<void(Options&)>& change = nullptr) {
   return o;
 }
 
-// The optimizer's state tensors as kept (packed or not), step counts first.
-std::vector<at::Tensor> state_of(const torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> out;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
-      if (it == optimizer.state().end()) continue;
-      const torch::optim::OptimizerParamState& s = *it->second;
-      if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(&s)) {
-        out.insert(out.end(), {torch::tensor(adamw->step()), adamw->exp_avg(), adamw->exp_avg_sq()});
-      } else if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(&s)) {
-        out.insert(out.end(), {torch::tensor(adam->step()), adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()});
-      } else {
-        out.push_back(dynamic_cast<const torch::optim::SGDParamState&>(s).momentum_buffer());
-      }
-    }
-  }
-  return out;
-}
-
 struct Trained {
   std::vector<at::Tensor> params, state, losses;
 };
@@ -144,7 +124,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
     out.losses.push_back(loss.detach().clone());
   }
   out.params = clones((*model)->parameters());
-  out.state = clones(state_of(*optimizer));
+  out.state = clones(optimizer_state_tensors(*optimizer));
   return out;
 }
 

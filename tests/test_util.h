@@ -81,20 +81,33 @@ inline std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
 }
 
 // The optimizer's state as tensors, in parameter order: SGD momentum buffers,
-// Adam step counts and moments. Comparable across optimizer instances
-// (serialized bytes are not: they name state by tensor address).
+// Adam's and AdamW's step counts and moments (amsgrad's maximum where
+// kept), RMSprop's and Adagrad's, as kept (8-bit state packed). Comparable across optimizer
+// instances (serialized bytes are not: they name state by tensor address).
 inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> out;
+  auto adam_like = [&out](const auto& s) {
+    out.insert(out.end(), {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq()});
+    if (s.max_exp_avg_sq().defined()) out.push_back(s.max_exp_avg_sq());
+  };
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       auto it = optimizer.state().find(p.unsafeGetTensorImpl());
       if (it == optimizer.state().end()) continue;
-      if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
+      const torch::optim::OptimizerParamState* s = it->second.get();
+      if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
         out.push_back(sgd->momentum_buffer());
-      } else if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {
-        out.push_back(torch::tensor(adam->step()));
-        out.push_back(adam->exp_avg());
-        out.push_back(adam->exp_avg_sq());
+      } else if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
+        adam_like(*adam);
+      } else if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
+        adam_like(*adamw);
+      } else if (auto* rms = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
+        out.insert(out.end(), {torch::tensor(rms->step()), rms->square_avg()});
+        for (const at::Tensor& t : {rms->momentum_buffer(), rms->grad_avg()}) {
+          if (t.defined()) out.push_back(t);
+        }
+      } else if (auto* adagrad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
+        out.insert(out.end(), {torch::tensor(adagrad->step()), adagrad->sum()});
       } else {
         ADD_FAILURE() << "optimizer_state_tensors: unsupported optimizer state type";
       }
