@@ -8,6 +8,7 @@
 
 #include <amp/memory.h>
 
+#include <torch/cuda.h>
 #include <torch/optim/schedulers/step_lr.h>
 
 #include <cstdio>
@@ -85,11 +86,13 @@ struct Trained {
 // step), forward, a guard around backward, step, the scheduler; with
 // `resume_at`, amp's checkpoint saved there and loaded into a fresh model,
 // optimizer and initialization.
-Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1) {
+Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1, c10::Device device = c10::kCPU) {
   Options options = c.options;
   options.step_in_backward = in_backward;
   torch::manual_seed(0);
+  if (device.is_cuda()) torch::cuda::manual_seed_all(0);
   auto model = std::make_shared<Net>(c.recompute);
+  (*model)->to(device);
   auto optimizer = make_optimizer(c.kind, *model);
   auto scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
   auto handle = std::make_unique<Handle>();
@@ -102,6 +105,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
       handle.reset();
       torch::manual_seed(1);
       model = std::make_shared<Net>(c.recompute);
+      (*model)->to(device);
       optimizer = make_optimizer(c.kind, *model);
       scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
       handle = std::make_unique<Handle>();
@@ -111,8 +115,8 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
       std::remove(path.c_str());
     }
     torch::manual_seed(100 + step);
-    const at::Tensor x = torch::randn({16, 12});
-    const at::Tensor y = torch::randint(0, 5, {16});
+    const at::Tensor x = torch::randn({16, 12}).to(device);
+    const at::Tensor y = torch::randint(0, 5, {16}).to(device);
     optimizer->zero_grad(/*set_to_none=*/step % 2 == 0);
     const at::Tensor loss = torch::cross_entropy_loss((*model)->forward(x), y);
     {
@@ -160,6 +164,19 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"O0_AdamW", with(O0), Kind::kAdamW, false},
         Case{"O3_AdamW", with(O3), Kind::kAdamW, false}),
     [](const auto& info) { return info.param.name; });
+
+// On the GPU the hooks run on the autograd engine's device thread, and the
+// kernels on the backward's stream.
+TEST_F(AmpTest, OnCudaStepInBackwardEndsBitForBitAsTheOrdinaryStep) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  for (const bool eight_bit : {false, true}) {
+    const Case c{"O6", with(O6, [&](Options& o) { if (eight_bit) o.optimizer_state_dtype = at::kByte; }),
+                 Kind::kAdamW, true};
+    const Trained ordinary = train(c, false, 5, -1, c10::kCUDA), in_backward = train(c, true, 5, -1, c10::kCUDA);
+    expect_bit_equal(in_backward.params, ordinary.params, "parameter");
+    expect_bit_equal(in_backward.state, ordinary.state, "optimizer state");
+  }
+}
 
 // amp's checkpoint in the middle: the resumed run ends as the uninterrupted
 // one (the rounding streams and 8-bit state travel in it).
