@@ -19,7 +19,10 @@
 // (amp::allocated_bytes: everything the step's tensors held at once,
 // parameters and optimizer state included), the part of it above what the
 // step started with (activations and gradients), and time per step, as
-// ratios to LibTorch float32 measured in the same run.
+// ratios to LibTorch float32 measured in the same run. Both tables print
+// the peak per parameter beside the configuration's arithmetic floor: the
+// bytes a parameter's weight copies, gradient and optimizer state take at
+// once (per rank), before any activation.
 // Table 2: the largest depth whose step fits --budget_mib, found from the
 // peaks at two depths (they grow linearly with depth) and checked by a step
 // at the depth found, then trained --train_steps steps: parameters, ratio to
@@ -324,40 +327,62 @@ Figures peer(const std::string& mode, int layers, int timed, int train_steps) {
 
 struct Row {
   std::string name;
+  double floor = 0;  // bytes a parameter's weights, gradient and state take at once (per rank)
   // Measures at a depth, timing `timed` steps and training `train` more.
   std::function<Figures(int layers, int timed, int train)> measure;
 };
+
+// The arithmetic floor of `c` (Row::floor), AdamW: float32 weights,
+// gradients and two moments take 4 + 4 + 8; O1's cast cache and O2/O5's
+// computing copy add the bfloat16 copy of the weights forward and backward
+// read; O6 keeps 2 + 2 + 4; 8-bit state 2 for the moments; the step in
+// backward holds no gradient; sharding keeps 1/world of the float32
+// masters (O6: of the weights' pieces), gradients and state, the gathered
+// low-precision weights whole.
+double floor_bytes(const Config& c) {
+  const bool copies = c.level == amp::O1 || c.level == amp::O2 || c.level == amp::O5;
+  const double weights = c.level == amp::O6 ? 2 : 4, copy = copies ? 2 : 0;
+  const double gradients = c.in_backward ? 0 : weights, state = c.state8 ? 2 : c.level == amp::O6 ? 4 : 8;
+  if (!c.shard) return weights + copy + gradients + state;
+  return (c.level == amp::O6 ? 2 : copy) + (weights + gradients + state) / c.world;
+}
 
 std::vector<Row> rows() {
   std::vector<Row> out;
   const std::regex only(absl::GetFlag(FLAGS_only));
   for (const Config& c : configs()) {
     if (!std::regex_search(c.name, only) && c.name != "LibTorch fp32") continue;
-    out.push_back({c.name, [c](int layers, int timed, int train) { return measure(c, layers, timed, train); }});
+    out.push_back({c.name, floor_bytes(c), [c](int layers, int timed, int train) { return measure(c, layers, timed, train); }});
   }
   if (absl::GetFlag(FLAGS_python).empty()) return out;
   for (const auto& [name, mode] : std::vector<std::pair<std::string, std::string>>{
            {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"},
            {"Python autocast + checkpoint + torchao AdamW8bit", "checkpoint8bit"}}) {
     if (!std::regex_search(name, only)) continue;
-    out.push_back({name, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
+    // float32 weights and gradients; autocast without checkpoint keeps the
+    // bfloat16 weight copies forward saved until backward.
+    const double floor = mode == "checkpoint8bit" ? 4 + 4 + 2 : mode == "autocast" ? 4 + 2 + 4 + 8 : 4 + 4 + 8;
+    out.push_back({name, floor, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
   }
   return out;
 }
+
+double bytes_per_parameter(const Figures& f) { return f.peak_mib * 1048576.0 / static_cast<double>(f.parameters); }
 
 void equal_batch_table(const std::vector<Row>& table, int layers) {
   std::printf("\n1. One AdamW step, GPT-shaped decoder (width %lld, context %lld, batch %lld, %d blocks), "
               "allocator bytes (per rank in data parallel)\n\n",
               (long long)kWidth, (long long)kContext, (long long)kBatch, layers);
   std::printf("| configuration | parameters | peak MiB | peak / fp32 | above start MiB | above start / fp32 | ms/step | "
-              "time / fp32 |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+              "time / fp32 | peak bytes / parameter | floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::optional<Figures> fp32;
   for (const Row& row : table) {
     const Figures f = row.measure(layers, absl::GetFlag(FLAGS_timed_steps), 0);
     if (!fp32) fp32 = f;
-    std::printf("| %s | %lld | %.1f | %.2f | %.1f | %.2f | %.0f | %.2f |\n", row.name.c_str(), (long long)f.parameters,
-                f.peak_mib, f.peak_mib / fp32->peak_mib, f.above_start_mib, f.above_start_mib / fp32->above_start_mib,
-                f.ms_per_step, f.ms_per_step / fp32->ms_per_step);
+    std::printf("| %s | %lld | %.1f | %.2f | %.1f | %.2f | %.0f | %.2f | %.1f | %.1f |\n", row.name.c_str(),
+                (long long)f.parameters, f.peak_mib, f.peak_mib / fp32->peak_mib, f.above_start_mib,
+                f.above_start_mib / fp32->above_start_mib, f.ms_per_step, f.ms_per_step / fp32->ms_per_step,
+                bytes_per_parameter(f), row.floor);
     std::fflush(stdout);
   }
 }
@@ -388,8 +413,8 @@ std::pair<int, Figures> largest_in_budget(const Row& row, double budget) {
 void budget_table(const std::vector<Row>& table, double budget, int train_steps) {
   std::printf("\n2. The largest model whose step fits %.0f MiB of allocator bytes (per rank in data parallel), "
               "trained %d steps\n\n", budget, train_steps);
-  std::printf("| configuration | blocks | parameters | parameters / fp32 | peak MiB | loss (last 5 steps) |\n"
-              "|---|---:|---:|---:|---:|---:|\n");
+  std::printf("| configuration | blocks | parameters | parameters / fp32 | peak MiB | peak bytes / parameter | floor | "
+              "loss (last 5 steps) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
   int64_t fp32_parameters = 0;
   for (const Row& row : table) {
     const auto [layers, fit] = largest_in_budget(row, budget);
@@ -397,8 +422,9 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
     // Without training, the search's own step at that depth is the row.
     const Figures trained = train_steps > 0 ? row.measure(layers, /*timed=*/0, train_steps) : fit;
     if (fp32_parameters == 0) fp32_parameters = trained.parameters;
-    std::printf("| %s | %d | %lld | %.2f | %.1f | %.3f |\n", row.name.c_str(), layers, (long long)trained.parameters,
-                double(trained.parameters) / fp32_parameters, fit.peak_mib, trained.loss);
+    std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | %.3f |\n", row.name.c_str(), layers,
+                (long long)trained.parameters, double(trained.parameters) / fp32_parameters, fit.peak_mib,
+                bytes_per_parameter(fit), row.floor, trained.loss);
     std::fflush(stdout);
   }
 }
