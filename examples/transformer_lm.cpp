@@ -30,11 +30,14 @@ ABSL_FLAG(int, batch_size, 32, "sequences per batch");
 ABSL_FLAG(int, context, 64, "characters per sequence");
 ABSL_FLAG(double, lr, 3e-3, "AdamW learning rate");
 ABSL_FLAG(std::string, optimizer, "",
-          "libtorch (torch::optim::AdamW) or fused (amp::optim::FusedAdamW); default: fused at O6, whose "
-          "stochastic rounding needs it, libtorch otherwise");
+          "libtorch (torch::optim::AdamW) or fused (amp::optim::FusedAdamW); default: fused where only it "
+          "applies (O6's stochastic rounding, 8-bit state, the step in backward), libtorch otherwise");
 ABSL_FLAG(int, layers, 2, "transformer blocks");
 ABSL_FLAG(int, width, 64, "model width");
 ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
+ABSL_FLAG(bool, eight_bit_state, false, "keep AdamW's moments in 8 bits (optimizer_state_dtype uint8; fused optimizer)");
+ABSL_FLAG(bool, step_in_backward, false,
+          "apply each update during backward and free its gradient (O4/O6, fused optimizer); no gradient clipping");
 ABSL_FLAG(int, seed, 0, "random seed");
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
@@ -107,7 +110,9 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
       amp::scale_loss scaled(loss, optimizer);
       scaled.backward();
     }
-    amp::clip_grad_norm(optimizer, 1.0);  // every level; two fused ops, as Python's foreach clip
+    // Every level; two fused ops, as Python's foreach clip. The step in
+    // backward applied the gradients already, and clipping needs them all.
+    if (!options.step_in_backward.value_or(false)) amp::clip_grad_norm(optimizer, 1.0);
     optimizer.step();
     if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
@@ -139,6 +144,8 @@ int run() {
   config.layers = absl::GetFlag(FLAGS_layers);
   config.width = absl::GetFlag(FLAGS_width);
   config.recompute = absl::GetFlag(FLAGS_recompute);
+  if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
+  options.step_in_backward = absl::GetFlag(FLAGS_step_in_backward);
   if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||
       config.layers < 1 || config.width < config.heads || config.width % config.heads != 0) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "

@@ -84,7 +84,11 @@ std::string level_name(const amp::Options& options) {
 bool use_fused_optimizer(const std::string& flag, const amp::Options& options) {
   if (flag == "fused") return true;
   if (flag == "libtorch") return false;
-  if (flag.empty()) return options.opt_level == amp::O6 && options.stochastic_rounding.value_or(true);
+  // Where only amp's fused optimizers apply: O6's rounding, 8-bit state, the step in backward.
+  if (flag.empty()) {
+    return (options.opt_level == amp::O6 && options.stochastic_rounding.value_or(true)) ||
+           options.optimizer_state_dtype == c10::kByte || options.step_in_backward.value_or(false);
+  }
   throw std::invalid_argument("--optimizer must be fused or libtorch, got '" + flag + "'");
 }
 
