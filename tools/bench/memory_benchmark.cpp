@@ -6,8 +6,9 @@
 // Debian's license texts under each configuration: plain LibTorch float32;
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
 // without masters, stochastic rounding) with recomputation; both with 8-bit
-// optimizer state (optimizer_state_dtype uint8); the O2, O5 and
-// recomputed ones sharded at world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
+// optimizer state (optimizer_state_dtype uint8), and with the step in
+// backward (step_in_backward); the O2, O5 and recomputed ones sharded at
+// world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
 // started by this program, bytes per rank), each beside the same
 // configuration replicated (plain data parallel) at the same per-rank
 // batch, which separates sharding's saving from the smaller batch's; and
@@ -109,6 +110,7 @@ std::vector<Config> configs() {
       out.push_back({"amp O5" + per, amp::O5, false, world, shard});
       out.push_back({"amp O5 + recompute" + per, amp::O5, true, world, shard});
       out.push_back({"amp O6 + recompute" + per, amp::O6, true, world, shard});
+      out.push_back({"amp O6 + recompute + 8-bit state" + per, amp::O6, true, world, shard, true});
     }
   }
   return out;

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -59,18 +60,16 @@ bool packs(const at::Tensor& state, const at::Tensor& param) {
          state.size(0) == packed_blocks(param.numel());
 }
 
-void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
-                     StochasticRounding* rounder, RoundingKey key) {
-  const int64_t blocks = packed.size(0), numel = values.numel();
-  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
-  at::Tensor x;
-  if (numel == blocks * kStateBlock) {
-    x = values.reshape({blocks, kStateBlock});
-  } else {  // the last block padded with zeros
-    x = at::zeros({blocks * kStateBlock}, values.options());
-    x.narrow(0, 0, numel).copy_(values.reshape(-1));
-    x = x.view({blocks, kStateBlock});
-  }
+namespace {
+
+// At most this many blocks are coded at once: the coding's temporaries
+// (about ten of the slice's size) stay near 2.5 MiB however large the
+// tensor, beside a step that frees each gradient as it applies it.
+constexpr int64_t kSliceBlocks = 256;
+
+// Codes `x` ([blocks, 256] float32) into `packed`'s rows; `noise`: uniform
+// [0, 1) of x's shape (undefined: to nearest).
+void code_blocks(const at::Tensor& x, const at::Tensor& noise, const at::Tensor& packed, bool non_negative) {
   // Each block's scale: the smallest power of two holding its maximum.
   const auto [mantissa, exponent] = at::frexp(x.abs().amax(1, /*keepdim=*/true));
   at::Tensor e = exponent.sub(mantissa.eq(0.5).to(at::kInt)).clamp_(kMinExponent, kMaxExponent);
@@ -85,7 +84,7 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
   const at::Tensor b = table.index_select(0, hi.view(-1)).view_as(y);
   // Up with probability (y - a) / (b - a): the expected code value is y. A
   // value on a code stays there.
-  const at::Tensor up = rounder ? rounder->uniform(y.sizes(), y.device(), key).mul_(b - a).lt(y - a) : (y - a).gt(b - y);
+  const at::Tensor up = noise.defined() ? noise.mul(b - a).lt(y - a) : (y - a).gt(b - y);
   at::Tensor code = lo.add(up.to(at::kInt));
 
   // A block whose maximum rounded down onto 0.5 is coded one exponent down
@@ -99,6 +98,29 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
 
   packed.narrow(1, 0, kStateBlock).copy_(code);
   packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
+}
+
+}  // namespace
+
+void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                     StochasticRounding* rounder, RoundingKey key) {
+  const int64_t blocks = packed.size(0), numel = values.numel();
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
+  at::Tensor x;
+  if (numel == blocks * kStateBlock) {
+    x = values.reshape({blocks, kStateBlock});
+  } else {  // the last block padded with zeros
+    x = at::zeros({blocks * kStateBlock}, values.options());
+    x.narrow(0, 0, numel).copy_(values.reshape(-1));
+    x = x.view({blocks, kStateBlock});
+  }
+  // The noise is drawn for the whole tensor at once, so slicing changes nothing.
+  const at::Tensor noise = rounder ? rounder->uniform(x.sizes(), x.device(), key) : at::Tensor();
+  for (int64_t first = 0; first < blocks; first += kSliceBlocks) {
+    const int64_t count = std::min(kSliceBlocks, blocks - first);
+    code_blocks(x.narrow(0, first, count), noise.defined() ? noise.narrow(0, first, count) : at::Tensor(),
+                packed.narrow(0, first, count), non_negative);
+  }
 }
 
 at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
