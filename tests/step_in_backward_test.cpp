@@ -187,6 +187,45 @@ TEST_F(AmpTest, StepInBackwardResumesBitForBit) {
   expect_bit_equal(resumed.state, whole.state, "optimizer state");
 }
 
+// A checkpoint saved between the guard and step() (the update already
+// applied) resumes as the uninterrupted run: the resumed step() applies
+// nothing and draws no rounding step.
+TEST_F(AmpTest, StepInBackwardResumesFromACheckpointSavedBeforeStep) {
+  auto run = [](bool resume) {
+    torch::manual_seed(0);
+    auto model = std::make_shared<Net>(false);
+    auto optimizer = make_optimizer(Kind::kAdamW, *model);
+    const Options options = with(O6, [](Options& o) { o.step_in_backward = true; });
+    auto handle = std::make_unique<Handle>();
+    handle->initialize(*model, *optimizer, options);
+    const std::string path = temp_path("step_in_backward_before_step.pt");
+    for (int step = 0; step < 4; ++step) {
+      torch::manual_seed(100 + step);
+      const at::Tensor x = torch::randn({16, 12}), y = torch::randint(0, 5, {16});
+      optimizer->zero_grad();
+      {
+        scale_loss scaled(torch::cross_entropy_loss((*model)->forward(x), y), *optimizer);
+        scaled.backward();
+      }
+      if (resume && step == 1) {
+        save_checkpoint(path, {*model}, {*optimizer});
+        handle.reset();
+        model = std::make_shared<Net>(false);
+        optimizer = make_optimizer(Kind::kAdamW, *model);
+        handle = std::make_unique<Handle>();
+        handle->initialize(*model, *optimizer, options);
+        load_checkpoint(path, {*model}, {*optimizer});
+        std::remove(path.c_str());
+      }
+      optimizer->step();
+    }
+    return std::make_pair(clones((*model)->parameters()), clones(optimizer_state_tensors(*optimizer)));
+  };
+  const auto whole = run(false), resumed = run(true);
+  expect_bit_equal(resumed.first, whole.first, "parameter");
+  expect_bit_equal(resumed.second, whole.second, "optimizer state");
+}
+
 // A GAN's loop: the discriminator's guard and step, then the generator's
 // loss through the discriminator in a guard over the generator's optimizer
 // alone (the discriminator's gradients from it are left to its zero_grad).

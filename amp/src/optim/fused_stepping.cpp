@@ -122,8 +122,15 @@ bool FusedStepping::suits(const torch::optim::Optimizer& optimizer, const Update
 FusedAttempt FusedStepping::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
                                   const UpdatePrecision* precision) {
   AMP_TRACE_RANGE("amp::fused step");
+  // A step that rounds draws its number; one without gradients steps
+  // nothing and draws none (after a step applied in backward, a resumed
+  // run's step() finds none either).
+  bool any_gradient = false;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) any_gradient = any_gradient || p.grad().defined();
+  }
   std::optional<UpdatePrecision> this_step;
-  if (precision != nullptr) {
+  if (precision != nullptr && any_gradient) {
     this_step = *precision;
     this_step->step = precision->rounder->next_step();
   }
