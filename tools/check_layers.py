@@ -26,7 +26,7 @@ from collections import defaultdict
 # Lowest first. Each entry: the folder under amp/src, and what it holds.
 LAYERS = [
     ("support", "logging, profiler ranges, host reads, graph-capture state, the live sessions' slots"),
-    ("autograd", "graph pieces shared by recomputation and provenance"),
+    ("autograd", "graph pieces shared by recomputation, provenance, reduction and the step in backward"),
     ("model", "converted models and their weights"),
     ("fp8", "float8 GEMMs: per-operand scaling, the linear layer's forward and backward"),
     ("interception", "dispatcher kernels, cast policies and tables, the cast cache"),

@@ -6,9 +6,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <utility>
@@ -126,26 +123,13 @@ GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<Redu
     for (size_t j = 0; j < buckets_[b]->members.size(); ++j) {
       // A parameter without an accumulator is in no live graph: backward
       // cannot produce its gradient, and finish() counts it zero.
-      std::shared_ptr<torch::autograd::Node> accumulator =
-          torch::autograd::impl::try_get_grad_accumulator(buckets_[b]->members[j]);
-      if (!accumulator) continue;
       const size_t member = first_member_[b] + j;
-      const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, member](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-            on_gradient(member);
-            return outputs;
-          }));
-      hooks_.emplace_back(std::move(accumulator), key);
+      hooks_.add(buckets_[b]->members[j], [this, member] { on_gradient(member); });
     }
   }
 }
 
-GradientReducer::Reduction::~Reduction() { unhook(); }
-
-void GradientReducer::Reduction::unhook() noexcept {
-  for (auto& [accumulator, key] : hooks_) accumulator->del_post_hook(key);
-  hooks_.clear();
-}
+GradientReducer::Reduction::~Reduction() { hooks_.clear(); }  // before the members its hooks use
 
 void GradientReducer::Reduction::on_gradient(size_t member) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -304,7 +288,7 @@ void GradientReducer::Reduction::average_chunk(ReduceBucket& bucket) {
 }
 
 void GradientReducer::Reduction::finish() {
-  unhook();
+  hooks_.clear();
   std::lock_guard<std::mutex> lock(mutex_);
   for (int64_t& m : missing_) m = 0;  // what backward did not produce counts zero
   start_ready_buckets();

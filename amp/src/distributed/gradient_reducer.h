@@ -26,6 +26,7 @@
 // (replicated), or the chunks' views as the pieces' .grad (sharded).
 #pragma once
 
+#include "autograd/accumulator_hooks.h"
 #include "optim/unscale_plan.h"
 
 #include <amp/distributed.h>
@@ -138,7 +139,6 @@ class GradientReducer::Reduction {
   void average_chunk(ReduceBucket& bucket);
   void install_replicated();
   void install_sharded(const at::Tensor& used);
-  void unhook() noexcept;
 
   GradientReducer& reducer_;
   std::vector<ReduceBucket*> buckets_;
@@ -149,7 +149,7 @@ class GradientReducer::Reduction {
   size_t next_bucket_ = 0;              // buckets before it have started
   size_t released_ = 0;                 // sharded: buckets before it hold only their chunk
   std::mutex mutex_;  // hooks run on autograd's threads
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  AccumulatorHooks hooks_;
   std::string error_;                   // met inside a hook, raised by finish()
   bool whole_sums_ = false;
   std::vector<at::Tensor> used_;        // whole_sums: per bucket, its members' summed flags

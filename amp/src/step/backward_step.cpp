@@ -1,14 +1,12 @@
 #include "step/backward_step.h"
 
+#include "autograd/accumulator_hooks.h"
 #include "optim/fused_stepping.h"
 #include "optim/unscale_plan.h"
 #include "step/guard.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <optional>
 #include <unordered_map>
@@ -23,12 +21,12 @@ using optim::internal::UpdatePrecision;
 class BackwardStep final : public GuardPart {
  public:
   explicit BackwardStep(Guard& guard);
-  ~BackwardStep() override { unhook(); }
+  ~BackwardStep() override { hooks_.clear(); }
 
   // The guard ends well: what backward did not reach but held a gradient
   // from before the guard is stepped now.
   void before_unscale(Guard& guard) override;
-  void unwind(Guard&) noexcept override { unhook(); }
+  void unwind(Guard&) noexcept override { hooks_.clear(); }
 
  private:
   // Where a guard's slot is stepped.
@@ -40,21 +38,21 @@ class BackwardStep final : public GuardPart {
 
   void on_gradient(size_t slot);
   void apply(size_t slot);
-  void unhook() noexcept;
 
   Guard& guard_;
   std::vector<std::optional<UpdatePrecision>> precisions_;  // per optimizer
   std::vector<Member> members_;                             // per slot
   std::vector<bool> applied_;                               // per slot
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   at::Tensor found_inf_;  // the unscale's flag, never read: a static scale never skips
+  AccumulatorHooks hooks_;
 };
 
 BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
+  const std::optional<UpdatePrecision> session_precision = update_precision(*guard.session);
   std::unordered_map<const c10::TensorImpl*, Member> where;
   for (size_t k = 0; k < guard.steps.size(); ++k) {
     torch::optim::Optimizer& optimizer = guard.steps[k]->optimizer();
-    std::optional<UpdatePrecision> precision = update_precision(*guard.session);
+    std::optional<UpdatePrecision> precision = session_precision;
     if (precision) precision->step = precision->rounder->next_step();  // as the optimizer's step() would
     pack_loaded_state(optimizer, precision ? &*precision : nullptr);
     precisions_.push_back(precision);
@@ -65,25 +63,10 @@ BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
   }
   for (const GradSlot& slot : guard.slots) members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
   applied_.assign(guard.slots.size(), false);
-  found_inf_ = at::zeros({1}, guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device()).options());
-  for (size_t i = 0; i < guard.slots.size(); ++i) {
-    // A parameter without an accumulator is in no live graph: backward
-    // cannot produce its gradient.
-    std::shared_ptr<torch::autograd::Node> accumulator =
-        torch::autograd::impl::try_get_grad_accumulator(guard.slots[i].param);
-    if (!accumulator) continue;
-    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          on_gradient(i);
-          return outputs;
-        }));
-    hooks_.emplace_back(std::move(accumulator), key);
+  if (!guard.passthrough) {
+    found_inf_ = at::zeros({1}, guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device()).options());
   }
-}
-
-void BackwardStep::unhook() noexcept {
-  for (auto& [accumulator, key] : hooks_) accumulator->del_post_hook(key);
-  hooks_.clear();
+  for (size_t i = 0; i < guard.slots.size(); ++i) hooks_.add(guard.slots[i].param, [this, i] { on_gradient(i); });
 }
 
 void BackwardStep::on_gradient(size_t slot) {
@@ -108,7 +91,6 @@ void BackwardStep::apply(size_t slot) {
     plan.run([&](const std::vector<at::Tensor>& scaled) { scaler.unscale(scaled, found_inf_); });
   }
   const at::Tensor& p = s.param;
-  if (!p.grad().defined()) return;
   OptimizerStep& step = *guard_.steps[m.optimizer];
   torch::optim::Optimizer& optimizer = step.optimizer();
   FusedStepping& stepping = step.fused_optimizer()->stepping();
@@ -126,7 +108,7 @@ void BackwardStep::apply(size_t slot) {
 }
 
 void BackwardStep::before_unscale(Guard& guard) {
-  unhook();
+  hooks_.clear();
   for (size_t i = 0; i < guard.slots.size(); ++i) {
     const GradSlot& s = guard.slots[i];
     if (!applied_[i] && (s.param.grad().defined() || s.aside.defined())) apply(i);
