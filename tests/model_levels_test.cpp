@@ -463,5 +463,82 @@ TEST_F(Fp32InputTest, BatchNormKeptFloat32AtO2IsLeftAsGiven) {
   EXPECT_EQ(bn(torch::randn({4, 6})).scalar_type(), at::kFloat);
 }
 
+// Four 512x512 layers: 1 MiB of float32 gradient each, so the guard's
+// unscale runs in several slices.
+torch::nn::Sequential wide_stack() {
+  torch::manual_seed(0);
+  torch::nn::Sequential stack;
+  for (int i = 0; i < 4; ++i) stack->push_back(torch::nn::Linear(512, 512));
+  return stack;
+}
+
+int64_t parameter_count(torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& p : model.parameters()) n += p.numel();
+  return n;
+}
+
+// Masters hold no low-precision copies between iterations, and a step
+// never holds the copies or the scratch gradients beside the float32
+// gradients: above the masters, backward holds copies and scratch
+// gradients (2 + 2 bytes a parameter), the unscale the float32 gradients
+// and an eighth of the scratch ones (4 + 2/8), never 2 + 2 + 4.
+TEST_F(ModelLevelsTest, MastersNeverHoldCopiesOrScratchGradientsBesideFloat32Gradients) {
+  amp::track_allocations();
+  for (const OptLevel level : {O2, O5}) {
+    SCOPED_TRACE(to_string(level));
+    torch::nn::Sequential model = wide_stack();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(level));
+    const int64_t n = parameter_count(*model);
+    const at::Tensor x = torch::randn({4, 512});
+    for (int step = 0; step < 2; ++step) {
+      optimizer.zero_grad();
+      reset_peak_allocated();
+      const int64_t start = allocated_bytes().current;
+      {
+        scale_loss scaled(model->forward(x).to(at::kFloat).pow(2).mean(), optimizer);
+        scaled.backward();
+        scaled.unscale();
+        // At rest from the unscale on: float32 weights and gradients.
+        EXPECT_EQ(model[0]->as<torch::nn::Linear>()->weight.scalar_type(), at::kFloat);
+        EXPECT_EQ(model[0]->as<torch::nn::Linear>()->weight.grad().scalar_type(), at::kFloat);
+      }
+      const int64_t activations = 256 << 10;  // a 4-row batch's, generously
+      EXPECT_LE(allocated_bytes().peak - start, n * 4 + n * 2 / 8 + activations);
+      EXPECT_GE(allocated_bytes().peak - start, n * 4);
+      EXPECT_EQ(training_bytes(optimizer).weights, 0) << "no low-precision copies between iterations";
+      EXPECT_EQ(allocated_bytes().current - start, n * 4) << "the float32 gradients alone";
+      optimizer.step();
+    }
+  }
+}
+
+// The unscale's slices share one inf/NaN flag: a non-finite gradient in
+// the first slice or the last skips the whole step.
+TEST_F(ModelLevelsTest, ANonFiniteGradientInAnyUnscaleSliceSkipsTheStep) {
+  for (const int layer : {0, 3}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    torch::nn::Sequential model = wide_stack();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    Handle handle;
+    handle.initialize(model, optimizer, quiet(O2));
+    const auto before = clones(model->parameters());
+    const double scale = loss_scale();
+    optimizer.zero_grad();
+    {
+      scale_loss scaled(model->forward(torch::randn({4, 512})).to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+      model[layer]->as<torch::nn::Linear>()->weight.grad()[7][5].fill_(std::numeric_limits<float>::infinity());
+    }
+    optimizer.step();
+    EXPECT_TRUE(last_step_skipped(optimizer));
+    EXPECT_EQ(loss_scale(), scale / 2);
+    const auto after = model->parameters();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(BitEqual(after[i], before[i])) << i;
+  }
+}
+
 }  // namespace
 }  // namespace amp::testing

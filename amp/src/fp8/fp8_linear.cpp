@@ -89,14 +89,18 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
 
 std::pair<at::Tensor, at::Tensor> Fp8Site::quantized_weight(const at::Tensor& w) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const void* data = w.const_data_ptr();
+  // O2/O5 allocate a parameter's low-precision copy anew each time its model
+  // enters computing (micro-batches): the parameter is the same weight while
+  // its version (which its views share) stands.
+  const at::TensorBase& root = w.is_view() ? w._base() : w;  // the layer reads its weight through a view
+  const void* identity = root.is_leaf() ? static_cast<const void*>(root.unsafeGetTensorImpl()) : w.const_data_ptr();
   const uint32_t version = w._version();
-  if (cached_.first.defined() && data == cached_data_ && version == cached_version_ &&
+  if (cached_.first.defined() && identity == cached_identity_ && version == cached_version_ &&
       weight.generation() == cached_generation_ && w.scalar_type() == cached_dtype_) {
     return cached_;
   }
   cached_ = weight.quantize(w.detach());
-  cached_data_ = data;
+  cached_identity_ = identity;
   cached_version_ = version;
   cached_generation_ = weight.generation();
   cached_dtype_ = w.scalar_type();

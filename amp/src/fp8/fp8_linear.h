@@ -22,16 +22,17 @@ struct Fp8Site {
       : input(recipe, forward, tally), weight(recipe, forward, tally), grad_output(recipe, backward, tally) {}
   Fp8Scaler input, weight, grad_output;
 
-  // The weight quantized, made once while the weight (its storage and
-  // version) and its scale stay the same: once an iteration, however many
-  // calls read it (micro-batches, a recomputed block's rerun, a shared
-  // layer).
+  // The weight quantized, made once while the weight (a parameter: the
+  // tensor itself, whatever storage O2/O5 compute it from; a cast of one:
+  // its storage), its version and its scale stay the same: once an
+  // iteration, however many calls read it (micro-batches, a recomputed
+  // block's rerun, a shared layer).
   std::pair<at::Tensor, at::Tensor> quantized_weight(const at::Tensor& weight);
   int64_t weight_quantizations() const;
 
  private:
   mutable std::mutex mutex_;
-  const void* cached_data_ = nullptr;
+  const void* cached_identity_ = nullptr;
   uint32_t cached_version_ = 0;
   int64_t cached_generation_ = -1;
   at::ScalarType cached_dtype_ = at::kFloat;

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -119,8 +120,9 @@ void ModelWeights::enter_compute(const std::vector<bool>& models) {
 void ModelWeights::finish_backward() noexcept {
   if (mode_ == Mode::kConverted) pending_.store(true);  // check again before the next forward
   if (mode_ != Mode::kMasters) return;
-  AMP_TRACE_RANGE("amp::weights to float32 masters");
   std::lock_guard<std::mutex> lock(mutex_);
+  if (std::all_of(resting_.begin(), resting_.end(), [](bool r) { return r; })) return;  // at rest already
+  AMP_TRACE_RANGE("amp::weights to float32 masters");
   try {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> dst, src;
@@ -137,6 +139,7 @@ void ModelWeights::finish_backward() noexcept {
     if (resting_[e.model]) continue;
     e.tensor.set_data(e.rest);
     e.rest = at::Tensor();
+    e.compute = at::Tensor();  // freed unless a live graph saved it; entering allocates anew
   }
   resting_.assign(resting_.size(), true);
   pending_.store(!entries_.empty());

@@ -7,8 +7,9 @@
 //   resting    float32: the master weight. The program's optimizer steps it,
 //              torch::save writes it, torch::load fills it, clipping reads
 //              its float32 gradient. Between iterations, and under no_grad.
-//   computing  the low dtype: a buffer amp refreshes from the master, for
-//              forward and backward.
+//   computing  the low dtype: a buffer amp fills from the master on
+//              entering, for forward and backward, and frees on resting
+//              (between iterations a model holds its masters alone).
 //
 //   event                               residence   gradient (.grad)
 //   ----------------------------------  ----------  -----------------------------------
@@ -19,7 +20,8 @@
 //     or indexed read of it
 //   guard opens                         computing   set aside by the guard; backward
 //                                                   writes a low-precision scratch one
-//   guard ends                          resting     float32: unscaled scratch + aside
+//   guard unscales (at its end, or      resting     float32: unscaled scratch + aside,
+//     scale_loss::unscale())                        made after the copies are freed
 //
 // Entering refreshes every low-precision buffer from the float32 data the
 // weight holds at that moment, so whatever changed it at rest (a step, a
@@ -149,7 +151,8 @@ class ModelWeights {
   // Errors (nothing changes): a master with a low-precision gradient, or
   // one that is no longer float32 at rest.
   void prepare_backward();
-  // At a guard's end (and deinitialize). Masters: every model back to rest.
+  // When a guard unscales (and at its end, and deinitialize). Masters:
+  // every model back to rest, its low-precision copies freed.
   // Converted: the next intercepted op checks again.
   void finish_backward() noexcept;
 

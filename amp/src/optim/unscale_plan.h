@@ -11,7 +11,10 @@
 // computed by a fixed sequence of ATen foreach calls, one per kind of work,
 // with the inf/NaN check fused into the unscale (of this backward's values:
 // asides were judged by their own guard). Asides stay untouched, so the guard
-// can still unwind to them.
+// can still unwind to them. Where scratch gradients are copied into another
+// dtype the sequence runs over slices (an eighth of the copies' bytes, 1 MiB
+// at least), each freeing its scratch gradients, so the float32 gradients
+// and the scratch ones are never held whole together.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -36,11 +39,12 @@ class UnscalePlan {
  public:
   explicit UnscalePlan(std::vector<GradSlot>& slots);
 
-  // Computes the new gradients and installs them as the parameters' .grad.
-  // `unscale` (the loss scaler's, from the step layer) divides the scaled
-  // ones by the scale in place and checks them for inf/NaN; empty
-  // (delay_unscale, or a static scale of 1 without masters): values stay as
-  // they are.
+  // Computes the new gradients and installs them as the parameters' .grad,
+  // dropping the scratch ones. `unscale` (the loss scaler's, from the step
+  // layer; called once per slice) divides the scaled ones by the scale in
+  // place and checks them for inf/NaN, accumulating into one flag; empty
+  // (delay_unscale, or a static scale of 1 without masters): values stay
+  // as they are.
   using Unscale = std::function<void(const std::vector<at::Tensor>& scaled)>;
   void run(const Unscale& unscale);
 
@@ -51,6 +55,13 @@ class UnscalePlan {
     at::Tensor aside;   // the slot's aside, unless already reduced into fresh
     at::Tensor result;  // the new gradient
   };
+  struct Slice {
+    Item* first;
+    Item* last;
+    Item* begin() const { return first; }
+    Item* end() const { return last; }
+  };
+  void run_slice(Slice items, const Unscale& unscale);
   std::vector<Item> items_;
 };
 

@@ -103,6 +103,10 @@ void Guard::check_capturable(c10::Device device) const {
 
 void Guard::unscale() {
   for (const auto& part : parts_) part->before_unscale(*this);
+  // Backward is over: O2/O5's weights rest in float32 and free their
+  // low-precision copies before the float32 gradients are made, so the two
+  // are never held together.
+  session->weights().finish_backward();
   UnscalePlan plan(slots);
   const bool unscaling = !options.delay_unscale && !passthrough;
   at::Tensor found_inf;
