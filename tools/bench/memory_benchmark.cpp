@@ -335,17 +335,20 @@ struct Row {
 };
 
 // The arithmetic floor of `c` (Row::floor), AdamW: float32 weights,
-// gradients and two moments take 4 + 4 + 8; O1's cast cache and O2/O5's
-// computing copy add the bfloat16 copy of the weights forward and backward
-// read; O6 keeps 2 + 2 + 4; 8-bit state 2 for the moments; the step in
-// backward holds no gradient; sharding keeps 1/world of the float32
-// masters (O6: of the weights' pieces), gradients and state, the gathered
-// low-precision weights whole.
+// gradients and two moments take 4 + 4 + 8; O1's cast cache adds the
+// bfloat16 copy of the weights forward and backward read; O2/O5 hold their
+// copy and bfloat16 gradients (2 + 2) during backward, the float32
+// gradients (4) once the copies are freed, so the copy adds nothing; O6
+// keeps 2 + 2 + 4; 8-bit state 2 for the moments; the step in backward
+// holds no gradient; sharding keeps 1/world of the float32 masters (O6: of
+// the weights' pieces), gradients and state, the gathered low-precision
+// weights whole.
 double floor_bytes(const Config& c) {
-  const bool copies = c.level == amp::O1 || c.level == amp::O2 || c.level == amp::O5;
-  const double weights = c.level == amp::O6 ? 2 : 4, copy = copies ? 2 : 0;
+  const bool masters = c.level == amp::O2 || c.level == amp::O5;
+  const double weights = c.level == amp::O6 ? 2 : 4;
   const double gradients = c.in_backward ? 0 : weights, state = c.state8 ? 2 : c.level == amp::O6 ? 4 : 8;
-  if (!c.shard) return weights + copy + gradients + state;
+  if (!c.shard) return weights + (c.level == amp::O1 ? 2 : 0) + gradients + state;
+  const double copy = masters ? 2 : 0;
   return (c.level == amp::O6 ? 2 : copy) + (weights + gradients + state) / c.world;
 }
 
