@@ -78,7 +78,6 @@ void UnscalePlan::run_slice(Slice items, const Unscale& unscale) {
     }
   }
   if (!copy_dst.empty()) at::_foreach_copy_(copy_dst, copy_src);
-  copy_src.clear();
 
   auto joins = [](const Item& item, bool scaled) {
     return item.fresh.defined() && item.aside.defined() && item.slot->aside_scaled == scaled;

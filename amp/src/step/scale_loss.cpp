@@ -185,8 +185,7 @@ void Guard::commit() {
   for (auto& [param, aside] : held_) param.mutable_grad() = std::move(aside);
   for (OptimizerStep* step : steps) step->commit(outcome);
   for (const auto& part : parts_) part->commit(*this);
-  stage = Stage::kFinished;
-  session->weights().finish_backward();
+  stage = Stage::kFinished;  // the weights rested at the unscale, which always comes first
   clear_cast_cache();
   if (error) std::rethrow_exception(error);
 }
