@@ -183,7 +183,9 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
                     "accumulated gradients are unscaled and checked.");
   if (std::exchange(stepped_in_backward_, false)) {
     record_outcome(/*skipped=*/false);
-    return {.skip = true};  // backward applied it
+    FusedDecision applied;  // backward applied it
+    applied.skip = true;
+    return applied;
   }
   // A pending step that created state must be known taken before that
   // state is used again (on a GPU: once, after the first step).
