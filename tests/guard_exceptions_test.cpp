@@ -59,6 +59,55 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   }
 }
 
+// A micro-batch's guard that throws takes only its own backward with it:
+// the sum of the micro-batches before it is held off the parameters again
+// (a step() then changes nothing), and the accumulation ends bit for bit
+// as one that never ran the failed micro-batch.
+TEST_P(GuardUnwindTest, AnExceptionInALaterMicroBatchKeepsTheSumBeforeIt) {
+  torch::manual_seed(0);
+  auto model = TinyNet();
+  auto reference = TinyNet();
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < model->parameters().size(); ++i) reference->parameters()[i].copy_(model->parameters()[i]);
+  }
+  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  OptimizerPtr ref_optimizer = std::make_shared<torch::optim::SGD>(reference->parameters(), 0.1);
+  Options options = quiet(GetParam());
+  options.num_losses = 2;  // loss 1: the reference's own scaler
+  Handle handle;
+  handle.initialize({model, reference}, {optimizer, ref_optimizer}, options);
+  const std::vector<at::Tensor> micro = {torch::randn({3, 8}), torch::randn({3, 8}), torch::randn({3, 8})};
+  auto accumulate = [&](TinyNet& m, OptimizerPtr& o, int id, const at::Tensor& x, bool last) {
+    scale_loss scaled(m->forward(x).to(at::kFloat).sum(), o, {id, /*delay_unscale=*/!last});
+    scaled.backward();
+  };
+  optimizer->zero_grad();
+  ref_optimizer->zero_grad();
+  accumulate(model, optimizer, 0, micro[0], false);
+  accumulate(reference, ref_optimizer, 1, micro[0], false);
+  try {
+    scale_loss scaled(model->forward(micro[1]).to(at::kFloat).sum(), optimizer, {0, /*delay_unscale=*/true});
+    scaled.backward();
+    throw std::runtime_error("the data loader failed");
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the data loader failed");
+  }
+  std::vector<at::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+  optimizer->step();  // still accumulating: sees no gradients
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(BitEqual(model->parameters()[i], before[i])) << "param " << i;
+  accumulate(model, optimizer, 0, micro[2], true);
+  accumulate(reference, ref_optimizer, 1, micro[2], true);
+  optimizer->step();
+  ref_optimizer->step();
+  EXPECT_FALSE(last_step_skipped(*optimizer));
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_FALSE(BitEqual(model->parameters()[i], before[i])) << "param " << i << " must have stepped";
+    EXPECT_TRUE(BitEqual(model->parameters()[i], reference->parameters()[i])) << "param " << i;
+  }
+}
+
 TEST_P(GuardUnwindTest, QueuedSkipDoesNotOutliveTheGradientsItJudged) {
   auto model = TinyNet();
   OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);

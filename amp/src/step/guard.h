@@ -15,6 +15,7 @@
 #include <amp/internal/loss_scaling.h>
 #include <amp/scale_loss.h>
 
+#include "optim/held_gradients.h"
 #include "optim/unscale_plan.h"
 #include "step/optimizer_step.h"
 #include "step/step_session.h"
@@ -64,7 +65,7 @@ class Guard {
   std::vector<std::unique_ptr<GuardPart>> parts_;  // the participants', in order
   // Master weights of other optimizers, with the gradients they had: a
   // backward through them leaves scratch scaled by this loss, discarded.
-  std::vector<std::pair<at::Tensor, at::Tensor>> held_;
+  HeldGradients held_;
   std::optional<internal::LossScaling::State> scaler_before_;  // to unwind an update
   std::shared_ptr<OverflowVerdict> verdict_;
   disable_casts no_casts_;

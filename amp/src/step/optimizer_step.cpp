@@ -62,19 +62,20 @@ void OptimizerStep::drop_gradients() {
 // ---- scale_loss guards ------------------------------------------------------
 
 void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
-  TORCH_CHECK(state_ != State::kInGuard, "amp: the optimizer is ", to_string(state_), "; end that "
+  const Iteration& it = iteration_;
+  TORCH_CHECK(it.state != State::kInGuard, "amp: the optimizer is ", to_string(it.state), "; end that "
               "guard's scope before starting another over the same optimizer.");
-  TORCH_CHECK(!stepped_in_backward_, "amp: step_in_backward applied this optimizer's step during the last "
+  TORCH_CHECK(!it.stepped_in_backward, "amp: step_in_backward applied this optimizer's step during the last "
               "scale_loss guard's backward, and its step() has not been called since. Call optimizer.step() "
               "(it applies nothing more) to end the iteration before the next guard over it: two guards before "
               "one step() would step the parameters twice. For several losses in one step, add them up and "
               "run one guard.");
-  if (state_ == State::kAccumulating) {
-    TORCH_CHECK(scaled_by_ == loss_id, "amp: the optimizer is ", to_string(state_), " from "
-                "loss_id ", scaled_by_, "; finish it (delay_unscale=false) with the same loss_id "
+  if (it.state == State::kAccumulating) {
+    TORCH_CHECK(it.scaled_by == loss_id, "amp: the optimizer is ", to_string(it.state), " from "
+                "loss_id ", it.scaled_by, "; finish it (delay_unscale=false) with the same loss_id "
                 "before scaling loss ", loss_id, ".");
   }
-  TORCH_CHECK(!delay_unscale || state_ == State::kAccumulating || !holds_gradients(),
+  TORCH_CHECK(!delay_unscale || it.state == State::kAccumulating || !holds_gradients(),
               "amp: delay_unscale=true while the optimizer's gradients hold unscaled values; "
               "call zero_grad() before the first micro-batch of an accumulation.");
 }
@@ -82,48 +83,46 @@ void OptimizerStep::check_can_open(int loss_id, bool delay_unscale) const {
 void OptimizerStep::settle_before_guard() {
   // Gradients kept from a pending step are discarded if it was skipped, so
   // its outcome is needed now; without any, the guard need not wait, and a
-  // verdict no longer judges anything (zero_grad cleared what it judged).
+  // verdict no longer judges anything: zero_grad ended the iteration
+  // without a step. (An accumulation holds its sum off the parameters.)
   const bool kept = holds_gradients();
   if (!kept) {
     for (PendingStep& p : pending_) p.gradients_live = false;
-    queued_.clear();
+    if (iteration_.state == State::kReady) end_iteration();
   }
   settle(/*wait=*/kept);
 }
 
 void OptimizerStep::open() {
-  TORCH_INTERNAL_ASSERT(state_ != State::kInGuard, "amp: a guard opened over an optimizer that is ",
-                        to_string(state_));
-  before_guard_ = state_;
-  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/true);
-  state_ = State::kInGuard;
+  Iteration& it = iteration_;
+  TORCH_INTERNAL_ASSERT(it.state != State::kInGuard, "amp: a guard opened over an optimizer that is ",
+                        to_string(it.state));
+  it.before_guard = it.state;
+  it.accumulated.give_back();  // the guard sets the parameters' gradients aside itself
+  it.state = State::kInGuard;
 }
 
 // kAccumulating keeps the scaled sum away from the optimizer, so a step()
 // taken before the guard that ends the accumulation changes nothing.
-void OptimizerStep::move_scaled_gradients(bool to_parameters) {
-  if (to_parameters) {
-    for (auto& [param, grad] : scaled_) param.mutable_grad() = std::move(grad);
-    scaled_.clear();
-    return;
-  }
+void OptimizerStep::hold_accumulated() noexcept {
   for (auto& group : optimizer_->param_groups()) {
     for (auto& p : group.params()) {
-      if (p.grad().defined()) scaled_.emplace_back(p, std::exchange(p.mutable_grad(), at::Tensor()));
+      if (p.grad().defined()) iteration_.accumulated.take(p);  // room reserved by prepare()
     }
   }
 }
 
 void OptimizerStep::prepare(const GuardOutcome& outcome) {
-  TORCH_INTERNAL_ASSERT(state_ == State::kInGuard, "amp: a guard committed an optimizer that is ",
-                        to_string(state_));
-  if (outcome.verdict == GuardOutcome::Verdict::kOnDevice) queued_.reserve(queued_.size() + 1);
+  Iteration& it = iteration_;
+  TORCH_INTERNAL_ASSERT(it.state == State::kInGuard, "amp: a guard committed an optimizer that is ",
+                        to_string(it.state));
+  if (outcome.verdict == GuardOutcome::Verdict::kOnDevice) it.verdicts.reserve(it.verdicts.size() + 1);
   if (!outcome.delay_unscale) return;
-  size_t held = scaled_.size();
+  size_t held = 0;
   for (const auto& group : optimizer_->param_groups()) {
     for (const auto& p : group.params()) held += p.grad().defined() ? 1 : 0;
   }
-  scaled_.reserve(held);
+  it.accumulated.reserve(held);
 }
 
 void OptimizerStep::commit(const GuardOutcome& outcome) noexcept {
@@ -137,18 +136,19 @@ void OptimizerStep::commit(const GuardOutcome& outcome) noexcept {
       skip(outcome.report);
       break;
     case GuardOutcome::Verdict::kOnDevice:
-      queued_.push_back(outcome.device_verdict);
+      iteration_.verdicts.push_back(outcome.device_verdict);
       break;
   }
-  state_ = outcome.delay_unscale ? State::kAccumulating : State::kReady;
-  stepped_in_backward_ = outcome.stepped_in_backward;
-  scaled_by_ = outcome.loss_id;
-  if (outcome.delay_unscale) move_scaled_gradients(/*to_parameters=*/false);
+  Iteration& it = iteration_;
+  it.state = outcome.delay_unscale ? State::kAccumulating : State::kReady;
+  it.stepped_in_backward = outcome.stepped_in_backward;
+  it.scaled_by = outcome.loss_id;
+  if (outcome.delay_unscale) hold_accumulated();
 }
 
 void OptimizerStep::skip(std::shared_ptr<const OverflowReport> report) {
   drop_gradients();
-  queued_.clear();  // the step they judged will not run
+  end_iteration();  // verdicts of a step that will not run
   record_outcome(/*skipped=*/true, std::move(report));
   skipped_before_graph_ = at::sequence_number::peek();
 }
@@ -162,9 +162,10 @@ void OptimizerStep::record_clean(uint64_t loss_graph) {
 }
 
 void OptimizerStep::unwind() noexcept {
-  if (state_ != State::kInGuard) return;  // (never opened: nothing to undo)
-  state_ = before_guard_;
-  if (state_ == State::kAccumulating) move_scaled_gradients(/*to_parameters=*/false);
+  Iteration& it = iteration_;
+  if (it.state != State::kInGuard) return;  // (never opened: nothing to undo)
+  it.state = it.before_guard;
+  if (it.state == State::kAccumulating) hold_accumulated();  // the guard gave the sum back
 }
 
 void OptimizerStep::record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report) {
@@ -176,12 +177,14 @@ void OptimizerStep::record_outcome(bool skipped, std::shared_ptr<const OverflowR
 // ---- amp's fused step() -------------------------------------------------------
 
 OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply) {
-  TORCH_CHECK(state_ == State::kReady, "amp: step() while the optimizer is ", to_string(state_),
-              state_ == State::kInGuard
+  const State state = iteration_.state;
+  TORCH_CHECK(state == State::kReady, "amp: step() while the optimizer is ", to_string(state),
+              state == State::kInGuard
                   ? "; end the guard's scope (it unscales the gradients) before stepping."
                   : "; the last micro-batch's guard must use delay_unscale=false so the "
                     "accumulated gradients are unscaled and checked.");
-  if (std::exchange(stepped_in_backward_, false)) {
+  if (iteration_.stepped_in_backward) {
+    end_iteration();
     record_outcome(/*skipped=*/false);
     FusedDecision applied;  // backward applied it
     applied.skip = true;
@@ -196,26 +199,25 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
     try {
       check_capturable(kernels_apply);
     } catch (...) {
-      queued_.clear();  // verdicts of the failed capture: never computed
+      end_iteration();  // verdicts of the failed capture: never computed
       throw;
     }
   }
   if (const at::Tensor* p = first_parameter(); !replay_tally_.defined() && p && p->is_cuda()) {
     replay_tally_ = at::zeros({3}, p->options().dtype(at::kFloat));
   }
+  // The step ends the iteration: what its guards left is taken here.
+  Verdicts verdicts = std::move(iteration_.verdicts);
+  end_iteration();
   FusedDecision decision;
-  if (queued_.empty() || !holds_gradients()) {
-    queued_.clear();
-    return decision;
-  }
+  if (verdicts.empty() || !holds_gradients()) return decision;
   bool unread = true;
-  for (const auto& v : queued_) unread = unread && !v->resolved;
+  for (const auto& v : verdicts) unread = unread && !v->resolved;
   if (kernels_apply && unread) {
-    decision.found_inf = combined_found_inf(queued_);
-    decision.verdicts = std::exchange(queued_, {});
+    decision.found_inf = combined_found_inf(verdicts);
+    decision.verdicts = std::move(verdicts);
     return decision;
   }
-  Verdicts verdicts = std::exchange(queued_, {});
   try {
     decision.skip = read_verdicts(verdicts);
   } catch (...) {  // an overflow at the floor with DynamicScaling::AtFloor::kRaise: skipped
@@ -240,7 +242,7 @@ void OptimizerStep::check_capturable(bool kernels_apply) const {
               "Run warm-up iterations (forward, scale_loss, step) before capturing, then "
               "amp::skipped_steps(optimizer) so that their outcome is known.");
   bool unread = true;
-  for (const auto& v : queued_) unread = unread && !v->resolved;
+  for (const auto& v : iteration_.verdicts) unread = unread && !v->resolved;
   TORCH_CHECK(unread, "amp: step() is being captured in a CUDA graph, but a guard's overflow "
               "verdict was already read on the host (amp::last_step_skipped or "
               "amp::skipped_steps inside the captured region); read them outside it.");

@@ -40,6 +40,7 @@
 // gradients multiplied by the loss scale.
 #pragma once
 
+#include "optim/held_gradients.h"
 #include "step/overflow_verdict.h"
 
 #include <amp/fused.h>
@@ -87,7 +88,7 @@ class OptimizerStep {
   OptimizerStep(torch::optim::Optimizer& optimizer, optim::internal::Fused* fused);
   ~OptimizerStep();
 
-  State state() const { return state_; }
+  State state() const { return iteration_.state; }
   torch::optim::Optimizer& optimizer() const { return *optimizer_; }
   bool fused() const { return fused_ != nullptr; }
   optim::internal::Fused* fused_optimizer() const { return fused_; }
@@ -137,24 +138,38 @@ class OptimizerStep {
   void skip(std::shared_ptr<const OverflowReport> report);
   void record_clean(uint64_t loss_graph);
   bool holds_gradients() const;
+  void hold_accumulated() noexcept;
   void drop_gradients();
   void record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report = nullptr);
-  void move_scaled_gradients(bool to_parameters);
   const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
   bool capturing() const;
   void check_capturable(bool kernels_apply) const;
 
+  // One iteration of this optimizer, from its first guard to its step, as
+  // torch.amp keeps {stage, found_inf_per_device} per optimizer: what the
+  // guards left for the step. Reset whole by end_iteration() - where a step
+  // is taken, a step is skipped, or the program zeroed the gradients
+  // without one - and nowhere in part.
+  struct Iteration {
+    State state = State::kReady;
+    State before_guard = State::kReady;  // kInGuard: the state an unwind returns to
+    int scaled_by = 0;                   // kAccumulating: the loss whose scale the sum carries
+    // kAccumulating: the scaled sum, off the parameters until the guard that
+    // ends the accumulation opens.
+    HeldGradients accumulated;
+    Verdicts verdicts;                   // device verdicts the next fused step combines
+    // A guard's backward applied the step (step_in_backward): step() only
+    // ends the iteration.
+    bool stepped_in_backward = false;
+  };
+  void end_iteration() noexcept { iteration_ = Iteration(); }
+
   torch::optim::Optimizer* optimizer_;
   optim::internal::Fused* fused_;
-  State state_ = State::kReady;
-  State before_guard_ = State::kReady;
-  int scaled_by_ = 0;                     // kAccumulating: the loss whose scale gradients carry
-  // kReady after a guard that stepped in backward: step() not yet called.
-  bool stepped_in_backward_ = false;
-  // kAccumulating: the scaled sum, off the parameters until the guard that
-  // ends the accumulation.
-  std::vector<std::pair<at::Tensor, at::Tensor>> scaled_;
-  Verdicts queued_;                       // device verdicts for the next fused step
+  Iteration iteration_;
+  // What outlives an iteration: steps whose verdicts are still on the
+  // device, the counts, the latest report, and where the last overflow's
+  // iteration ended.
   std::deque<PendingStep> pending_;       // fused steps the device decided, oldest first
   int64_t skipped_steps_ = 0;
   bool last_step_skipped_ = false;

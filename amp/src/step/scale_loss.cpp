@@ -69,7 +69,7 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
   }
   for (const auto& e : weights.entries()) {
     if (e.is_buffer || !weights.is_master(e.tensor) || covered.count(e.tensor.unsafeGetTensorImpl())) continue;
-    held_.emplace_back(e.tensor, std::exchange(e.tensor.mutable_grad(), at::Tensor()));
+    held_.take(e.tensor);
   }
   try {
     if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
@@ -182,7 +182,7 @@ void Guard::commit() {
     unwind();
     throw;
   }
-  for (auto& [param, aside] : held_) param.mutable_grad() = std::move(aside);
+  held_.give_back();
   for (OptimizerStep* step : steps) step->commit(outcome);
   for (const auto& part : parts_) part->commit(*this);
   stage = Stage::kFinished;  // the weights rested at the unscale, which always comes first
@@ -194,7 +194,7 @@ void Guard::unwind() noexcept {
   for (auto part = parts_.rbegin(); part != parts_.rend(); ++part) (*part)->unwind(*this);
   parts_.clear();
   for (GradSlot& s : slots) s.param.mutable_grad() = s.aside;
-  for (auto& [param, aside] : held_) param.mutable_grad() = aside;
+  held_.give_back();
   if (scaler_before_) scaler().restore(*scaler_before_);
   for (OptimizerStep* step : steps) step->unwind();
   verdict_.reset();

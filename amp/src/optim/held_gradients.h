@@ -1,0 +1,41 @@
+// Private: gradients amp keeps off their parameters for a while, then gives
+// back - the one way the step holds gradients away from an optimizer:
+//
+//   who                  holds                                  until
+//   -------------------  -------------------------------------  ---------------------------
+//   OptimizerStep        an accumulation's scaled sum between   the guard that ends it opens
+//                        delay_unscale guards, so that a step()
+//                        in between changes nothing
+//   Guard                other optimizers' master gradients     the guard commits or unwinds
+//                        while it runs (its backward leaves
+//                        scratch scaled by its loss on them)
+//
+// A guard's own parameters' gradients at its opening are its slots' asides
+// (unscale_plan.h), which the unscale reads and an unwind gives back.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+namespace amp::detail {
+
+class HeldGradients {
+ public:
+  // Takes `param`'s gradient off it; one it has none is held too, and is
+  // given back as none (what backward left there is dropped). Cannot fail
+  // once reserve() made room for it.
+  void take(const at::Tensor& param);
+  void reserve(size_t gradients) { held_.reserve(gradients); }
+  // Gives each held gradient back to its parameter (replacing what it has);
+  // the hold is empty then.
+  void give_back() noexcept;
+  bool empty() const { return held_.empty(); }
+  size_t size() const { return held_.size(); }
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient)
+};
+
+}  // namespace amp::detail
