@@ -1,18 +1,19 @@
 // Private: gradients amp keeps off their parameters for a while, then gives
-// back - the one way the step holds gradients away from an optimizer:
+// back. Every place the step holds a gradient away from its optimizer:
 //
-//   who                  holds                                  until
-//   -------------------  -------------------------------------  ---------------------------
-//   OptimizerStep        an accumulation's scaled sum between   the guard that ends it opens
-//                        delay_unscale guards, so that a step()
-//                        in between changes nothing
-//   Guard                other optimizers' master gradients     the guard commits or unwinds
-//                        while it runs (its backward leaves
-//                        scratch scaled by its loss on them)
-//
-// A guard's own parameters' gradients at its opening are its slots' asides
-// (unscale_plan.h), which the unscale reads and an unwind gives back.
-#pragma once
+//   holder                   holds                                  until
+//   -----------------------  -------------------------------------  ----------------------------
+//   OptimizerStep            an accumulation's scaled sum between   the guard that ends it
+//   (a HeldGradients)        delay_unscale guards, so that a step()  opens
+//                            in between changes nothing
+//   Guard (a HeldGradients)  other optimizers' master gradients     the guard commits or unwinds
+//                            while it runs (its backward leaves
+//                            scratch scaled by its loss on them)
+//   Guard's GradSlot::aside  its own parameters' gradients at its   the unscale sums them in; an
+//   (unscale_plan.h)         opening, which the unscale reads       unwind gives them back
+//   ReduceBucket (ZeRO-1:    each member's float32 sum of an        the accumulation's last guard
+//   shard_gradients=false)   accumulation's earlier micro-batches   reduces them
+#pragma once#pragma once
 
 #include <ATen/core/Tensor.h>
 
