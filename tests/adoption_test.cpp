@@ -49,7 +49,7 @@ Batch batch(int step) {
   return {torch::randn({8, 1, 8, 8}), torch::randint(0, 3, {8})};
 }
 
-constexpr int kSteps = 4;
+constexpr int kLoopSteps = 4;
 using amp::initialize;
 
 Options quiet_level(OptLevel level) {
@@ -187,7 +187,7 @@ enum class ZeroGrad { kOptimizerFirst, kModelFirst, kOptimizerAfterForward, kNev
 
 struct Loop {
   int first_step = 0;
-  int steps = kSteps;
+  int steps = kLoopSteps;
   ZeroGrad zero_grad = ZeroGrad::kOptimizerFirst;
   std::function<void()> after_step = [] {};  // LR schedulers
 };
@@ -240,7 +240,7 @@ TEST_P(AdoptionTest, ModelAndOptimizerByValueAsInLibTorchsMnistExample) {
   Net model;
   torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   amp::initialize(model, optimizer, quiet_level(level));
-  train_epoch(model, optimizer, kSteps);
+  train_epoch(model, optimizer, kLoopSteps);
   EXPECT_EQ(amp::skipped_steps(optimizer), 0);
   amp::deinitialize();
 
@@ -261,7 +261,7 @@ TEST_P(AdoptionTest, HolderAndSharedPtrToTheConcreteOptimizer) {
   NetHolder model;
   auto optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
   initialize(model, optimizer, quiet_level(level));
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kLoopSteps; ++step) {
     const Batch b = batch(step);
     optimizer->zero_grad();
     auto loss = torch::nll_loss(model->forward(b.data), b.target);
@@ -295,7 +295,7 @@ TEST_P(AdoptionTest, ZeroGradEitherWayOrNever) {
     {
       Handle handle;
       handle.initialize(model, optimizer, quiet_level(level));
-      for (int step = 0; step < kSteps; ++step) {
+      for (int step = 0; step < kLoopSteps; ++step) {
         const Batch b = batch(step);
         if (mode == ZeroGrad::kOptimizerFirst) optimizer.zero_grad();
         if (mode == ZeroGrad::kModelFirst) model.zero_grad();
@@ -327,7 +327,7 @@ TEST_P(AdoptionTest, SchedulerMadeBeforeInitialize) {
   torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.05));
   torch::optim::StepLR scheduler(optimizer, /*step_size=*/1, /*gamma=*/0.5);
   initialize(model, optimizer, quiet_level(level));
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kLoopSteps; ++step) {
     optimizer.zero_grad();
     auto loss = nll(model, batch(step));
     {
@@ -399,7 +399,7 @@ TEST_P(AdoptionTest, GanWithTheGeneratorLossThroughTheDiscriminator) {
   {
     Handle handle;
     handle.initialize({generator, discriminator}, {opt_g, opt_d}, options);
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < kLoopSteps; ++step) {
       const GanBatch b = gan_batch(step);
       const auto fake = generator->forward(b.noise);
       opt_d.zero_grad();
@@ -435,7 +435,7 @@ TEST_P(AdoptionTest, GanWithTheGeneratorLossThroughTheDiscriminator) {
     (loss * hand.scale()).backward();
     hand.unscale();
   };
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kLoopSteps; ++step) {
     const GanBatch b = gan_batch(step);
     hand_g.refresh();
     hand_d.refresh();
@@ -533,7 +533,7 @@ TEST_P(AdoptionTest, Fp32CheckpointFromBeforeAmpLoadsInEitherOrder) {
     if (load_first) load(model, optimizer, saved);
     initialize(model, optimizer, quiet_level(level));
     if (!load_first) load(model, optimizer, saved);
-    train_holder(model, optimizer, 2, kSteps);
+    train_holder(model, optimizer, 2, kLoopSteps);
     deinitialize();
     EXPECT_TRUE(AllBitEqual(model->parameters(), reference->parameters())) << "load first: " << load_first;
     EXPECT_TRUE(AllBitEqual(model->buffers(), reference->buffers())) << "load first: " << load_first;
@@ -578,7 +578,7 @@ TEST_P(AdoptionTest, CheckpointWrittenAtAnotherLevel) {
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     initialize(model, optimizer, quiet_level(level));
     load(model, optimizer, saved);
-    train_holder(model, optimizer, 2, kSteps);
+    train_holder(model, optimizer, 2, kLoopSteps);
     deinitialize();
     EXPECT_TRUE(AllBitEqual(model->parameters(), reference->parameters())) << "written at " << to_string(written_at);
   }
@@ -599,7 +599,7 @@ TEST_P(AdoptionTest, ParamGroupAddedAfterInitializeTrainsAsOneAddedBefore) {
     if (add_before) optimizer.add_param_group(rest);
     initialize(model, optimizer, quiet_level(GetParam()));
     if (!add_before) optimizer.add_param_group(rest);
-    train_holder(model, optimizer, 0, kSteps);
+    train_holder(model, optimizer, 0, kLoopSteps);
     deinitialize();
     return snapshot(model->parameters());
   };

@@ -21,7 +21,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -18,8 +18,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr double kE4m3Max = 448.0;
 
 struct Mlp2Impl : torch::nn::Module {
   Mlp2Impl()

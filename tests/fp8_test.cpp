@@ -14,7 +14,6 @@ namespace amp::testing {
 namespace {
 
 using Fp8Scaling = Options::Fp8Scaling;
-constexpr double kE4m3Max = 448.0;
 constexpr double kE5m2Max = 57344.0;
 
 // A tensor whose largest magnitude is `amax`.

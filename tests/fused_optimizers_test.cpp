@@ -13,8 +13,7 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr int kSteps = 8;
+constexpr int kFusedSteps = 8;
 
 // amp's fused class or LibTorch's own, with the same options.
 using MakeOptimizer = std::function<OptimizerPtr(const std::vector<at::Tensor>&, bool fused)>;
@@ -76,7 +75,7 @@ struct Loop {
   OptLevel level = O1;
   bool fused = true;
   std::set<int> overflow_at;  // steps whose gradients get an inf
-  int steps = kSteps;
+  int steps = kFusedSteps;
 };
 
 // A regression loop with a learning rate changed every step (as a scheduler
@@ -128,7 +127,7 @@ TEST_P(FusedStepEquivalence, MatchesLibTorchsOwnStepAndSkipsBitIdentically) {
   const OptimizerCase& opt = optimizer_cases()[index];
   const Loop fused{level, true, {0, 2}}, own{level, false, {0, 2}};
   const auto a = train(opt, fused), b = train(opt, own);
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kFusedSteps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     EXPECT_EQ(a[step].skipped, b[step].skipped);
     EXPECT_EQ(a[step].skipped, fused.overflow_at.count(step) == 1);
@@ -174,7 +173,7 @@ TEST_F(FusedStepTest, LowPrecisionParametersStepOnTheDeviceToo) {
   using namespace torch::optim;
   const OptimizerCase adamw{"AdamW", either<amp::optim::FusedAdamW, AdamW>(AdamWOptions(1e-2).eps(1e-4))};
   const auto a = train(adamw, {O3, true, {2}}), b = train(adamw, {O3, false, {2}});
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kFusedSteps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     ASSERT_EQ(a[step].model.front().scalar_type(), at::kBFloat16);  // O3 on the CPU
     EXPECT_EQ(a[step].host_syncs, 0);
@@ -189,7 +188,7 @@ TEST_F(FusedStepTest, LowPrecisionParametersStepOnTheDeviceToo) {
   }
   const OptimizerCase sgd{"SgdMomentum", either<amp::optim::FusedSGD, SGD>(SGDOptions(0.1).momentum(0.9))};
   const auto c = train(sgd, {O3, true, {2}}), d = train(sgd, {O3, false, {2}});
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kFusedSteps; ++step) {
     EXPECT_EQ(c[step].host_syncs, 1);
     EXPECT_TRUE(AllBitEqual(c[step].model, d[step].model)) << "step " << step;
   }

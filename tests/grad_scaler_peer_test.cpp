@@ -19,7 +19,7 @@
 namespace amp::testing {
 namespace {
 
-constexpr int kSteps = 24;
+constexpr int kPeerSteps = 24;
 constexpr double kInitScale = 1024;
 constexpr int kGrowthInterval = 3;
 const std::vector<std::pair<int, float>>& faults() {
@@ -88,8 +88,8 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
   torch::manual_seed(7);
   const std::vector<at::Tensor> init = {torch::randn({16, 8}) * 0.3, torch::randn({16}) * 0.1,
                                         torch::randn({4, 16}) * 0.3, torch::randn({4}) * 0.1};
-  const auto x = torch::randn({kSteps, 32, 8});
-  const auto t = torch::randn({kSteps, 32, 4});
+  const auto x = torch::randn({kPeerSteps, 32, 8});
+  const auto t = torch::randn({kPeerSteps, 32, 4});
   for (auto [name, tensor] : {std::pair{"w1", init[0]}, {"b1", init[1]}, {"w2", init[2]}, {"b2", init[3]},
                               {"x", x}, {"t", t}}) {
     write_raw(dir_ + "/" + name, tensor);
@@ -99,7 +99,7 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
     fault_list << (fault_list.tellp() > 0 ? "," : "") << step << ":" << value;
   }
   std::ostringstream command;
-  command << AMP_PEER_PYTHON << " -W ignore " << AMP_PEER_SCRIPT << " " << dir_ << " " << optimizer_name << " " << kSteps
+  command << AMP_PEER_PYTHON << " -W ignore " << AMP_PEER_SCRIPT << " " << dir_ << " " << optimizer_name << " " << kPeerSteps
           << " " << kInitScale << " " << kGrowthInterval << " " << fault_list.str();
   ASSERT_EQ(std::system(command.str().c_str()), 0) << command.str();
 
@@ -125,7 +125,7 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
   Handle handle;
   std::tie(model, optimizer) = handle.initialize(model, optimizer, options);
   std::vector<float> scales, skipped;
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kPeerSteps; ++step) {
     optimizer->zero_grad();
     const auto loss = (model->forward(x[step]).to(at::kFloat) - t[step]).pow(2).mean();
     {
@@ -140,9 +140,9 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
     skipped.push_back(last_step_skipped(*optimizer) ? 1.0f : 0.0f);
   }
 
-  EXPECT_TRUE(BitEqual(torch::tensor(scales), read_raw(dir_ + "/peer_scales", kSteps)))
-      << "amp's scales " << torch::tensor(scales) << "\ntorch.amp's " << read_raw(dir_ + "/peer_scales", kSteps);
-  EXPECT_TRUE(BitEqual(torch::tensor(skipped), read_raw(dir_ + "/peer_skipped", kSteps)));
+  EXPECT_TRUE(BitEqual(torch::tensor(scales), read_raw(dir_ + "/peer_scales", kPeerSteps)))
+      << "amp's scales " << torch::tensor(scales) << "\ntorch.amp's " << read_raw(dir_ + "/peer_scales", kPeerSteps);
+  EXPECT_TRUE(BitEqual(torch::tensor(skipped), read_raw(dir_ + "/peer_skipped", kPeerSteps)));
   EXPECT_EQ(torch::tensor(skipped).sum().item<float>(), 4.0f) << "every injected fault skips its step";
   std::vector<at::Tensor> flat;
   for (const auto& p : model->parameters()) flat.push_back(p.detach().flatten());

@@ -8,27 +8,36 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // --- Exceptions inside guards; when a queued skip applies --------------------
 
 class GuardUnwindTest : public AmpTest, public ::testing::WithParamInterface<OptLevel> {};
 
-TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
+// A model and a reference from the same weights, each with its own SGD and
+// loss scaler (loss ids 0 and 1), initialized together.
+struct Twins {
+  TinyNet model, reference;
+  OptimizerPtr optimizer, ref_optimizer;
+};
+Twins twins(Handle& handle, Options options) {
   torch::manual_seed(0);
-  auto model = TinyNet();
-  auto reference = TinyNet();
+  Twins t{TinyNet(), TinyNet(), nullptr, nullptr};
   {
     torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < model->parameters().size(); ++i) reference->parameters()[i].copy_(model->parameters()[i]);
+    for (size_t i = 0; i < t.model->parameters().size(); ++i) t.reference->parameters()[i].copy_(t.model->parameters()[i]);
   }
-  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  OptimizerPtr ref_optimizer = std::make_shared<torch::optim::SGD>(reference->parameters(), 0.1);
+  t.optimizer = std::make_shared<torch::optim::SGD>(t.model->parameters(), 0.1);
+  t.ref_optimizer = std::make_shared<torch::optim::SGD>(t.reference->parameters(), 0.1);
+  options.num_losses = 2;
+  handle.initialize({t.model, t.reference}, {t.optimizer, t.ref_optimizer}, options);
+  return t;
+}
+
+TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
   Options options = quiet(GetParam());
   options.dynamic_scaling.growth_interval = 1;  // a clean guard would grow the scale
-  options.num_losses = 2;                       // loss 1: the reference's own scaler
   Handle handle;
-  handle.initialize({model, reference}, {optimizer, ref_optimizer}, options);
+  auto [model, reference, optimizer, ref_optimizer] = twins(handle, options);
   const auto x = torch::randn({3, 8});
   for (int id : {0, 1}) {
     auto [m, o] = id == 0 ? std::pair{model, optimizer} : std::pair{reference, ref_optimizer};
@@ -64,19 +73,8 @@ TEST_P(GuardUnwindTest, ExceptionAfterUnscaleRestoresGradientsAndScaler) {
 // (a step() then changes nothing), and the accumulation ends bit for bit
 // as one that never ran the failed micro-batch.
 TEST_P(GuardUnwindTest, AnExceptionInALaterMicroBatchKeepsTheSumBeforeIt) {
-  torch::manual_seed(0);
-  auto model = TinyNet();
-  auto reference = TinyNet();
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < model->parameters().size(); ++i) reference->parameters()[i].copy_(model->parameters()[i]);
-  }
-  OptimizerPtr optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
-  OptimizerPtr ref_optimizer = std::make_shared<torch::optim::SGD>(reference->parameters(), 0.1);
-  Options options = quiet(GetParam());
-  options.num_losses = 2;  // loss 1: the reference's own scaler
   Handle handle;
-  handle.initialize({model, reference}, {optimizer, ref_optimizer}, options);
+  auto [model, reference, optimizer, ref_optimizer] = twins(handle, quiet(GetParam()));
   const std::vector<at::Tensor> micro = {torch::randn({3, 8}), torch::randn({3, 8}), torch::randn({3, 8})};
   auto accumulate = [&](TinyNet& m, OptimizerPtr& o, int id, const at::Tensor& x, bool last) {
     scale_loss scaled(m->forward(x).to(at::kFloat).sum(), o, {id, /*delay_unscale=*/!last});

@@ -14,7 +14,7 @@
 namespace amp::testing {
 namespace {
 
-enum Step { kClean, kInf, kNaN };
+enum Step { kCleanStep, kInfStep, kNaNStep };
 
 struct Expected {
   double scale;
@@ -28,7 +28,7 @@ std::vector<Expected> simulate(const std::vector<Step>& steps, double scale, con
   int64_t growth = 0, hysteresis = d.hysteresis;
   std::vector<Expected> out;
   for (Step step : steps) {
-    if (step != kClean) {
+    if (step != kCleanStep) {
       growth = 0;
       hysteresis -= 1;
       if (hysteresis <= 0) scale = std::max(scale * d.backoff_factor, floor);
@@ -64,8 +64,8 @@ class ScaleSequenceTest : public AmpTest {
       {
         scale_loss scaled(loss, optimizer);
         scaled.backward();
-        if (step == kInf) model->weight.grad()[0][1] = std::numeric_limits<float>::infinity();
-        if (step == kNaN) model->bias.grad()[1] = std::numeric_limits<float>::quiet_NaN();
+        if (step == kInfStep) model->weight.grad()[0][1] = std::numeric_limits<float>::infinity();
+        if (step == kNaNStep) model->bias.grad()[1] = std::numeric_limits<float>::quiet_NaN();
       }
       optimizer->step();
       const auto scaler = loss_scaler();
@@ -91,8 +91,8 @@ class ScaleSequenceTest : public AmpTest {
 TEST_F(ScaleSequenceTest, GrowthIntervalThree) {
   DynamicScaling d;
   d.growth_interval = 3;
-  expect_sequence({kClean, kClean, kClean, kInf, kClean, kClean, kClean, kClean, kNaN, kInf,
-                   kClean, kClean, kClean},
+  expect_sequence({kCleanStep, kCleanStep, kCleanStep, kInfStep, kCleanStep, kCleanStep, kCleanStep, kCleanStep, kNaNStep, kInfStep,
+                   kCleanStep, kCleanStep, kCleanStep},
                   65536.0, d);
 }
 
@@ -100,24 +100,24 @@ TEST_F(ScaleSequenceTest, GrowthIntervalOneCappedByMax) {
   DynamicScaling d;
   d.growth_interval = 1;
   d.max_loss_scale = 131072.0;
-  expect_sequence({kClean, kClean, kClean, kNaN, kClean, kClean, kInf, kInf, kClean}, 65536.0, d);
+  expect_sequence({kCleanStep, kCleanStep, kCleanStep, kNaNStep, kCleanStep, kCleanStep, kInfStep, kInfStep, kCleanStep}, 65536.0, d);
 }
 
 TEST_F(ScaleSequenceTest, FloorHoldsAtMinLossScale) {
   DynamicScaling d;
   d.min_loss_scale = 16384.0;
-  expect_sequence({kInf, kInf, kNaN, kInf, kClean, kInf}, 65536.0, d);
+  expect_sequence({kInfStep, kInfStep, kNaNStep, kInfStep, kCleanStep, kInfStep}, 65536.0, d);
 }
 
 TEST_F(ScaleSequenceTest, HysteresisTwoSkipsBeforeBackingOff) {
   DynamicScaling d;
   d.hysteresis = 2;
   d.growth_interval = 2;
-  expect_sequence({kInf, kClean, kInf, kInf, kClean, kClean, kInf, kClean, kInf, kInf}, 1024.0, d);
+  expect_sequence({kInfStep, kCleanStep, kInfStep, kInfStep, kCleanStep, kCleanStep, kInfStep, kCleanStep, kInfStep, kInfStep}, 1024.0, d);
 }
 
 TEST_F(ScaleSequenceTest, WithoutAFloorTheScaleNeverBecomesDenormalOrZero) {
-  std::vector<Step> overflows(200, kInf);
+  std::vector<Step> overflows(200, kInfStep);
   const auto states = run(overflows, 65536.0, DynamicScaling{});
   EXPECT_EQ(states.back().scale, static_cast<double>(std::numeric_limits<float>::min()));
   for (const auto& s : states) EXPECT_TRUE(std::isnormal(s.scale));
@@ -197,8 +197,8 @@ TEST_F(ScaleSequenceTest, KnobsChangedWhileTrainingApplyFromTheNextUpdate) {
   second.growth_interval = 2;
   // Changed right after an overflow, where both trackers restart: the two
   // halves follow the rules with their own knobs.
-  const std::vector<Step> head = {kClean, kClean, kClean, kClean, kInf};
-  const std::vector<Step> tail = {kClean, kClean, kClean, kInf, kClean, kClean, kNaN};
+  const std::vector<Step> head = {kCleanStep, kCleanStep, kCleanStep, kCleanStep, kInfStep};
+  const std::vector<Step> tail = {kCleanStep, kCleanStep, kCleanStep, kInfStep, kCleanStep, kCleanStep, kNaNStep};
   std::vector<Expected> expected = simulate(head, 65536.0, first);
   for (const Expected& e : simulate(tail, expected.back().scale, second)) expected.push_back(e);
   std::vector<Step> steps = head;
@@ -375,12 +375,12 @@ TEST_F(ScaleSequenceTest, OneHostSyncPerStep) {
 // and NaN and write, bit for bit, what ATen's kernel writes on the CPU - with
 // a factor bfloat16 cannot hold (1/1000), and a 0-dim gradient among them.
 void ExpectBFloat16FallbackMatchesATen(c10::Device device) {
-  const float kInf = std::numeric_limits<float>::infinity();
+  const float kInfStep = std::numeric_limits<float>::infinity();
   torch::manual_seed(0);
   const std::vector<at::Tensor> reference = {torch::randn({37, 5}) * 1e3, torch::randn({}) * 7,
                                              torch::randn({300}) * 1e-3};
   const at::Tensor inv_scale = torch::full({1}, 1.0 / 1000.0);
-  for (const float poison : {0.0f, kInf, -kInf, std::nanf("")}) {
+  for (const float poison : {0.0f, kInfStep, -kInfStep, std::nanf("")}) {
     SCOPED_TRACE("poison " + std::to_string(poison));
     std::vector<at::Tensor> aten, ours;
     for (const auto& g : reference) {

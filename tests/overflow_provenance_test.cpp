@@ -16,7 +16,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // TinyNet with injection points between its layers.
 struct ProbedNetImpl : torch::nn::Module {

@@ -68,13 +68,13 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-struct Trace {
+struct RecomputeTrace {
   std::vector<at::Tensor> losses, params, grads, buffers;
 };
 
 // Trains a fresh Net (seed 0) for `steps` steps of momentum SGD with
 // cross-entropy; dropout draws from the default generator throughout.
-Trace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Device device = c10::kCPU) {
+RecomputeTrace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Device device = c10::kCPU) {
   torch::manual_seed(0);
   if (device.is_cuda()) torch::cuda::manual_seed_all(0);
   Net model;
@@ -90,7 +90,7 @@ Trace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Dev
   o.verbosity = 0;
   amp::Handle handle;
   handle.initialize(model, optimizer, o);
-  Trace trace;
+  RecomputeTrace trace;
   for (int step = 0; step < steps; ++step) {
     const at::Tensor x = torch::randn({8, 12}).to(device);
     const at::Tensor y = torch::randint(0, 5, {8}).to(device);
@@ -111,11 +111,6 @@ Trace train(const amp::Options& options, Recompute mode, int steps = 3, c10::Dev
   return trace;
 }
 
-void expect_bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(BitEqual(a[i], b[i])) << what << " " << i;
-}
-
 struct LevelCase {
   std::string name;
   amp::OptLevel level;
@@ -128,9 +123,9 @@ class RecomputeLevelTest : public AmpTest, public ::testing::WithParamInterface<
 TEST_P(RecomputeLevelTest, TrainsBitIdenticallyToTheModelWithoutRecomputation) {
   amp::Options options = GetParam().level;
   options.cpu_dtype = GetParam().cpu_dtype;
-  const Trace plain = train(options, Recompute::kNone);
+  const RecomputeTrace plain = train(options, Recompute::kNone);
   for (Recompute mode : {Recompute::kBlocks, Recompute::kNested}) {
-    const Trace recomputed = train(options, mode);
+    const RecomputeTrace recomputed = train(options, mode);
     expect_bit_equal(plain.losses, recomputed.losses, "loss");
     expect_bit_equal(plain.grads, recomputed.grads, "gradient");
     expect_bit_equal(plain.params, recomputed.params, "parameter");
@@ -156,8 +151,8 @@ INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest,
 TEST_F(AmpTest, OnCudaRecomputedTrainingIsBitIdentical) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   for (amp::OptLevel level : {amp::O1, amp::O2, amp::O5}) {
-    const Trace plain = train(level, Recompute::kNone, 3, c10::kCUDA);
-    const Trace recomputed = train(level, Recompute::kNested, 3, c10::kCUDA);
+    const RecomputeTrace plain = train(level, Recompute::kNone, 3, c10::kCUDA);
+    const RecomputeTrace recomputed = train(level, Recompute::kNested, 3, c10::kCUDA);
     expect_bit_equal(plain.grads, recomputed.grads, to_string(level));
     expect_bit_equal(plain.params, recomputed.params, to_string(level));
     expect_bit_equal(plain.buffers, recomputed.buffers, to_string(level));
@@ -370,7 +365,6 @@ TEST_F(AmpTest, HooksOnWeightsRunOnceAndSequentialSegmentsMatchForward) {
 
 // --- Overflow provenance ---------------------------------------------------------
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // An inf made inside a recomputed block, in forward or in backward, is
 // reported as if the block were not recomputed: the same op or node, its

@@ -16,8 +16,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 enum class Fault { kNone, kInfGrad, kNaNGrad, kNaNLoss, kInfActivation };
 

@@ -10,7 +10,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 std::string serialized(const torch::optim::Optimizer& optimizer) {
   std::ostringstream bytes;

@@ -11,7 +11,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // --- Learning rate schedulers -----------------------------------------------
 

@@ -11,7 +11,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // --- Apex's L0 multi-model scenarios (tests/L0/run_amp) ---------------------
 
@@ -123,18 +122,18 @@ std::vector<bool> skipped_at(const Scenario& s, const Case& c, int iteration) {
   return skip;
 }
 
-struct Trace {
+struct LossesTrace {
   std::vector<std::vector<std::vector<at::Tensor>>> grads;  // [iteration][optimizer][param]
   std::vector<at::Tensor> params;                           // final values, model order
 };
 
 // Plain LibTorch in float64: the same losses, zeroing as the user's loop
 // does; gradients an overflow discards dropped, skipped steps not taken.
-Trace reference_run(const Scenario& s, const Case& c) {
+LossesTrace reference_run(const Scenario& s, const Case& c) {
   std::vector<ApexModel> models;
   for (double u : s.u) models.emplace_back(u, torch::kDouble);
   auto optimizers = make_optimizers(s, models);
-  Trace trace;
+  LossesTrace trace;
   for (int it = 0; it < kIterations; ++it) {
     if (c.zero != Zero::kNever) {
       for (auto& o : optimizers) o->zero_grad();
@@ -168,7 +167,7 @@ class ApexScenarioTest : public AmpTest, public ::testing::WithParamInterface<Ca
 TEST_P(ApexScenarioTest, GradientsAndParametersEqualFloat64) {
   const Case c = GetParam();
   const Scenario& s = scenarios()[c.scenario];
-  const Trace expected = reference_run(s, c);
+  const LossesTrace expected = reference_run(s, c);
 
   std::vector<ApexModel> models;
   std::vector<ModulePtr> modules;

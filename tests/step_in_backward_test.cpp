@@ -18,8 +18,8 @@ namespace {
 
 // Linear, BatchNorm, two residual blocks with dropout, a head, and a gain
 // used at both ends (its gradient sums two paths before it is final).
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool recompute)
+struct InBackwardNetImpl : torch::nn::Module {
+  explicit InBackwardNetImpl(bool recompute)
       : in(register_module("input", torch::nn::Linear(12, 64))),
         bn(register_module("bn", torch::nn::BatchNorm1d(64))),
         up1(register_module("up1", torch::nn::Linear(64, 128))),
@@ -48,11 +48,11 @@ struct NetImpl : torch::nn::Module {
   at::Tensor gain;
   bool recompute_;
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(InBackwardNet);
 
 enum class Kind { kAdamW, kAdam, kSgd };
 
-std::shared_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, Net& model) {
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(Kind kind, InBackwardNet& model) {
   switch (kind) {
     case Kind::kAdamW:
       return std::make_shared<amp::optim::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
@@ -91,7 +91,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
   options.step_in_backward = in_backward;
   torch::manual_seed(0);
   if (device.is_cuda()) torch::cuda::manual_seed_all(0);
-  auto model = std::make_shared<Net>(c.recompute);
+  auto model = std::make_shared<InBackwardNet>(c.recompute);
   (*model)->to(device);
   auto optimizer = make_optimizer(c.kind, *model);
   auto scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
@@ -104,7 +104,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
       save_checkpoint(path, {*model}, {*optimizer});
       handle.reset();
       torch::manual_seed(1);
-      model = std::make_shared<Net>(c.recompute);
+      model = std::make_shared<InBackwardNet>(c.recompute);
       (*model)->to(device);
       optimizer = make_optimizer(c.kind, *model);
       scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
@@ -130,11 +130,6 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
   out.params = clones((*model)->parameters());
   out.state = clones(optimizer_state_tensors(*optimizer));
   return out;
-}
-
-void expect_bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(BitEqual(a[i], b[i])) << what << " " << i;
 }
 
 class StepInBackwardCase : public AmpTest, public ::testing::WithParamInterface<Case> {};
@@ -193,7 +188,7 @@ TEST_F(AmpTest, StepInBackwardResumesBitForBit) {
 TEST_F(AmpTest, StepInBackwardResumesFromACheckpointSavedBeforeStep) {
   auto run = [](bool resume) {
     torch::manual_seed(0);
-    auto model = std::make_shared<Net>(false);
+    auto model = std::make_shared<InBackwardNet>(false);
     auto optimizer = make_optimizer(Kind::kAdamW, *model);
     const Options options = with(O6, [](Options& o) { o.step_in_backward = true; });
     auto handle = std::make_unique<Handle>();
@@ -210,7 +205,7 @@ TEST_F(AmpTest, StepInBackwardResumesFromACheckpointSavedBeforeStep) {
       if (resume && step == 1) {
         save_checkpoint(path, {*model}, {*optimizer});
         handle.reset();
-        model = std::make_shared<Net>(false);
+        model = std::make_shared<InBackwardNet>(false);
         optimizer = make_optimizer(Kind::kAdamW, *model);
         handle = std::make_unique<Handle>();
         handle->initialize(*model, *optimizer, options);
@@ -271,7 +266,7 @@ TEST_F(AmpTest, StepInBackwardTrainsAGanAsTheOrdinaryStep) {
 // produced), the guard leaves none, and step() changes nothing more.
 TEST_F(AmpTest, StepInBackwardFreesEachGradientAsItIsApplied) {
   torch::manual_seed(0);
-  Net model(false);
+  InBackwardNet model(false);
   amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
   Handle handle;
   handle.initialize(model, optimizer, with(O6, [](Options& o) { o.step_in_backward = true; }));

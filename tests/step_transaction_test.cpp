@@ -11,7 +11,6 @@
 namespace amp::testing {
 namespace {
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Writes "<name>.<hook>" into a shared journal; can refuse or fail on cue.
 class JournalParticipant final : public detail::StepParticipant {

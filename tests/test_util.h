@@ -39,6 +39,10 @@ using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 // The current scale of loss `loss_id` (reads the device).
 inline double loss_scale(int loss_id = 0) { return amp::loss_scaler(loss_id)->scale(); }
 
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr double kE4m3Max = 448.0;  // float8 e4m3's largest finite value
+
 // Exact equality: same dtype, shape and every bit of every value.
 inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type()) {
@@ -54,6 +58,12 @@ inline ::testing::AssertionResult BitEqual(const at::Tensor& a, const at::Tensor
                                          << (x.to(at::kDouble) - y.to(at::kDouble)).abs().max().item<double>();
   }
   return ::testing::AssertionSuccess();
+}
+
+// Each tensor of `a` bit for bit its partner in `b` (`what` names them).
+inline void expect_bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(BitEqual(a[i], b[i])) << what << " " << i;
 }
 
 // Each tensor within rtol/atol of its partner (compared in float64 on the

@@ -60,7 +60,7 @@ void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
 
 // What a few steps leave: each step's loss, the gradients the last step
 // took, and the parameters after it.
-struct Trace {
+struct ReadTrace {
   std::vector<at::Tensor> losses, gradients, parameters;
 };
 
@@ -69,7 +69,7 @@ struct Interludes {
   std::function<void(TinyGpt&)> before_step2;  // after step 1's optimizer step
 };
 
-Trace train(const Variant& v, bool position_first, bool recomputed, const Interludes& interludes = {}) {
+ReadTrace train(const Variant& v, bool position_first, bool recomputed, const Interludes& interludes = {}) {
   torch::manual_seed(7);
   TinyGpt model(position_first);
   std::shared_ptr<torch::optim::Optimizer> optimizer;
@@ -82,7 +82,7 @@ Trace train(const Variant& v, bool position_first, bool recomputed, const Interl
   options.verbosity = 0;
   Handle handle;
   handle.initialize(model, optimizer, options);
-  Trace trace;
+  ReadTrace trace;
   for (int64_t step = 0; step < 3; ++step) {
     if (step == 1 && interludes.before_step2) interludes.before_step2(model);
     const at::Tensor ids = ids_for(step);
@@ -104,8 +104,8 @@ Trace train(const Variant& v, bool position_first, bool recomputed, const Interl
   return trace;
 }
 
-::testing::AssertionResult SameBits(const Trace& a, const Trace& b) {
-  for (auto part : {&Trace::losses, &Trace::gradients, &Trace::parameters}) {
+::testing::AssertionResult SameBits(const ReadTrace& a, const ReadTrace& b) {
+  for (auto part : {&ReadTrace::losses, &ReadTrace::gradients, &ReadTrace::parameters}) {
     const std::vector<at::Tensor>& x = a.*part;
     const std::vector<at::Tensor>& y = b.*part;
     if (x.size() != y.size()) return ::testing::AssertionFailure() << x.size() << " vs " << y.size() << " tensors";
@@ -121,7 +121,7 @@ class WeightReadsTest : public AmpTest, public ::testing::WithParamInterface<Var
 // The slice taken before or after the embedding, and the forward run under
 // amp::recompute or not: the same bits each time.
 TEST_P(WeightReadsTest, OrderOfOpsAndRecomputationChangeNoBit) {
-  const Trace reference = train(GetParam(), /*position_first=*/false, /*recomputed=*/false);
+  const ReadTrace reference = train(GetParam(), /*position_first=*/false, /*recomputed=*/false);
   EXPECT_TRUE(SameBits(train(GetParam(), /*position_first=*/true, /*recomputed=*/false), reference));
   EXPECT_TRUE(SameBits(train(GetParam(), /*position_first=*/false, /*recomputed=*/true), reference));
   EXPECT_TRUE(SameBits(train(GetParam(), /*position_first=*/true, /*recomputed=*/true), reference));
@@ -131,7 +131,7 @@ TEST_P(WeightReadsTest, OrderOfOpsAndRecomputationChangeNoBit) {
 // forward, one abandoned by an exception, an evaluation under
 // NoGradGuard, and one with gradients on.
 TEST_P(WeightReadsTest, ForwardsNoGuardFollowsChangeNoBitOfTheNextStep) {
-  const Trace reference = train(GetParam(), /*position_first=*/true, /*recomputed=*/false);
+  const ReadTrace reference = train(GetParam(), /*position_first=*/true, /*recomputed=*/false);
   const at::Tensor ids = ids_for(9);
   const std::vector<std::pair<const char*, std::function<void(TinyGpt&)>>> interludes = {
       {"abandoned by an exception",

@@ -13,7 +13,7 @@
 //   (unscale_plan.h)         opening, which the unscale reads       unwind gives them back
 //   ReduceBucket (ZeRO-1:    each member's float32 sum of an        the accumulation's last guard
 //   shard_gradients=false)   accumulation's earlier micro-batches   reduces them
-#pragma once#pragma once
+#pragma once
 
 #include <ATen/core/Tensor.h>
 
