@@ -36,18 +36,18 @@ class DataParallelParticipant::Part final : public GuardPart {
   // accumulation's last guard; ZeRO-2's pieces already hold the averages.
   void prepare(Guard& guard) override {
     ShardedMasters* sharded = owner_.sharded_;
-    if (sharded == nullptr || !guard.options.delay_unscale || owner_.reducer_->config().shard_gradients) return;
-    for (OptimizerStep* step : guard.steps) sums_.push_back(sharded->of(step->optimizer())->sums_with_micro_batch());
+    if (sharded == nullptr || !guard.options().delay_unscale || owner_.reducer_->config().shard_gradients) return;
+    for (OptimizerStep* step : guard.steps()) sums_.push_back(sharded->of(step->optimizer())->sums_with_micro_batch());
   }
 
   void commit(Guard& guard) noexcept override {
     ShardedMasters* sharded = owner_.sharded_;
     if (sharded == nullptr) return;
-    for (size_t i = 0; i < guard.steps.size(); ++i) {
-      ShardedOptimizer& s = *sharded->of(guard.steps[i]->optimizer());
+    for (size_t i = 0; i < guard.steps().size(); ++i) {
+      ShardedOptimizer& s = *sharded->of(guard.steps()[i]->optimizer());
       if (!sums_.empty()) {
         s.hold(std::move(sums_[i]));
-      } else if (!guard.options.delay_unscale) {
+      } else if (!guard.options().delay_unscale) {
         s.end_accumulation();
         s.mark_stale();
       }
@@ -72,7 +72,7 @@ DataParallelParticipant::DataParallelParticipant(GradientReducer* reducer, Shard
     : reducer_(reducer), sharded_(sharded), reduce_overflow_(std::move(reduce_overflow)) {}
 
 void DataParallelParticipant::check_open(const Guard& guard) const {
-  TORCH_CHECK(!(reducer_ && guard.capturing && !guard.passthrough), "amp: this scale_loss guard is "
+  TORCH_CHECK(!(reducer_ && guard.capturing() && !guard.passthrough()), "amp: this scale_loss guard is "
               "being captured in a CUDA graph, but with Options::data_parallel its gradients are "
               "averaged by hooks and collectives the host drives; capture without data_parallel.");
 }
@@ -83,13 +83,13 @@ std::unique_ptr<GuardPart> DataParallelParticipant::open(Guard& guard) {
     // ZeRO-2 reduces in every guard, delay_unscale too: the pieces
     // accumulate the averages, so no rank keeps whole gradients between
     // micro-batches. ZeRO-1 reduces in the accumulation's last guard.
-    if (!guard.options.delay_unscale || reducer_->config().shard_gradients) {
+    if (!guard.options().delay_unscale || reducer_->config().shard_gradients) {
       std::vector<std::vector<ReduceBucket>*> buckets;
-      for (OptimizerStep* step : guard.steps) buckets.push_back(&sharded_->of(step->optimizer())->buckets());
+      for (OptimizerStep* step : guard.steps()) buckets.push_back(&sharded_->of(step->optimizer())->buckets());
       reduction = reducer_->start_sharded(buckets);
     }
-  } else if (reducer_ != nullptr && !guard.options.delay_unscale) {
-    reduction = reducer_->start(guard.slots);  // delay_unscale: DDP's no_sync, the last guard reduces
+  } else if (reducer_ != nullptr && !guard.options().delay_unscale) {
+    reduction = reducer_->start(guard.slots());  // delay_unscale: DDP's no_sync, the last guard reduces
   }
   return std::make_unique<Part>(*this, std::move(reduction));
 }

@@ -48,10 +48,10 @@ class BackwardStep final : public GuardPart {
 };
 
 BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
-  const std::optional<UpdatePrecision> session_precision = update_precision(*guard.session);
+  const std::optional<UpdatePrecision> session_precision = update_precision(guard.session());
   std::unordered_map<const c10::TensorImpl*, Member> where;
-  for (size_t k = 0; k < guard.steps.size(); ++k) {
-    torch::optim::Optimizer& optimizer = guard.steps[k]->optimizer();
+  for (size_t k = 0; k < guard.steps().size(); ++k) {
+    torch::optim::Optimizer& optimizer = guard.steps()[k]->optimizer();
     std::optional<UpdatePrecision> precision = session_precision;
     if (precision) precision->step = precision->rounder->next_step();  // as the optimizer's step() would
     pack_loaded_state(optimizer, precision ? &*precision : nullptr);
@@ -61,12 +61,12 @@ BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
       for (const at::Tensor& p : optimizer.param_groups()[g].params()) where.emplace(p.unsafeGetTensorImpl(), Member{k, g, key++});
     }
   }
-  for (const GradSlot& slot : guard.slots) members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
-  applied_.assign(guard.slots.size(), false);
-  if (!guard.passthrough) {
-    found_inf_ = at::zeros({1}, guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device()).options());
+  for (const GradSlot& slot : guard.slots()) members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
+  applied_.assign(guard.slots().size(), false);
+  if (!guard.passthrough()) {
+    found_inf_ = at::zeros({1}, guard.session().scaler(guard.options().loss_id).scale_tensor(guard.scaled_loss().device()).options());
   }
-  for (size_t i = 0; i < guard.slots.size(); ++i) hooks_.add(guard.slots[i].param, [this, i] { on_gradient(i); });
+  for (size_t i = 0; i < guard.slots().size(); ++i) hooks_.add(guard.slots()[i].param, [this, i] { on_gradient(i); });
 }
 
 void BackwardStep::on_gradient(size_t slot) {
@@ -78,20 +78,20 @@ void BackwardStep::on_gradient(size_t slot) {
 
 void BackwardStep::apply(size_t slot) {
   applied_[slot] = true;
-  GradSlot& s = guard_.slots[slot];
+  GradSlot& s = guard_.slots()[slot];
   const Member& m = members_[slot];
   // The gradient as the guard's unscale would leave it: with the aside
   // held from before the guard, in the slot's dtype, unscaled.
   std::vector<GradSlot> one{s};
   UnscalePlan plan(one);
-  if (guard_.passthrough) {
+  if (guard_.passthrough()) {
     plan.run({});
   } else {
-    internal::LossScaling& scaler = guard_.session->scaler(guard_.options.loss_id);
+    internal::LossScaling& scaler = guard_.session().scaler(guard_.options().loss_id);
     plan.run([&](const std::vector<at::Tensor>& scaled) { scaler.unscale(scaled, found_inf_); });
   }
   const at::Tensor& p = s.param;
-  OptimizerStep& step = *guard_.steps[m.optimizer];
+  OptimizerStep& step = *guard_.steps()[m.optimizer];
   torch::optim::Optimizer& optimizer = step.optimizer();
   FusedStepping& stepping = step.fused_optimizer()->stepping();
   const UpdatePrecision* precision = precisions_[m.optimizer] ? &*precisions_[m.optimizer] : nullptr;
@@ -109,8 +109,8 @@ void BackwardStep::apply(size_t slot) {
 
 void BackwardStep::before_unscale(Guard& guard) {
   hooks_.clear();
-  for (size_t i = 0; i < guard.slots.size(); ++i) {
-    const GradSlot& s = guard.slots[i];
+  for (size_t i = 0; i < guard.slots().size(); ++i) {
+    const GradSlot& s = guard.slots()[i];
     if (!applied_[i] && (s.param.grad().defined() || s.aside.defined())) apply(i);
   }
 }
@@ -118,10 +118,10 @@ void BackwardStep::before_unscale(Guard& guard) {
 }  // namespace
 
 void BackwardStepParticipant::check_open(const Guard& guard) const {
-  TORCH_CHECK(!guard.options.delay_unscale, "amp: delay_unscale=true accumulates gradients over several "
+  TORCH_CHECK(!guard.options().delay_unscale, "amp: delay_unscale=true accumulates gradients over several "
               "guards before one step, but step_in_backward applies the step during each guard's backward. "
               "Accumulate without step_in_backward, or train on the whole batch in one guard.");
-  TORCH_CHECK(!guard.capturing, "amp: step_in_backward steps from hooks during backward, which a CUDA graph "
+  TORCH_CHECK(!guard.capturing(), "amp: step_in_backward steps from hooks during backward, which a CUDA graph "
               "capture of the guard does not record as such; capture without step_in_backward.");
 }
 

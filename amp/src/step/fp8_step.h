@@ -25,7 +25,7 @@ class Fp8Participant final : public StepParticipant {
     // context.cpp), so after it nothing fails and the scales it updated in
     // place (a CUDA graph replays the update) are the committed step's.
     void prepare(Guard& guard) override {
-      if (!guard.options.delay_unscale) gemms.update();
+      if (!guard.options().delay_unscale) gemms.update();
     }
     Fp8Gemms& gemms;
   };

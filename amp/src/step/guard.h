@@ -46,22 +46,35 @@ class Guard {
   void unscale_by_program();
 
   // What participants read.
-  std::shared_ptr<StepSession> session;
-  ScaleLossOptions options;
-  std::vector<OptimizerStep*> steps;  // of the optimizers passed in
-  std::vector<GradSlot> slots;        // their parameters
-  at::Tensor scaled_loss;
-  uint64_t loss_graph = 0;   // the loss's root node's autograd sequence number
-  bool passthrough = false;  // static scale 1 without masters: no multiply, no unscale
-  bool capturing = false;    // inside a CUDA graph capture
-  Stage stage = Stage::kOpen;
-  int uncaught_at_entry = std::uncaught_exceptions();
+  StepSession& session() const { return *session_; }
+  const ScaleLossOptions& options() const { return options_; }
+  const std::vector<OptimizerStep*>& steps() const { return steps_; }  // of the optimizers passed in
+  // Their parameters; a participant that takes over a slot's gradient (the
+  // reduction, the step in backward) edits its slot.
+  const std::vector<GradSlot>& slots() const { return slots_; }
+  std::vector<GradSlot>& slots() { return slots_; }
+  const at::Tensor& scaled_loss() const { return scaled_loss_; }
+  bool passthrough() const { return passthrough_; }  // static scale 1 without masters: no multiply, no unscale
+  bool capturing() const { return capturing_; }      // inside a CUDA graph capture
+  Stage stage() const { return stage_; }
+  // An exception is leaving the scope the guard was made in.
+  bool exception_in_scope() const { return std::uncaught_exceptions() > uncaught_at_entry_; }
 
  private:
   void check_capturable(c10::Device device) const;
   void check_kept_gradients();
-  internal::LossScaling& scaler() { return session->scaler(options.loss_id); }
+  internal::LossScaling& scaler() { return session_->scaler(options_.loss_id); }
 
+  std::shared_ptr<StepSession> session_;
+  ScaleLossOptions options_;
+  std::vector<OptimizerStep*> steps_;
+  std::vector<GradSlot> slots_;
+  at::Tensor scaled_loss_;
+  uint64_t loss_graph_ = 0;   // the loss's root node's autograd sequence number
+  bool passthrough_ = false;
+  bool capturing_ = false;
+  Stage stage_ = Stage::kOpen;
+  int uncaught_at_entry_ = std::uncaught_exceptions();
   std::vector<std::unique_ptr<GuardPart>> parts_;  // the participants', in order
   // Master weights of other optimizers, with the gradients they had: a
   // backward through them leaves scratch scaled by this loss, discarded.

@@ -212,7 +212,7 @@ class ProvenancePart final : public GuardPart {
   explicit ProvenancePart(std::shared_ptr<ProvenanceTrace> trace) : trace_(std::move(trace)) {}
   void judged(Guard& guard, OverflowVerdict& verdict) override {
     std::vector<at::Tensor> params, grads;
-    for (const GradSlot& s : guard.slots) {
+    for (const GradSlot& s : guard.slots()) {
       params.push_back(s.param);
       grads.push_back(s.param.grad());
     }
@@ -227,12 +227,12 @@ class ProvenancePart final : public GuardPart {
 }  // namespace
 
 std::unique_ptr<GuardPart> ProvenanceParticipant::open(Guard& guard) {
-  ForwardLog* log = guard.session->forward_log();
-  if (guard.passthrough) {  // a scale of 1 never skips: nothing to explain
+  ForwardLog* log = guard.session().forward_log();
+  if (guard.passthrough()) {  // a scale of 1 never skips: nothing to explain
     if (log != nullptr) log->clear();
     return nullptr;
   }
-  return std::make_unique<ProvenancePart>(ProvenanceTrace::watch(guard.scaled_loss, guard.session->parameter_names(), log));
+  return std::make_unique<ProvenancePart>(ProvenanceTrace::watch(guard.scaled_loss(), guard.session().parameter_names(), log));
 }
 
 void watch_recomputed_nodes(const Node& node, const std::vector<Node*>& inside) {

@@ -20,11 +20,11 @@ class TelemetryPart final : public GuardPart {
  public:
   explicit TelemetryPart(TelemetryParticipant& recorder) : recorder_(recorder) {}
   void after_unscale(Guard& guard) override {
-    if (guard.options.delay_unscale) return;
+    if (guard.options().delay_unscale) return;
     std::vector<torch::optim::Optimizer*> optimizers;
-    for (OptimizerStep* step : guard.steps) optimizers.push_back(&step->optimizer());
-    const at::Tensor& scale = guard.session->scaler(guard.options.loss_id).scale_tensor(guard.scaled_loss.device());
-    recorder_.record(guard.options.loss_id, scale, optimizers);
+    for (OptimizerStep* step : guard.steps()) optimizers.push_back(&step->optimizer());
+    const at::Tensor& scale = guard.session().scaler(guard.options().loss_id).scale_tensor(guard.scaled_loss().device());
+    recorder_.record(guard.options().loss_id, scale, optimizers);
   }
 
  private:

@@ -21,49 +21,49 @@ namespace amp {
 namespace detail {
 
 Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& optimizers, ScaleLossOptions guard_options)
-    : session(require_step_session("amp::scale_loss")), options(guard_options) {
-  session->rethrow_deferred_error();
+    : session_(require_step_session("amp::scale_loss")), options_(guard_options) {
+  session_->rethrow_deferred_error();
   TORCH_CHECK(loss.defined(), "amp: scale_loss got an undefined loss tensor.");
   TORCH_CHECK(loss.is_floating_point(), "amp: scale_loss needs a floating-point loss, got ",
               loss.scalar_type());
   TORCH_CHECK(loss.numel() == 1, "amp: scale_loss needs a scalar loss (one element), got shape ",
               loss.sizes(), "; reduce it first, e.g. loss.mean().");
-  TORCH_CHECK(options.loss_id >= 0 && options.loss_id < session->num_losses(), "amp: loss_id ",
-              options.loss_id, " is out of range: amp was initialized with num_losses=",
-              session->num_losses(), " (loss_id 0..", session->num_losses() - 1, ").");
+  TORCH_CHECK(options_.loss_id >= 0 && options_.loss_id < session_->num_losses(), "amp: loss_id ",
+              options_.loss_id, " is out of range: amp was initialized with num_losses=",
+              session_->num_losses(), " (loss_id 0..", session_->num_losses() - 1, ").");
   TORCH_CHECK(!optimizers.empty(), "amp: scale_loss needs the optimizer(s) that will step "
               "these gradients.");
   for (const internal::OptimizerRef& ref : optimizers) {  // validate everything before changing anything
-    OptimizerStep& step = session->require_step(ref.get(), "amp::scale_loss");
-    TORCH_CHECK(std::find(steps.begin(), steps.end(), &step) == steps.end(),
+    OptimizerStep& step = session_->require_step(ref.get(), "amp::scale_loss");
+    TORCH_CHECK(std::find(steps_.begin(), steps_.end(), &step) == steps_.end(),
                 "amp: scale_loss got the same optimizer twice.");
-    step.check_can_open(options.loss_id, options.delay_unscale);
-    steps.push_back(&step);
+    step.check_can_open(options_.loss_id, options_.delay_unscale);
+    steps_.push_back(&step);
   }
-  ModelWeights& weights = session->weights();
-  const LossScale& configured = session->properties().loss_scale;
-  passthrough = !configured.dynamic && configured.value == 1.0 && weights.mode() != ModelWeights::Mode::kMasters;
-  capturing = detail::capturing(loss.device());
+  ModelWeights& weights = session_->weights();
+  const LossScale& configured = session_->properties().loss_scale;
+  passthrough_ = !configured.dynamic && configured.value == 1.0 && weights.mode() != ModelWeights::Mode::kMasters;
+  capturing_ = detail::capturing(loss.device());
   try {
-    if (!passthrough && capturing) check_capturable(loss.device());
-    for (const StepParticipant* p : session->participants()) p->check_open(*this);
+    if (!passthrough_ && capturing_) check_capturable(loss.device());
+    for (const StepParticipant* p : session_->participants()) p->check_open(*this);
   } catch (...) {
-    if (capturing) clear_cast_cache();  // casts the capture recorded but never ran
+    if (capturing_) clear_cast_cache();  // casts the capture recorded but never ran
     throw;
   }
   weights.prepare_backward();
-  for (OptimizerStep* step : steps) step->settle_before_guard();
+  for (OptimizerStep* step : steps_) step->settle_before_guard();
 
   // Everything is checked; from here on the guard changes state.
   std::unordered_set<const c10::TensorImpl*> covered;
-  for (OptimizerStep* step : steps) {
+  for (OptimizerStep* step : steps_) {
     const bool scaled = step->state() == OptimizerStep::State::kAccumulating;
     step->open();
     for (auto& group : step->optimizer().param_groups()) {
       for (at::Tensor& p : group.params()) {
         if (!covered.insert(p.unsafeGetTensorImpl()).second) continue;
         const at::ScalarType grad_dtype = weights.is_master(p) ? at::kFloat : p.scalar_type();
-        slots.push_back({p, std::exchange(p.mutable_grad(), at::Tensor()), grad_dtype, scaled});
+        slots_.push_back({p, std::exchange(p.mutable_grad(), at::Tensor()), grad_dtype, scaled});
       }
     }
   }
@@ -72,11 +72,11 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
     held_.take(e.tensor);
   }
   try {
-    if (const auto& root = loss.grad_fn()) loss_graph = root->sequence_nr();
+    if (const auto& root = loss.grad_fn()) loss_graph_ = root->sequence_nr();
     const at::Tensor fp32_loss = loss.to(at::kFloat);
-    scaled_loss = passthrough ? fp32_loss
+    scaled_loss_ = passthrough_ ? fp32_loss
                               : fp32_loss * scaler().scale_tensor(loss.device()).reshape(loss.sizes());
-    for (StepParticipant* p : session->participants()) {
+    for (StepParticipant* p : session_->participants()) {
       if (auto part = p->open(*this)) parts_.push_back(std::move(part));
     }
   } catch (...) {
@@ -89,11 +89,11 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
 // host: the scale must already be on the device, and no optimizer may need
 // the verdict on the host.
 void Guard::check_capturable(c10::Device device) const {
-  const LossScaler& scaler = session->scaler(options.loss_id);
+  const LossScaler& scaler = session_->scaler(options_.loss_id);
   TORCH_CHECK(scaler.device() == device, "amp: this scale_loss guard is being captured in a CUDA "
-              "graph before loss scaler ", options.loss_id, " has been used on ", device, ". Run "
-              "warm-up iterations (forward, scale_loss, step) before capturing.");
-  for (const OptimizerStep* step : steps) {
+              "graph before loss scaler ", options_.loss_id, " has been used on ", device, ". Run "
+              "warm-up iterations (forward, scale_loss, step) before capturing_.");
+  for (const OptimizerStep* step : steps_) {
     TORCH_CHECK(!scaler.dynamic() || step->fused(), "amp: this scale_loss guard is being captured "
                 "in a CUDA graph, but one of its optimizers is LibTorch's own: its step needs the "
                 "overflow verdict on the host, which a capture cannot read. Use "
@@ -106,11 +106,11 @@ void Guard::unscale() {
   // Backward is over: O2/O5's weights rest in float32 and free their
   // low-precision copies before the float32 gradients are made, so the two
   // are never held together.
-  session->weights().finish_backward();
-  UnscalePlan plan(slots);
-  const bool unscaling = !options.delay_unscale && !passthrough;
+  session_->weights().finish_backward();
+  UnscalePlan plan(slots_);
+  const bool unscaling = !options_.delay_unscale && !passthrough_;
   at::Tensor found_inf;
-  if (unscaling) found_inf = at::zeros({1}, scaler().scale_tensor(scaled_loss.device()).options());
+  if (unscaling) found_inf = at::zeros({1}, scaler().scale_tensor(scaled_loss_.device()).options());
   if (unscaling) {
     plan.run([&](const std::vector<at::Tensor>& scaled) { scaler().unscale(scaled, found_inf); });
   } else {
@@ -124,22 +124,22 @@ void Guard::unscale() {
   if (!scaler_before_ && !parts_.empty()) scaler_before_ = scaler().state();
   verdict_ = std::make_shared<OverflowVerdict>();
   verdict_->snapshot = scaler().update(found_inf);
-  verdict_->loss_id = options.loss_id;
-  verdict_->session = session;
+  verdict_->loss_id = options_.loss_id;
+  verdict_->session = session_;
   for (const auto& part : parts_) part->judged(*this, *verdict_);
 }
 
 void Guard::unscale_by_program() {
   scaler_before_ = scaler().state();  // the program may throw before the guard ends
   unscale();
-  if (steps.size() > 1) check_kept_gradients();
-  stage = Stage::kUnscaled;
+  if (steps_.size() > 1) check_kept_gradients();
+  stage_ = Stage::kUnscaled;
 }
 
 void Guard::check_kept_gradients() {
   if (!verdict_) return;  // nothing can skip (static scale)
   std::vector<at::Tensor> kept;
-  for (const GradSlot& s : slots) {
+  for (const GradSlot& s : slots_) {
     if (s.aside.defined()) kept.push_back(s.aside);
   }
   at::Tensor flag = verdict_->snapshot.narrow(0, 0, 1);
@@ -152,12 +152,12 @@ void Guard::commit() {
   // LibTorch's optimizers step on whatever gradients they find: the host
   // must know the verdict now. amp's fused ones take it on the device.
   bool host_reads = false;
-  for (const OptimizerStep* step : steps) host_reads = host_reads || !step->fused();
+  for (const OptimizerStep* step : steps_) host_reads = host_reads || !step->fused();
   GuardOutcome outcome;
-  outcome.loss_graph = loss_graph;
-  outcome.delay_unscale = options.delay_unscale;
-  outcome.loss_id = options.loss_id;
-  outcome.stepped_in_backward = session->properties().step_in_backward;
+  outcome.loss_graph = loss_graph_;
+  outcome.delay_unscale = options_.delay_unscale;
+  outcome.loss_id = options_.loss_id;
+  outcome.stepped_in_backward = session_->properties().step_in_backward;
   std::exception_ptr error;
   if (verdict_ && host_reads) {
     bool overflow = true;
@@ -176,16 +176,16 @@ void Guard::commit() {
   // from the commits on nothing fails, so the optimizers and participants
   // commit together or not at all.
   try {
-    for (OptimizerStep* step : steps) step->prepare(outcome);
+    for (OptimizerStep* step : steps_) step->prepare(outcome);
     for (const auto& part : parts_) part->prepare(*this);
   } catch (...) {
     unwind();
     throw;
   }
   held_.give_back();
-  for (OptimizerStep* step : steps) step->commit(outcome);
+  for (OptimizerStep* step : steps_) step->commit(outcome);
   for (const auto& part : parts_) part->commit(*this);
-  stage = Stage::kFinished;  // the weights rested at the unscale, which always comes first
+  stage_ = Stage::kFinished;  // the weights rested at the unscale, which always comes first
   clear_cast_cache();
   if (error) std::rethrow_exception(error);
 }
@@ -193,13 +193,13 @@ void Guard::commit() {
 void Guard::unwind() noexcept {
   for (auto part = parts_.rbegin(); part != parts_.rend(); ++part) (*part)->unwind(*this);
   parts_.clear();
-  for (GradSlot& s : slots) s.param.mutable_grad() = s.aside;
+  for (GradSlot& s : slots_) s.param.mutable_grad() = s.aside;
   held_.give_back();
   if (scaler_before_) scaler().restore(*scaler_before_);
-  for (OptimizerStep* step : steps) step->unwind();
+  for (OptimizerStep* step : steps_) step->unwind();
   verdict_.reset();
-  stage = Stage::kFinished;
-  session->weights().finish_backward();
+  stage_ = Stage::kFinished;
+  session_->weights().finish_backward();
   clear_cast_cache();
 }
 
@@ -223,36 +223,36 @@ scale_loss::scale_loss(const at::Tensor& loss, std::vector<internal::OptimizerRe
 
 scale_loss::~scale_loss() {
   detail::refresh_tracing();  // once an iteration: whether the next forward's casts open profiler ranges
-  if (state_->stage == State::Stage::kFinished) return;
-  if (std::uncaught_exceptions() > state_->uncaught_at_entry) {
+  if (state_->stage() == State::Stage::kFinished) return;
+  if (state_->exception_in_scope()) {
     state_->unwind();
     return;
   }
   try {
     finish();
   } catch (...) {
-    state_->session->defer_error(std::current_exception());
+    state_->session().defer_error(std::current_exception());
   }
 }
 
-const at::Tensor& scale_loss::scaled_loss() const { return state_->scaled_loss; }
+const at::Tensor& scale_loss::scaled_loss() const { return state_->scaled_loss(); }
 
 void scale_loss::backward(std::optional<bool> retain_graph, bool create_graph) {
-  state_->scaled_loss.backward({}, retain_graph, create_graph);
+  state_->scaled_loss().backward({}, retain_graph, create_graph);
 }
 
 at::Tensor scale_loss::loss_scale() const {
-  return state_->session->scaler(state_->options.loss_id).scale_tensor(state_->scaled_loss.device());
+  return state_->session().scaler(state_->options().loss_id).scale_tensor(state_->scaled_loss().device());
 }
 
 void scale_loss::unscale() {
   State& s = *state_;
-  TORCH_CHECK(s.stage == State::Stage::kOpen, "amp: unscale() was already called for this "
+  TORCH_CHECK(s.stage() == State::Stage::kOpen, "amp: unscale() was already called for this "
               "scale_loss, or the guard has finished; gradients are unscaled at most once per "
               "backward.");
-  TORCH_CHECK(!s.options.delay_unscale, "amp: unscale() contradicts delay_unscale=true; unscale "
+  TORCH_CHECK(!s.options().delay_unscale, "amp: unscale() contradicts delay_unscale=true; unscale "
               "in the last micro-batch's guard (delay_unscale=false).");
-  TORCH_CHECK(!s.session->properties().step_in_backward, "amp: unscale() hands the program the unscaled "
+  TORCH_CHECK(!s.session().properties().step_in_backward, "amp: unscale() hands the program the unscaled "
               "gradients, but step_in_backward applied each of them during backward and freed it. Read or "
               "clip gradients without step_in_backward.");
   s.unscale_by_program();
@@ -260,10 +260,10 @@ void scale_loss::unscale() {
 
 void scale_loss::finish() {
   State& s = *state_;
-  TORCH_CHECK(s.stage != State::Stage::kFinished, "amp: finish() was already called for this "
+  TORCH_CHECK(s.stage() != State::Stage::kFinished, "amp: finish() was already called for this "
               "scale_loss.");
   try {
-    if (s.stage == State::Stage::kOpen) s.unscale();
+    if (s.stage() == State::Stage::kOpen) s.unscale();
   } catch (...) {
     s.unwind();
     throw;
