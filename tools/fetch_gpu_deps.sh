@@ -3,7 +3,9 @@
 # git-ignored third_party_debs/ (about 34 MB), for tools/gpu_run.sh to unpack
 # there: Abseil (the examples' and tools' flags), GoogleTest's sources, gloo's
 # headers (LibTorch's ProcessGroupGloo.hpp), zlib (the examples read .gz
-# files) and the Fashion-MNIST data. Carry third_party_debs along.
+# files) and the Fashion-MNIST data; and torchao's wheel for the GPU
+# machine's Python 3.12 (the Python peer's float8 rows; its Python has torch
+# but no torchao). Carry third_party_debs along.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=$root/third_party_debs
@@ -14,4 +16,9 @@ if ! (cd "$dir" && apt-get download "${packages[@]}" >/dev/null 2>&1); then
   $sudo apt-get update -qq
   (cd "$dir" && apt-get download "${packages[@]}" >/dev/null)
 fi
-echo "fetch_gpu_deps: $(ls "$dir"/*.deb | wc -l) packages in $dir ($(du -sh "$dir" | cut -f1))"
+torchao=0.18.0  # the release built against torch 2.11
+python=$root/.venv/bin/python; [ -x "$python" ] || python=python3
+ls "$dir"/torchao-$torchao-*.whl >/dev/null 2>&1 ||
+  "$python" -m pip download -q "torchao==$torchao" --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 -d "$dir"
+echo "fetch_gpu_deps: $(ls "$dir"/*.deb | wc -l) packages and $(ls "$dir"/*.whl | wc -l) wheel in $dir ($(du -sh "$dir" | cut -f1))"

@@ -2,8 +2,9 @@
 # The one command that proves amp on a GPU machine: builds amp there against
 # the machine's LibTorch (its python3 holds torch 2.11.0+cu130), runs the
 # whole test suite with CUDA present, compute-sanitizer over the CUDA tests,
-# the examples with --device=cuda at O0-O6 (and recomputed), the GPU benchmark and Python's
-# torch.amp on the same models, writing what it finds to <out_dir>.
+# the examples with --device=cuda at O0-O6 (and recomputed), the GPU benchmark and the
+# Python peers on the same models (torch.amp eager, torch.compile, torchao
+# float8: tools/bench/gpu_peer.py), writing what it finds to <out_dir>.
 #
 #   tools/fetch_gpu_deps.sh                    # here, once: third_party_debs/
 #   tools/gpu_run.sh <out_dir> [stage ...]     # there, carrying third_party_debs
@@ -23,7 +24,9 @@
 #   tools/gpu_run.sh "$OUT" accuracy benchmarks peer                   # about 3 minutes
 # (measured on an H100 host with 16 cores, 2026-11-26: configure 5 s, build
 # 98 s, suite 252 s, sanitizer 26 s, examples 88 s, accuracy 26 s,
-# benchmarks 89 s; the machine started in about 30 s). The benchmark
+# benchmarks 89 s; the machine started in about 30 s; the peer's
+# torch.compile rows, added since, compile the transformer three times and
+# have not yet run there: the peer stage may take minutes more). The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12").
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU
@@ -123,6 +126,10 @@ if wants configure; then
   [ -e "${debs[0]}" ] || { say "gpu_run: no third_party_debs/*.deb: run tools/fetch_gpu_deps.sh here and carry third_party_debs"; exit 1; }
   rm -rf "$deps" && mkdir -p "$deps"
   for deb in "${debs[@]}"; do unpack_deb "$deb" "$deps"; done
+  # torchao for the Python peer: a wheel is a zip, unpacked onto PYTHONPATH.
+  for wheel in "$root"/third_party_debs/*.whl; do
+    [ -e "$wheel" ] && "$python" -m zipfile -e "$wheel" "$deps/python"
+  done
   torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
   run_stage configure 300 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" -DTORCH_CUDA_ARCH_LIST=9.0 -DAMP_GPU=ON \
@@ -230,9 +237,24 @@ if device_stage benchmarks; then
   say "gpu_run: gpu_benchmarks exit $? ($((SECONDS - start)) s): benchmarks.md"
 fi
 
-if device_stage peer; then
+# The Python peers (torch.amp eager, torch.compile, torchao float8). Without
+# a GPU (simulating) they run once each on a tiny model on the CPU, which
+# shows the script, torch.compile and torchao work; the figures come from
+# the GPU.
+if wants peer; then
   start=$SECONDS
-  # shellcheck disable=SC2086
-  timeout 180 "$python" "$root/tools/bench/gpu_peer.py" $bench_steps > "$out/peer.md" 2>> "$out/log.txt"
-  say "gpu_run: Python torch.amp peer exit $? ($((SECONDS - start)) s): peer.md"
+  peer_args=($bench_steps)
+  has_gpu || peer_args=(--smoke)
+  PYTHONPATH="$deps/python${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$python" "$root/tools/bench/gpu_peer.py" \
+    "${peer_args[@]}" > "$out/peer.md" 2>> "$out/log.txt"
+  rc=$?
+  if ((rc == 0)); then
+    say "gpu_run: Python peers ok ($((SECONDS - start)) s): peer.md$(has_gpu || echo ' (smoke run on the CPU)')"
+  else
+    say "gpu_run: Python peers FAILED (exit $rc, $((SECONDS - start)) s); the end of its log:"
+    tail -n 25 "$out/log.txt" | sed 's/^/    /' | tee -a "$out/summary.md"
+  fi
+  if grep -q "torchao is not installed" "$out/peer.md"; then
+    say "gpu_run: Python peers FAILED: torchao was not found (tools/fetch_gpu_deps.sh fetches its wheel)"
+  fi
 fi

@@ -12,7 +12,10 @@
 // FP32 too: the same optimizer everywhere). Prints Markdown tables: the
 // mean step of one window of steps with one sync at its end (CUDA events),
 // speedup over FP32, ratio to native autocast, peak allocated memory, host
-// syncs per step (amp::host_syncs; the native loop reads found_inf once),
+// syncs per step counted as tools/bench/gpu_peer.py counts Python's (CUDA's
+// sync debug mode warns at each synchronizing call; the warnings are
+// counted) and, for amp's rows, amp's own count (amp::host_syncs, which also
+// counts its waits on events, which the debug mode does not see),
 // steps skipped and the final loss (a diverged row cannot pass as fast),
 // and the transformer's model FLOP utilisation against the card's measured
 // bf16 matmul throughput. The transformer's vocabulary is GPT-2's padded to
@@ -23,9 +26,10 @@
 // layer's training step (forward, both gradients, AdamW) at O5 and at
 // O5+fp8, and the bare float8 kernel's throughput as a fraction of the
 // card's float8 ceiling (an 8192^3 _scaled_mm) - what float8 can give, and
-// what amp's scaling and casts leave of it.
+// what amp's scaling and casts leave of it; and the same per Linear layer
+// from 768 x 3072 to 8192 x 28672 (models "sweep"): where float8 pays.
 //
-//   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt]
+//   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt,sweep]
 #include <amp/amp.h>
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
@@ -38,6 +42,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/torch.h>
 
@@ -129,9 +134,41 @@ struct Workload {
 struct Result {
   double ms = 0;
   double peak_gib = 0;
-  double syncs_per_step = 0;
+  double syncs_per_step = 0;      // by CUDA's sync debug mode, every row alike
+  double amp_reads_per_step = -1;  // amp::host_syncs (amp's rows; -1: not amp)
   int64_t skipped = 0;     // steps skipped in the timed window
   double final_loss = 0;   // so that a row that diverged cannot pass as fast
+};
+
+// Counts a region's host syncs as Python's peer does: CUDA's sync debug mode
+// warns at every synchronizing call (memcpy to the host, a stream's
+// synchronize), and this handler counts those warnings. Backward's warnings
+// on autograd's device threads are replayed on the calling thread when
+// backward ends, so they reach it too.
+class SyncCounter final : public c10::WarningHandler {
+ public:
+  SyncCounter() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+  }
+  ~SyncCounter() override {
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    c10::WarningUtils::set_warning_handler(previous_);
+  }
+  SyncCounter(const SyncCounter&) = delete;
+  SyncCounter& operator=(const SyncCounter&) = delete;
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("synchronizing CUDA operation") != std::string::npos) {
+      ++count_;
+    } else {
+      previous_->process(warning);
+    }
+  }
+  int64_t count() const { return count_; }
+
+ private:
+  c10::WarningHandler* previous_;
+  int64_t count_ = 0;
 };
 
 // The anchor: LibTorch's own autocast around forward and a GradScaler written
@@ -223,15 +260,19 @@ Result measure(const Workload& w, Mode mode, at::ScalarType low, int warmup, int
   const int64_t skipped_before = amp_mode ? amp::skipped_steps(*optimizer) : native.skipped;
   at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
   start.record();
-  for (int i = 0; i < timed; ++i) step(warmup + i);
+  int64_t syncs = 0;
+  {
+    SyncCounter counter;
+    for (int i = 0; i < timed; ++i) step(warmup + i);
+    syncs = counter.count();
+  }
   stop.record();
   stop.synchronize();
   Result result;
   result.ms = start.elapsed_time(stop) / timed;
   result.peak_gib = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak / double(1 << 30);
-  result.syncs_per_step = mode == Mode::kNative ? 1.0
-                          : amp_mode            ? double(amp::host_syncs() - syncs_before) / timed
-                                                : 0.0;
+  result.syncs_per_step = double(syncs) / timed;
+  if (amp_mode) result.amp_reads_per_step = double(amp::host_syncs() - syncs_before) / timed;
   result.skipped = (amp_mode ? amp::skipped_steps(*optimizer) : native.skipped) - skipped_before;
   result.final_loss = last_loss.item<double>();
   return result;
@@ -280,27 +321,47 @@ double linear_step_ms(int64_t rows, int64_t in, int64_t out, bool fp8) {
   });
 }
 
-void fp8_gemm_table() {
+struct GemmShape {
+  const char* name;
+  int64_t in, out;
+};
+
+// One row per shape at 8192 tokens: the bare float8 GEMM's throughput, and a
+// Linear layer's training step at O5 and O5+fp8.
+void fp8_gemm_rows(const char* title, const std::vector<GemmShape>& shapes) {
   if (at::cuda::getCurrentDeviceProperties()->major * 10 + at::cuda::getCurrentDeviceProperties()->minor < 89) {
     std::printf("\nfloat8 GEMMs: this GPU has no float8 kernel (compute capability 8.9+)\n");
     return;
   }
   const double ceiling = scaled_mm_tflops(8192, 8192, 8192);
-  std::printf("\nfloat8 GEMMs at the transformer's shapes (8192 tokens); float8 ceiling (8192^3 _scaled_mm) "
-              "%.0f TFLOP/s\n| GEMM | in x out | bare float8 TFLOP/s | of the ceiling | layer step O5 ms | "
-              "O5+fp8 ms | speedup |\n|---|---|---:|---:|---:|---:|---:|\n", ceiling);
-  struct Shape {
-    const char* name;
-    int64_t in, out;
-  };
-  for (const Shape& g : {Shape{"attention qkv", 768, 2304}, Shape{"attention out", 768, 768},
-                         Shape{"MLP up", 768, 3072}, Shape{"MLP down", 3072, 768}, Shape{"output layer", 768, 50304}}) {
+  std::printf("\n%s (8192 tokens); float8 ceiling (8192^3 _scaled_mm) %.0f TFLOP/s\n| GEMM | in x out | "
+              "bare float8 TFLOP/s | of the ceiling | layer step O5 ms | O5+fp8 ms | speedup |\n"
+              "|---|---|---:|---:|---:|---:|---:|\n", title, ceiling);
+  for (const GemmShape& g : shapes) {
     const double tflops = scaled_mm_tflops(8192, g.in, g.out);
     const double o5 = linear_step_ms(8192, g.in, g.out, false), fp8 = linear_step_ms(8192, g.in, g.out, true);
     std::printf("| %s | %lld x %lld | %.0f | %.0f%% | %.3f | %.3f | %.2f |\n", g.name, static_cast<long long>(g.in),
                 static_cast<long long>(g.out), tflops, 100 * tflops / ceiling, o5, fp8, o5 / fp8);
     std::fflush(stdout);
   }
+}
+
+void fp8_gemm_table() {
+  fp8_gemm_rows("float8 GEMMs at the transformer's shapes",
+                {{"attention qkv", 768, 2304}, {"attention out", 768, 768}, {"MLP up", 768, 3072},
+                 {"MLP down", 3072, 768}, {"output layer", 768, 50304}});
+}
+
+// Where float8 starts to pay: Linear layers from GPT-2-small's MLP to a
+// 70B-class model's (Transformer Engine's quickstart layer is 4096 x 16384;
+// torchao's sweep finds float8 0.80x bf16 at 1024 x 2048 and 1.39x at
+// 4096 x 16384). tools/bench/gpu_peer.py times torchao's float8 at the same
+// shapes.
+void fp8_sweep_table() {
+  fp8_gemm_rows("float8 per Linear, sweep",
+                {{"GPT-2 MLP up", 768, 3072}, {"1024 x 4096", 1024, 4096}, {"2048 x 8192", 2048, 8192},
+                 {"TE layer MLP up", 4096, 16384}, {"TE layer MLP down", 16384, 4096},
+                 {"70B-class MLP up", 8192, 28672}});
 }
 
 double bf16_matmul_tflops() {
@@ -322,7 +383,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int warmup = argc > 1 ? std::stoi(argv[1]) : 10, timed = argc > 2 ? std::stoi(argv[2]) : 50;
-  const std::string models = argc > 3 ? argv[3] : "resnet,gpt";
+  const std::string models = argc > 3 ? argv[3] : "resnet,gpt,sweep";
   at::globalContext().setBenchmarkCuDNN(true);
 
   examples::TransformerConfig gpt{50304, 1024, 768, 12, 12};
@@ -358,8 +419,8 @@ int main(int argc, char** argv) {
     for (at::ScalarType low : {at::kHalf, at::kBFloat16}) {
       std::printf("\n%s, low precision %s\n", w.name.c_str(), c10::toString(low));
       std::printf("| mode | step ms | speedup vs FP32 | ratio to native | peak GiB | peak / FP32 | host syncs/step "
-                  "| skipped | final loss |%s\n", w.flops_per_step ? " MFU |" : "");
-      std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
+                  "| amp's host reads/step | skipped | final loss |%s\n", w.flops_per_step ? " MFU |" : "");
+      std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", w.flops_per_step ? "---:|" : "");
       std::map<Mode, Result> r;
       for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO2Recompute,
                         Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8, Mode::kO1Own, Mode::kO2Own}) {
@@ -369,9 +430,11 @@ int main(int argc, char** argv) {
         r[mode] = measure(w, mode, low, warmup, timed);
       }
       for (const auto& [mode, res] : r) {
-        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f | %.2f | %lld | %.3f |", name(mode), res.ms,
+        char reads[32] = "-";
+        if (res.amp_reads_per_step >= 0) std::snprintf(reads, sizeof reads, "%.2f", res.amp_reads_per_step);
+        std::printf("| %s | %.1f | %.2f | %.3f | %.2f | %.2f | %.2f | %s | %lld | %.3f |", name(mode), res.ms,
                     r[Mode::kFp32].ms / res.ms, res.ms / r[Mode::kNative].ms, res.peak_gib,
-                    res.peak_gib / r[Mode::kFp32].peak_gib, res.syncs_per_step,
+                    res.peak_gib / r[Mode::kFp32].peak_gib, res.syncs_per_step, reads,
                     static_cast<long long>(res.skipped), res.final_loss);
         if (w.flops_per_step) std::printf(" %.1f%% |", 100 * w.flops_per_step / (res.ms / 1e3) / 1e12 / ceiling);
         std::printf("\n");
@@ -380,5 +443,6 @@ int main(int argc, char** argv) {
     }
   }
   if (models.find("gpt") != std::string::npos) fp8_gemm_table();
+  if (models.find("sweep") != std::string::npos) fp8_sweep_table();
   return 0;
 }
