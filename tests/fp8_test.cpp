@@ -124,6 +124,55 @@ TEST(Fp8ScalerTest, CurrentScalingScalesEachCallByItsOwnAmax) {
   }
 }
 
+// The fused CUDA kernels (fp8_quantize.cu) against the ATen path they
+// replace, side by side: every output, the amax history and the scale bit
+// for bit over iterations, for both recipes, both formats, float32,
+// bfloat16 and float16 inputs, zeros, a saturating outlier, and an inf
+// (the inverse scale NaN on both).
+TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  const auto cuda = torch::TensorOptions(torch::kCUDA);
+  for (auto recipe_kind : {Fp8Scaling::Recipe::kDelayed, Fp8Scaling::Recipe::kCurrent}) {
+    for (at::ScalarType format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        Fp8Scaling recipe;
+        recipe.recipe = recipe_kind;
+        recipe.amax_history_len = 4;
+        detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
+        const std::string what = std::string(recipe_kind == Fp8Scaling::Recipe::kDelayed ? "delayed " : "current ") +
+                                 c10::toString(format) + " from " + c10::toString(dtype);
+        torch::manual_seed(0);
+        for (int iteration = 0; iteration < 5; ++iteration) {
+          std::vector<at::Tensor> inputs = {torch::randn({1000, 48}, cuda) * (iteration + 1),
+                                            torch::randn({37}, cuda) * 1e-3};
+          if (iteration == 2) inputs.push_back(torch::zeros({64}, cuda));
+          if (iteration == 3) inputs.back()[5] = 3e4;  // saturates e4m3 at the delayed scale
+          for (const at::Tensor& input : inputs) {
+            const at::Tensor x = input.to(dtype);
+            const auto [x8, inverse] = fused.quantize(x, /*tally=*/false);
+            const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
+            EXPECT_TRUE(BitEqual(x8, r8)) << what << ", iteration " << iteration;
+            EXPECT_TRUE(BitEqual(inverse, r_inverse)) << what << ", iteration " << iteration;
+          }
+          fused.update();
+          reference.update();
+          EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what << ", iteration " << iteration;
+          EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ", iteration " << iteration;
+        }
+        at::Tensor bad = torch::randn({256}, cuda).to(dtype);
+        bad[7] = std::numeric_limits<float>::infinity();
+        const auto [b8, b_inverse] = fused.quantize(bad, false);
+        const auto [r8, r_inverse] = reference.quantize_reference(bad, false);
+        EXPECT_TRUE(std::isnan(b_inverse.item<float>()) && std::isnan(r_inverse.item<float>())) << what;
+        EXPECT_TRUE(BitEqual(b8, r8)) << what << ": the finite values and the saturated inf";
+        fused.update();
+        reference.update();
+        EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ": an inf stays out";
+      }
+    }
+  }
+}
+
 // ---- One linear layer against float64 ---------------------------------------
 
 // `t` rounded as the GEMM sees it: scaled, saturated, in `format`, unscaled.

@@ -1,5 +1,7 @@
 #include "fp8/fp8_scaler.h"
 
+#include "fp8/fp8_quantize.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -59,9 +61,24 @@ at::Tensor Fp8Scaler::fresh_scale(const at::Tensor& amax) const {
   return amax.reciprocal().mul_(scale_factor());
 }
 
+std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool tally) {
+#ifdef AMP_WITH_FP8_KERNELS
+  // Two kernels where this path takes a dozen launches (the tally's counts
+  // stay with ATen's).
+  if (!(tallying_ && tally) && fused_fp8_quantize_applies(x)) {
+    place(x);
+    dirty_ = true;
+    const bool delayed = recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed;
+    return fused_fp8_quantize(x, {scale_, updated_, current_, delayed, scale_factor(),
+                                  smallest_usable_amax(scale_factor()), fp8_max_, format_});
+  }
+#endif
+  return quantize_reference(x, tally);
+}
+
 // Each call is a handful of launches on a GPU, where a small layer's step is
 // the host's work: the scale's arithmetic is kept to the fewest ATen calls.
-std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool tally) {
+std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize_reference(const at::Tensor& x, bool tally) {
   place(x);
   dirty_ = true;
   // max |x| in float32, one reduction (NaN where x holds one, inf for an inf).

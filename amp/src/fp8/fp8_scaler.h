@@ -38,7 +38,11 @@ class Fp8Scaler {
   // saturation would hide; its amax stays out of the history. No host sync.
   // `tally`: false for a recomputed block's rerun, which quantizes again
   // what its forward already counted.
+  // On CUDA (where the build has the kernels) two fused kernels do it
+  // (fp8_quantize.h); quantize_reference() is the same in ATen ops, every
+  // device, and the reference those kernels are tested against.
   std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, bool tally = true);
+  std::pair<at::Tensor, at::Tensor> quantize_reference(const at::Tensor& x, bool tally = true);
 
   // Once an iteration, if quantize() ran since the last update: the tally
   // completes, and with delayed scaling the next scale comes from the
