@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -115,6 +116,7 @@ bool fused_fp8_quantize_applies(const at::Tensor& x) {
 
 std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const Fp8QuantizeState& state) {
   TORCH_INTERNAL_ASSERT(fused_fp8_quantize_applies(x), "amp: the fused float8 quantization got an unfit tensor");
+  const c10::cuda::CUDAGuard device(x.device());  // the stream and the properties are x's device's
   const auto floats = x.options().dtype(at::kFloat);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(state.format));
   // [0]: the inverse scale; [1]: the amax's bits.
