@@ -70,6 +70,11 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 say() { echo "$*" | tee -a "$out/summary.md"; }
+# failed NAME WHY: a stage's failure, with the end of the log.
+failed() {
+  say "gpu_run: $1 FAILED ($2); the end of its log:"
+  tail -n 25 "$out/log.txt" | sed 's/^/    /' | tee -a "$out/summary.md"
+}
 # run_stage NAME LIMIT_S CMD...: runs CMD under a time limit, output to log.txt.
 run_stage() {
   local name=$1 limit=$2 start=$SECONDS rc
@@ -82,8 +87,7 @@ run_stage() {
   else
     local why="exit $rc"
     ((rc == 124)) && why="stopped at its ${limit} s limit"
-    say "gpu_run: $name FAILED ($why, $((SECONDS - start)) s); the end of its log:"
-    tail -n 25 "$out/log.txt" | sed 's/^/    /' | tee -a "$out/summary.md"
+    failed "$name" "$why, $((SECONDS - start)) s"
   fi
   return $rc
 }
@@ -251,8 +255,7 @@ if wants peer; then
   if ((rc == 0)); then
     say "gpu_run: Python peers ok ($((SECONDS - start)) s): peer.md$(has_gpu || echo ' (smoke run on the CPU)')"
   else
-    say "gpu_run: Python peers FAILED (exit $rc, $((SECONDS - start)) s); the end of its log:"
-    tail -n 25 "$out/log.txt" | sed 's/^/    /' | tee -a "$out/summary.md"
+    failed "Python peers" "exit $rc, $((SECONDS - start)) s"
   fi
   if grep -q "torchao is not installed" "$out/peer.md"; then
     say "gpu_run: Python peers FAILED: torchao was not found (tools/fetch_gpu_deps.sh fetches its wheel)"

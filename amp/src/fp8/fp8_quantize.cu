@@ -47,7 +47,7 @@ __device__ float lerp(float self, float end, float weight) {
 }
 
 struct Scaling {
-  const unsigned int* amax_bits;
+  unsigned int* amax_bits;  // the amax kernel's result
   const float* delayed_scale;
   const float* updated;
   float* current;
@@ -84,25 +84,25 @@ __global__ void scale_cast_kernel(const T* __restrict__ x, int64_t n, Scaling s,
 }
 
 template <typename T, typename F8>
-void launch(const at::Tensor& x, const Scaling& scaling, unsigned int* amax_bits, at::Tensor& out) {
+void launch(const at::Tensor& x, const Scaling& scaling, at::Tensor& out) {
   const int64_t n = x.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(sms) * 8));
   const T* in = reinterpret_cast<const T*>(x.const_data_ptr());
-  C10_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
-  amax_kernel<T><<<blocks, kThreads, 0, stream>>>(in, n, amax_bits);
+  C10_CUDA_CHECK(cudaMemsetAsync(scaling.amax_bits, 0, sizeof(unsigned int), stream));
+  amax_kernel<T><<<blocks, kThreads, 0, stream>>>(in, n, scaling.amax_bits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   scale_cast_kernel<T, F8><<<blocks, kThreads, 0, stream>>>(in, n, scaling, reinterpret_cast<F8*>(out.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
-void launch_format(const at::Tensor& x, const Scaling& scaling, unsigned int* amax_bits, at::Tensor& out) {
+void launch_format(const at::Tensor& x, const Scaling& scaling, at::Tensor& out) {
   if (out.scalar_type() == at::kFloat8_e4m3fn) {
-    launch<T, c10::Float8_e4m3fn>(x, scaling, amax_bits, out);
+    launch<T, c10::Float8_e4m3fn>(x, scaling, out);
   } else {
-    launch<T, c10::Float8_e5m2>(x, scaling, amax_bits, out);
+    launch<T, c10::Float8_e5m2>(x, scaling, out);
   }
 }
 
@@ -121,7 +121,7 @@ std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const 
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(state.format));
   // [0]: the inverse scale; [1]: the amax's bits.
   at::Tensor scratch = at::empty({2}, floats);
-  Scaling scaling{reinterpret_cast<const unsigned int*>(scratch.data_ptr<float>() + 1),
+  Scaling scaling{reinterpret_cast<unsigned int*>(scratch.data_ptr<float>() + 1),
                   state.scale.data_ptr<float>(),
                   state.updated.data_ptr<float>(),
                   state.delayed ? state.current.data_ptr<float>() : nullptr,
@@ -130,16 +130,15 @@ std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const 
                   state.smallest_amax,
                   static_cast<float>(state.fp8_max),
                   state.delayed};
-  unsigned int* amax_bits = reinterpret_cast<unsigned int*>(scratch.data_ptr<float>() + 1);
   switch (x.scalar_type()) {
     case at::kFloat:
-      launch_format<float>(x, scaling, amax_bits, out);
+      launch_format<float>(x, scaling, out);
       break;
     case at::kBFloat16:
-      launch_format<c10::BFloat16>(x, scaling, amax_bits, out);
+      launch_format<c10::BFloat16>(x, scaling, out);
       break;
     default:
-      launch_format<c10::Half>(x, scaling, amax_bits, out);
+      launch_format<c10::Half>(x, scaling, out);
       break;
   }
   return {out, scratch.narrow(0, 0, 1).reshape({})};

@@ -32,8 +32,6 @@ class HeldGradients {
   // Gives each held gradient back to its parameter (replacing what it has);
   // the hold is empty then.
   void give_back() noexcept;
-  bool empty() const { return held_.empty(); }
-  size_t size() const { return held_.size(); }
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient)
