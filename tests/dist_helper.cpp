@@ -16,6 +16,7 @@
 //     device=cpu|cuda         where the model and the batches live (cpu)
 //     shard=0|1               data_parallel.shard (0)
 //     shard_gradients=0|1     data_parallel.shard_gradients (1)
+//     shard_weights=0|1       data_parallel.shard_weights (ZeRO-3; with shard=1) (0)
 //     clip=X                  amp::clip_grad_norm(optimizer, X) before each step (0: none)
 //     checkpoint=PATH save_after=K
 //                             amp::save_checkpoint after step K
@@ -50,6 +51,8 @@
 //                             of the forward, or after the layers (none)
 //     state8=0|1              1: optimizer_state_dtype uint8 (8-bit state) (0)
 //     hidden=N                the hidden layer's width (16)
+//     evaluate=0|1            1: after each step every rank runs a forward
+//                             under no_grad, whose output joins the trace (0)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -126,10 +129,11 @@ int main(int argc, char** argv) {
                                            {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
                                            {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
                                            {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
-                                           {"shard_gradients", "1"}, {"recompute", "0"},
+                                           {"shard_gradients", "1"}, {"shard_weights", "0"}, {"recompute", "0"},
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
                                            {"lone", "1"}, {"group_timeout_ms", "1800000"},
-                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"}};
+                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"},
+                                           {"evaluate", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -178,6 +182,7 @@ int main(int argc, char** argv) {
     options.data_parallel.bucket_bytes = std::stoll(flags["bucket_bytes"]);
     options.data_parallel.shard = flags["shard"] == "1";
     options.data_parallel.shard_gradients = flags["shard_gradients"] == "1";
+    options.data_parallel.shard_weights = flags["shard_weights"] == "1";
     options.data_parallel.gather_timeout = std::chrono::milliseconds(std::stoll(flags["gather_timeout_ms"]));
   } else if (reduce != "none") {
     options.reduce_overflow = amp::overflow_all_reduce(group);
@@ -227,6 +232,10 @@ int main(int argc, char** argv) {
     if (clip > 0) amp::clip_grad_norm(*optimizer, clip);
     optimizer->step();
     trace.push_back(shard ? masters_of(model, scratch, *group) : flat_params(*model));
+    if (flags["evaluate"] == "1") {
+      torch::NoGradGuard no_grad;
+      trace.push_back(forward(torch::ones({4, 6}).to(device)).to(at::kFloat).cpu().flatten());
+    }
     if (step == save_after && flags["resume"] != "1") amp::save_checkpoint(checkpoint, {model}, {optimizer});
   }
   const std::string alone = flags["alone_forward"];

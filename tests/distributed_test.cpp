@@ -438,6 +438,46 @@ TEST_F(RanksAsProcesses, ShardedCheckpointResumesAtAnyWorldSize) {
   std::remove(file.c_str());
 }
 
+// ZeRO-3 (data_parallel.shard_weights): each rank keeps only its pieces of
+// the weights and gathers them op by op - recomputed blocks free theirs when
+// their forward ends and gather them again for the rerun in backward. The
+// gathered values are the pieces', so every step's float32 masters equal
+// ZeRO-2's bit for bit: O2, O5 and O6, with and without recomputation, with
+// accumulation, uneven shards at world size 3, and an evaluation on every
+// rank after each step (its outputs join the trace).
+TEST_F(RanksAsProcesses, ShardedWeightsTrainBitForBitAsShardedMasters) {
+  const std::vector<std::pair<int, std::string>> runs = {
+      {2, "level=O5 optimizer=adam recompute=1"},
+      {2, "level=O5 optimizer=adam recompute=0 evaluate=1"},
+      {2, "level=O2 optimizer=sgd recompute=1 micro_batches=2 evaluate=1"},
+      {2, "level=O6 optimizer=fused_adamw recompute=1"},
+      {3, "level=O2 optimizer=fused_adamw recompute=1 bucket_bytes=1 positions=first"},
+  };
+  for (const auto& [world, args] : runs) {
+    SCOPED_TRACE(args);
+    const auto zero3 = run_ranks(world, args + " shard=1 shard_weights=1");
+    expect_same_bits(zero3, run_ranks(world, args + " shard=1"), "shard_weights vs shard");
+    for (int r = 1; r < world; ++r) expect_same_bits({zero3[r]}, {zero3[0]}, "rank " + std::to_string(r));
+  }
+}
+
+// A ZeRO-3 run saves after step 1 (whole weights and state, as one process
+// writes them); resumed at world sizes 3 and 1, sharded or not, it trains
+// on as an unsharded run resumed from the same file, bit for bit.
+TEST_F(RanksAsProcesses, ShardedWeightsCheckpointResumesAtAnyWorldSize) {
+  const std::string file = ::testing::TempDir() + "amp_zero3_" + std::to_string(::getpid()) + ".pt";
+  const std::string saving = "optimizer=adam recompute=1 checkpoint=" + file + " save_after=1";
+  const auto uninterrupted = run_ranks(2, saving + " shard=1 shard_weights=1");
+  const std::string resume = saving + " resume=1";
+  expect_same_bits(run_ranks(3, resume + " shard=1 shard_weights=1"), run_ranks(3, resume), "world size 3");
+  expect_same_bits(run_ranks(1, resume + " shard=1 shard_weights=1"), run_ranks(1, resume + " reduce=none"),
+                   "world size 1");
+  auto tail = uninterrupted;
+  tail[0].steps.erase(tail[0].steps.begin(), tail[0].steps.begin() + 2);
+  expect_same_bits(run_ranks(2, resume + " shard=1 shard_weights=1"), tail, "world size 2");
+  std::remove(file.c_str());
+}
+
 // What rank 0's forward alone came to (dist_helper's alone_forward), read
 // and removed: run_ranks names rank 0's output after its run counter.
 std::string read_alone_outcome() {
@@ -478,6 +518,19 @@ TEST_F(RanksAsProcesses, ShardedForwardOnOneRankWorksOrFailsFast) {
       }
     }
   }
+}
+
+// With shard_weights every forward gathers, amp's fused optimizers
+// included: a forward on rank 0 alone stops within gather_timeout with the
+// error that says so, having started nothing.
+TEST_F(RanksAsProcesses, ShardedWeightsForwardOnOneRankFailsFast) {
+  run_ranks(2, "level=O5 optimizer=fused_adamw shard=1 shard_weights=1 alone_forward=1 gather_timeout_ms=1500");
+  const std::string found = read_alone_outcome();
+  SCOPED_TRACE(found);
+  ASSERT_EQ(found.rfind("error ", 0), 0u);
+  EXPECT_LT(std::stod(found.substr(6)), 2.5) << "fails within seconds, before the others come";
+  EXPECT_THAT(found, ::testing::HasSubstr("every forward runs for the weights it reads"));
+  EXPECT_THAT(found, ::testing::HasSubstr("Nothing was started"));
 }
 
 // The program's own pattern, `if (rank == 0) evaluate(model); barrier();`,
@@ -945,6 +998,140 @@ TEST_F(AmpTest, ShardedRefusesABackwardOutsideTheGuard) {
   const auto loss = model->forward(torch::randn({4, 8})).sum();
   EXPECT_THAT([&] { amp::scale_loss scaled(loss, optimizer); },
               ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("backward ran outside amp::scale_loss")));
+}
+
+// ---- ZeRO-3 (shard_weights) in one process ----------------------------------
+
+// Six Linear(8, 8) layers, each its own recomputed block, then a head read
+// outside blocks, over a world of one whose all-gathers land 30 ms late;
+// 1-byte buckets: an all-gather per parameter, in forward order.
+struct Zero3Run {
+  torch::nn::Sequential model;
+  std::shared_ptr<torch::optim::Adam> optimizer;
+  c10::intrusive_ptr<WorldOfOneWithLateGathers> group = c10::make_intrusive<WorldOfOneWithLateGathers>();
+  Handle handle;
+  // Per block run, in order (forwards, then backward's reruns): which
+  // layers held their weight's and bias's bytes after the block's op, and
+  // the all-gathers started by then.
+  struct Seen {
+    size_t block;
+    std::vector<bool> whole;
+    int gathers;
+  };
+  std::vector<Seen> seen;
+
+  explicit Zero3Run(bool shard_weights) {
+    torch::manual_seed(0);
+    for (int i = 0; i < 7; ++i) model->push_back(torch::nn::Linear(8, 8));
+    optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
+    Options options = fake_data_parallel(O5, group);
+    options.data_parallel.shard = true;
+    options.data_parallel.shard_weights = shard_weights;
+    options.data_parallel.bucket_bytes = 1;
+    handle.initialize(model, *optimizer, options);
+  }
+  std::vector<bool> whole() const {
+    std::vector<bool> out;
+    for (const auto& layer : *model) {
+      const auto& linear = layer.get<torch::nn::LinearImpl>();
+      out.push_back(linear.weight.storage().nbytes() > 0 && linear.bias.storage().nbytes() > 0);
+    }
+    return out;
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (size_t k = 0; k < 6; ++k) {
+      h = amp::recompute(
+          [this, k, layer = model->ptr<torch::nn::LinearImpl>(k)](const at::Tensor& in) {
+            at::Tensor out = layer->forward(in);
+            seen.push_back({k, whole(), group->gathers.load()});
+            return out;
+          },
+          h);
+    }
+    return model->ptr<torch::nn::LinearImpl>(6)->forward(h);
+  }
+  at::Tensor step(const at::Tensor& x) {
+    optimizer->zero_grad();
+    const at::Tensor loss = forward(x).to(at::kFloat).pow(2).mean();
+    {
+      scale_loss scaled(loss, *optimizer);
+      scaled.backward();
+    }
+    optimizer->step();
+    return loss.detach();
+  }
+};
+
+std::vector<bool> only(std::initializer_list<size_t> layers) {
+  std::vector<bool> out(7, false);
+  for (size_t l : layers) out[l] = true;
+  return out;
+}
+
+TEST_F(AmpTest, ShardedWeightsAreWholeOnlyWhileTheirRunsNeedThem) {
+  Zero3Run run(/*shard_weights=*/true);
+  EXPECT_EQ(run.whole(), only({})) << "after initialize a rank holds its pieces alone";
+  const at::Tensor x = torch::randn({4, 8});
+  run.step(x);
+  ASSERT_EQ(run.seen.size(), 12u);
+  for (size_t k = 0; k < 6; ++k) {
+    // Forward: block k's layer alone; the next layer's two all-gathers travel
+    // (into buffers of their own) while it computes.
+    const Zero3Run::Seen& forward = run.seen[k];
+    EXPECT_EQ(forward.block, k);
+    EXPECT_EQ(forward.whole, only({k})) << "forward of block " << k;
+    EXPECT_EQ(forward.gathers, static_cast<int>(std::min<size_t>(14, 2 * k + 4))) << "forward of block " << k;
+    // Backward reruns the blocks last first: block k's layer and the head
+    // (read outside blocks: whole until the guard ends); the rerun started
+    // its gathers and the previous block's before it ran.
+    const Zero3Run::Seen& rerun = run.seen[11 - k];
+    EXPECT_EQ(rerun.block, k);
+    EXPECT_EQ(rerun.whole, only({k, 6})) << "rerun of block " << k;
+    EXPECT_EQ(rerun.gathers, static_cast<int>(14 + 2 * (6 - k) + (k > 0 ? 2 : 0))) << "rerun of block " << k;
+  }
+  EXPECT_EQ(run.group->gathers.load(), 26) << "each block's weights gathered once for forward, once for backward";
+  EXPECT_EQ(run.whole(), only({})) << "after the guard and the step";
+  EXPECT_EQ(training_bytes(*run.optimizer).weights, 0);
+
+  {  // An evaluation gathers every weight, which stays until training's first block
+    torch::NoGradGuard no_grad;
+    run.forward(x);
+  }
+  EXPECT_EQ(run.whole(), only({0, 1, 2, 3, 4, 5, 6}));
+  run.seen.clear();
+  run.step(x);
+  EXPECT_EQ(run.seen.front().whole, only({0}));
+  EXPECT_EQ(run.whole(), only({}));
+}
+
+TEST_F(AmpTest, ShardedWeightsTrainAsShardedMastersWithLateGathers) {
+  // Each op waits for its own late all-gather, never reading a prefetched
+  // one before it lands: the losses of three steps equal ZeRO-2's bit for bit.
+  std::vector<at::Tensor> losses;
+  const at::Tensor x = torch::randn({4, 8});
+  {
+    Zero3Run zero3(/*shard_weights=*/true);
+    for (int step = 0; step < 3; ++step) losses.push_back(zero3.step(x));
+  }
+  Zero3Run zero2(/*shard_weights=*/false);
+  for (int step = 0; step < 3; ++step) EXPECT_TRUE(BitEqual(zero2.step(x), losses[step])) << "step " << step;
+}
+
+TEST_F(AmpTest, ShardedWeightsOptionsAreChecked) {
+  torch::manual_seed(0);
+  TinyNet model;
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  Options without_shard = fake_data_parallel(O2);
+  without_shard.data_parallel.shard_weights = true;
+  EXPECT_THAT(initialize_refusal(model, sgd, without_shard), ::testing::HasSubstr("set shard = true too"));
+  const at::Tensor flat = torch::randn({20});
+  model->register_parameter("part", flat.narrow(0, 0, 10));  // a view of a flat buffer
+  torch::optim::SGD with_view(model->parameters(), 0.1);
+  Options zero3 = fake_sharded(O2);
+  zero3.data_parallel.shard_weights = true;
+  EXPECT_THAT(initialize_refusal(model, with_view, zero3), ::testing::HasSubstr("shares its storage"));
+  EXPECT_EQ(model->fc1->weight.scalar_type(), torch::kFloat);  // nothing changed
 }
 
 TEST_F(AmpTest, ShardedOptionsAreChecked) {

@@ -2,7 +2,8 @@
 // process group with the single-process loop as written - amp averages each
 // guard's gradients across the ranks while backward runs, and with `shard`
 // spreads O2/O5's float32 masters, the optimizer's state and the gradients
-// over the ranks (ZeRO-2). How it works, what each rank holds, and the
+// over the ranks (ZeRO-2), and with `shard_weights` the weights themselves
+// (ZeRO-3). How it works, what each rank holds, and the
 // rules of sharding: docs/guide.md, "Data-parallel training".
 //
 //   amp::Options options = amp::O2;
@@ -18,7 +19,9 @@
 // stochastic rounding); no optimizer; an optimizer other than SGD, Adam,
 // AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups
 // or optimizers; an optimizer that already holds state (load it after
-// initialize with amp::load_checkpoint). At a guard's opening (shard): a
+// initialize with amp::load_checkpoint). shard_weights without shard; with
+// a parameter that shares its storage with another tensor or does not
+// start it (it could not be freed alone). At a guard's opening (shard): a
 // model parameter with a gradient (a backward outside scale_loss). At the
 // guard's end: a parameter whose gradient was accumulated twice in one
 // guard (two backward passes through it; run them in separate guards, or
@@ -26,7 +29,8 @@
 // data-parallel guard inside a CUDA graph capture (scale_loss.h). At an op
 // of a forward (shard, after LibTorch's own step): the other ranks did not
 // come to the weights' all-gather within gather_timeout (or half the
-// group's own timeout, if shorter) - a forward on one rank alone. The ranks
+// group's own timeout, if shorter) - a forward on one rank alone (with
+// shard_weights every forward gathers). The ranks
 // meet through the group's store before the gather starts, so nothing was
 // started and the group goes on working; without a store amp can reach (a
 // ProcessGroupNCCL without `store` set) the gather stays started and the
@@ -64,6 +68,19 @@ struct DataParallel {
   // gradients over the ranks; O6: its bfloat16 weights' steps, state and
   // gradients (ZeRO stage 2; docs/guide.md, "Data-parallel training").
   bool shard = false;
+  // With shard: the weights themselves spread too (ZeRO stage 3). Each rank
+  // keeps only its pieces; a weight is all-gathered when an op first reads
+  // it and freed again when the run that read it ends - a block of
+  // amp::recompute (its forward, and again its rerun in backward, whose
+  // gathers start before it runs, the next block's behind it), or, read
+  // outside recomputed blocks, the scale_loss guard (the next forward's
+  // first op if that guard's backward retained its graph). Every forward,
+  // evaluation included, gathers: run it on every rank. Between uses a
+  // parameter holds no bytes, and an op amp does not intercept that reads
+  // one stops with ATen's error "data is not allocated" (read weights in
+  // forward; save and load with amp's checkpoints). docs/guide.md,
+  // "Data-parallel training".
+  bool shard_weights = false;
   // With shard, gradient accumulation (delay_unscale): true reduce-scatters
   // every micro-batch (ZeRO-2: no rank holds whole gradients); false keeps
   // each rank's whole float32 sum until the last micro-batch and reduces

@@ -47,7 +47,7 @@ void reset_peak_allocated(c10::Device device = c10::kCPU);
 // `weights`: the low-precision copies forward computes with where the
 // optimizer steps something else (O2/O5's beside their masters while a
 // forward or backward holds them - freed when the guard unscales, so 0
-// between iterations; the gathered weights under shard; 0 where it steps
+// between iterations; the gathered weights under shard - with shard_weights only those gathered now; 0 where it steps
 // them itself: O0, O1, O3, O6). `parameters` counts the elements of the whole parameters it trains,
 // for bytes per parameter. Errors: amp is not initialized; an optimizer not
 // passed to it.

@@ -53,11 +53,14 @@ class DataParallelParticipant::Part final : public GuardPart {
       }
     }
     sharded->clear_member_gradients();
+    if (!guard.graph_retained()) sharded->free_weights();  // shard_weights: the round's weights go
   }
 
-  void unwind(Guard&) noexcept override {
+  void unwind(Guard& guard) noexcept override {
     reduction_.reset();
-    if (owner_.sharded_ != nullptr) owner_.sharded_->clear_member_gradients();
+    if (owner_.sharded_ == nullptr) return;
+    owner_.sharded_->clear_member_gradients();
+    if (!guard.graph_retained()) owner_.sharded_->free_weights();
   }
 
  private:

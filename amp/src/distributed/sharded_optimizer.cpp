@@ -56,6 +56,24 @@ bool wait_at_most(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& 
   return true;
 }
 
+// shard_weights: a member's bytes go between uses; its TensorImpl, storage,
+// sizes and version counter stay (the module, the optimizer's maps and
+// autograd's saved tensors hold them), and an op amp does not see that
+// reads it meets ATen's "data is not allocated" error.
+void release_bytes(const at::Tensor& t) noexcept {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_bytes(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() != 0 || t.numel() == 0) return;
+  at::Tensor fresh = at::empty({static_cast<int64_t>(t.nbytes())}, t.options().dtype(at::kByte));
+  storage->set_data_ptr_noswap(std::move(fresh.storage().unsafeGetStorageImpl()->mutable_data_ptr()));
+  storage->set_nbytes(t.nbytes());
+}
+
 // The names of the state tensors an optimizer with `options` keeps.
 std::vector<const char*> state_names(const torch::optim::OptimizerOptions& options) {
   std::vector<const char*> names;
@@ -72,6 +90,7 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
       world_(config.group->getSize()), rounded_state_(dtypes.rounded_state),
       gather_timeout_(gather_wait(config.gather_timeout, config.group, &group_timeout_)),
       rendezvous_(config.group, config.store, name) {
+  stage3_ = config.shard_weights;
   for (const auto& group : optimizer.param_groups()) {
     group_members_.emplace_back();
     for (const at::Tensor& p : group.params()) {
@@ -120,6 +139,7 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
     for (size_t id : bucket.ids) gather_of_[id] = gathers_.size() - 1;
   }
   in_flight_.resize(gathers_.size());
+  residency_ = WeightResidency(gathers_.size());
   set_group_params(nullptr);
 }
 
@@ -159,6 +179,7 @@ void ShardedOptimizer::record_member(size_t m) {
 }
 
 void ShardedOptimizer::take_member_writes() {
+  if (stage3_) return;  // the members hold no values of their own: the pieces are the weights
   at::NoGradGuard no_grad;
   for (size_t m = 0; m < members_.size(); ++m) {
     at::Tensor member = members_[m];
@@ -222,18 +243,114 @@ void ShardedOptimizer::end_accumulation() noexcept {
 void ShardedOptimizer::gather_for(const at::Tensor& member) {
   auto it = index_.find(member.unsafeGetTensorImpl());
   if (it == index_.end() || gather_of_[it->second] == kNoPiece) return;
+  if (stage3_) {
+    gather_whole_for_op(gather_of_[it->second]);
+    return;
+  }
   gather_through(gather_of_[it->second] + 1, /*meet=*/true);
+}
+
+void ShardedOptimizer::end_evaluation_round() noexcept {
+  const bool training = at::GradMode::is_enabled() || residency_.rerunning();
+  if (round_open_ && round_without_grad_ && training) free_members();  // an evaluation's weights go first
+}
+
+void ShardedOptimizer::open_round() {
+  end_evaluation_round();
+  if (round_open_) return;
+  const bool training = at::GradMode::is_enabled() || residency_.rerunning();
+  TORCH_CHECK(!rendezvous_.available() || rendezvous_.meet(gather_timeout_),
+              lone_forward_error("Nothing was started: the process group goes on working, and the weights are "
+                                 "gathered at the next forward every rank runs."));
+  round_open_ = true;
+  round_without_grad_ = !training;
+}
+
+void ShardedOptimizer::gather_whole_for_op(size_t g) {
+  open_round();
+  if (residency_.whole(g)) {
+    residency_.read(g);
+    return;
+  }
+  AMP_TRACE_RANGE("amp::all-gather of the weights");
+  at::NoGradGuard no_grad;
+  if (!in_flight_[g].work) launch(g);
+  if (!residency_.rerunning()) {  // forward order: the next ops' weights travel while this one computes
+    for (size_t next = g + 1; next < std::min(gathers_.size(), g + 1 + kAhead); ++next) {
+      if (!residency_.whole(next) && !in_flight_[next].work) launch(next);
+    }
+  }
+  take(g);
+  residency_.take(g);
+}
+
+size_t ShardedOptimizer::begin_run(size_t rerun_of) {
+  if (!stage3_) return 0;
+  end_evaluation_round();
+  const size_t id = residency_.begin_run(rerun_of);
+  if (rerun_of == WeightResidency::kForward) return id;
+  try {
+    open_round();
+    at::NoGradGuard no_grad;
+    // The block's gathers, then the previous block's: backward reruns it next.
+    for (const size_t block : {id, id - 1}) {
+      for (size_t g : residency_.read_by(block)) {
+        if (!residency_.whole(g) && !in_flight_[g].work) launch(g);
+      }
+    }
+  } catch (...) {
+    end_run();
+    throw;
+  }
+  return id;
+}
+
+void ShardedOptimizer::end_run() noexcept {
+  if (!stage3_) return;
+  for (size_t g : residency_.end_run()) free_gather(g);
+}
+
+void ShardedOptimizer::free_gather(size_t g) noexcept {
+  for (size_t b : gathers_[g].buckets) {
+    for (size_t id : buckets_[b].ids) release_bytes(members_[id]);
+  }
+}
+
+void ShardedOptimizer::free_members() noexcept {
+  if (!stage3_) return;
+  for (size_t g = 0; g < gathers_.size(); ++g) {
+    if (in_flight_[g].work) {
+      try {
+        in_flight_[g].work->wait();  // its buffers go with it
+      } catch (const std::exception& e) {
+        log_error(std::string("a prefetched all-gather of the sharded weights failed: ") + e.what());
+      }
+      in_flight_[g] = InFlight();
+    }
+    free_gather(g);
+  }
+  residency_.end_round();
+  round_open_ = false;
 }
 
 std::string ShardedOptimizer::lone_forward_error(const char* outcome) const {
   std::ostringstream why;
   why << "amp: rank " << rank_ << " waited " << gather_timeout_.count() << " ms for the other ranks at the "
-      << "all-gather of the sharded weights (Options::data_parallel.shard), which runs at the first op of the "
-      << "forward after a step of LibTorch's own optimizer. Every rank must run that forward: a forward on one "
-      << "rank alone (evaluation or sampling on rank 0) waits for ranks that never come. Run it on every rank, "
-      << "or step with amp::optim::FusedAdam, FusedAdamW or FusedSGD, which gather at the end of their step so "
-      << "that no forward needs a collective. " << outcome << " The wait is data_parallel.gather_timeout ("
-      << "raise it if ranks legitimately reach the forward further apart)";
+      << "all-gather of the sharded weights ";
+  if (stage3_) {
+    why << "(Options::data_parallel.shard_weights), which every forward runs for the weights it reads. Every rank "
+        << "must run every forward: a forward on one rank alone (evaluation or sampling on rank 0) waits for ranks "
+        << "that never come. Run it on every rank, or set shard_weights = false (amp's fused optimizers then leave "
+        << "the weights gathered after their step). ";
+  } else {
+    why << "(Options::data_parallel.shard), which runs at the first op of the forward after a step of LibTorch's "
+        << "own optimizer. Every rank must run that forward: a forward on one rank alone (evaluation or sampling "
+        << "on rank 0) waits for ranks that never come. Run it on every rank, or step with "
+        << "amp::optim::FusedAdam, FusedAdamW or FusedSGD, which gather at the end of their step so that no "
+        << "forward needs a collective. ";
+  }
+  why << outcome << " The wait is data_parallel.gather_timeout (raise it if ranks legitimately reach the forward "
+      << "further apart)";
   if (group_timeout_.count() > 0) {
     why << ", at most half the process group's own timeout of " << group_timeout_.count() << " ms";
   }
@@ -242,7 +359,7 @@ std::string ShardedOptimizer::lone_forward_error(const char* outcome) const {
 }
 
 void ShardedOptimizer::gather_through(size_t count, bool meet) {
-  if (!stale_ || taken_ >= count) return;
+  if (stage3_ || !stale_ || taken_ >= count) return;  // ZeRO-3 gathers op by op (gather_whole_for_op)
   AMP_TRACE_RANGE("amp::all-gather of the weights");
   if (launched_ == 0 && taken_ == 0) {
     TORCH_CHECK(!meet || !rendezvous_.available() || rendezvous_.meet(gather_timeout_),
@@ -294,6 +411,11 @@ void ShardedOptimizer::take(size_t g) {
                                           "next op over the weights waits for it again."));
   }
   const Gather& gather = gathers_[g];
+  if (stage3_) {
+    for (size_t b : gather.buckets) {
+      for (size_t id : buckets_[b].ids) allocate_bytes(members_[id]);
+    }
+  }
   const at::Tensor parts = flight.whole.view({world_, gather.bytes});
   std::vector<at::Tensor> dst, src;
   for (size_t i = 0; i < gather.buckets.size(); ++i) {
@@ -465,6 +587,7 @@ bool ShardedOptimizer::optimizer_alive() const {
 }
 
 void ShardedOptimizer::restore() {
+  free_members();  // shard_weights: gathers in flight end first
   // A program may destroy its optimizer before amp ends: then only the
   // model gets its float32 weights back. Every rank takes the same path.
   at::Tensor alive = at::full({1}, optimizer_alive() ? 1.0f : 0.0f,
@@ -542,6 +665,30 @@ void ShardedMasters::sync_for(const at::Tensor& t) {
 
 void ShardedMasters::gather_after_step(const torch::optim::Optimizer& optimizer) {
   if (ShardedOptimizer* s = of(optimizer)) s->gather(/*after_step=*/true);
+}
+
+size_t ShardedMasters::begin_block(size_t rerun_of) {
+  size_t id = 0;
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    try {
+      id = optimizers_[i]->begin_run(rerun_of);
+    } catch (...) {
+      while (i-- > 0) optimizers_[i]->end_run();
+      throw;
+    }
+  }
+  weights_freed();  // a forward's begin ends an evaluation's round
+  return id;
+}
+
+void ShardedMasters::end_block() noexcept {
+  for (auto& s : optimizers_) s->end_run();
+  weights_freed();
+}
+
+void ShardedMasters::free_weights() noexcept {
+  for (auto& s : optimizers_) s->free_members();
+  weights_freed();
 }
 
 void ShardedMasters::check_no_member_gradients() const {

@@ -41,12 +41,22 @@
 // back (torch::load, an edit) is taken into the pieces before a gather
 // starts.
 //
+// With shard_weights (ZeRO-3) the members hold bytes only while a run reads
+// them (weight_residency.h): the first intercepted op over a member gathers
+// its gather's buckets into freshly allocated members and starts the next
+// kAhead in forward order; a recomputed block's rerun starts the gathers its
+// forward read, and the previous block's, before it runs. Nothing is
+// gathered after a step: every forward gathers from the pieces. The ranks
+// meet before a round's first gather (the first after everything was
+// freed), as above.
+//
 // Every function here that communicates is a collective: every rank calls
 // it, in the same order.
 #pragma once
 
 #include "distributed/gather_rendezvous.h"
 #include "distributed/gradient_reducer.h"
+#include "distributed/weight_residency.h"
 #include "model/model_weights.h"
 
 #include <torch/optim/optimizer.h>
@@ -91,8 +101,9 @@ class ShardedOptimizer {
   void record_members();
   // The optimizer may have stepped the pieces (a guard over it ended).
   void mark_stale() { stale_ = true; }
-  // Some member awaits its bucket's gather.
-  bool stale() const { return stale_; }
+  // Some member awaits its bucket's gather (shard_weights: some member is freed).
+  bool stale() const { return stage3_ ? !residency_.all_whole() : stale_; }
+  bool shards_weights() const { return stage3_; }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
   // shard_gradients=false, a delay_unscale guard is ending: the members'
@@ -113,6 +124,14 @@ class ShardedOptimizer {
   // Gathers `member`'s bucket and those before it in forward order, and
   // starts the next kAhead (collective). Nothing for a tensor it does not own.
   void gather_for(const at::Tensor& member);
+  // shard_weights: a recomputed block's run begins (its forward, or with
+  // `rerun_of` its rerun, whose gathers start now; collective) and ends
+  // (the members it gathered are freed).
+  size_t begin_run(size_t rerun_of);
+  void end_run() noexcept;
+  // shard_weights: every member freed, gathers in flight awaited (the round
+  // ends: after a guard, before deinitialize).
+  void free_members() noexcept;
   // A member was set to `fp32` (torch::load, a checkpoint): its piece takes the values.
   void take_values(const at::Tensor& member, const at::Tensor& fp32);
   // Every member's float32 master (or piece values), whole (collective).
@@ -151,6 +170,14 @@ class ShardedOptimizer {
   std::string lone_forward_error(const char* outcome) const;
   void launch(size_t gather);
   void take(size_t gather);
+  // shard_weights: gather `g` whole for an op (collective), starting the
+  // next kAhead in forward order outside a rerun.
+  void gather_whole_for_op(size_t g);
+  // shard_weights: the ranks meet before a round's first gather; a round
+  // an evaluation (no grad) opened ends at the first op with gradients on.
+  void open_round();
+  void end_evaluation_round() noexcept;
+  void free_gather(size_t g) noexcept;
 
   // Gathers started ahead of the one an op waits for: with it, their wholes
   // are the gather's extra memory.
@@ -189,6 +216,9 @@ class ShardedOptimizer {
   std::vector<const void*> storages_;
   bool stale_ = false;
   bool warned_ = false;
+  bool stage3_ = false;                // DataParallel::shard_weights
+  WeightResidency residency_;
+  bool round_open_ = false, round_without_grad_ = false;
 };
 
 // Every optimizer's sharding, as ModelWeights sees it.
@@ -209,6 +239,11 @@ class ShardedMasters final : public ShardedWeights {
   // now, on every rank, so the next forward needs no collective.
   void gather_after_step(const torch::optim::Optimizer& optimizer);
   void check_no_member_gradients() const override;
+  size_t begin_block(size_t rerun_of) override;
+  void end_block() noexcept override;
+  // shard_weights: after a guard (its backward did not retain the graph):
+  // every weight freed.
+  void free_weights() noexcept;
   bool take_values(const at::Tensor& member, const at::Tensor& fp32) override;
   // Drops gradients backward left on members (losses through another
   // optimizer's parameters: scratch scaled by that loss).

@@ -156,6 +156,14 @@ void ModelWeights::enter_forward() {
   enter_compute(std::vector<bool>(resting_.size(), true));
 }
 
+size_t ModelWeights::begin_block(size_t rerun_of) {
+  return mode_ == Mode::kConverted && sharded_ != nullptr ? sharded_->begin_block(rerun_of) : 0;
+}
+
+void ModelWeights::end_block() noexcept {
+  if (mode_ == Mode::kConverted && sharded_ != nullptr) sharded_->end_block();
+}
+
 void ModelWeights::prepare_backward() {
   if (mode_ == Mode::kConverted && sharded_ != nullptr) {
     sharded_->check_no_member_gradients();
@@ -210,7 +218,7 @@ void ModelWeights::check_converted() {
     }
     e.storage = e.tensor.storage().unsafeGetStorageImpl();
   }
-  pending_.store(false);
+  pending_.store(sharded_ != nullptr && sharded_->stale());  // weights freed between uses (ZeRO-3) stay pending
 }
 
 const ModelWeights::Entry* ModelWeights::find(const c10::TensorImpl* t) const {

@@ -92,9 +92,29 @@ class ShardedWeights {
   virtual void sync_for(const at::Tensor& t) = 0;
   // Errors: a weight carries a gradient (a backward outside scale_loss).
   virtual void check_no_member_gradients() const = 0;
+  // shard_weights (ZeRO-3): a recomputed block's run begins - its forward
+  // (kForward: returns the block's id) or the rerun of block `rerun_of`
+  // (starts the gathers its forward read; a collective) - and ends, freeing
+  // the weights it gathered. Other sharding: nothing.
+  static constexpr size_t kForward = static_cast<size_t>(-1);
+  virtual size_t begin_block(size_t rerun_of) = 0;
+  virtual void end_block() noexcept = 0;
+
   // `member` was set to the values `fp32` (torch::load): its master takes
   // them. False for other tensors.
   virtual bool take_values(const at::Tensor& member, const at::Tensor& fp32) = 0;
+
+  // ModelWeights' flag that makes the next intercepted op check the weights:
+  // set whenever weights are freed (ZeRO-3).
+  void watch_with(std::atomic<bool>* pending) { pending_ = pending; }
+
+ protected:
+  void weights_freed() const {
+    if (pending_ != nullptr) pending_->store(true);
+  }
+
+ private:
+  std::atomic<bool>* pending_ = nullptr;
 };
 
 class ModelWeights {
@@ -121,6 +141,7 @@ class ModelWeights {
   // Converted weights whose masters are sharded (set once, by the context).
   void set_sharded(ShardedWeights* sharded) {
     sharded_ = sharded;
+    sharded->watch_with(&pending_);
     pending_.store(true);
   }
   ShardedWeights* sharded() const { return sharded_; }
@@ -144,6 +165,12 @@ class ModelWeights {
   // (sharded), so the forward and backward's rerun of the block read the
   // weights alike whatever op reads them first. Errors: as enter_compute.
   void enter_forward();
+
+  // A recomputed block's run (recompute.h) begins and ends: with sharded
+  // weights (ZeRO-3) the weights it gathered are freed at its end
+  // (ShardedWeights::begin_block). Returns the block's id.
+  size_t begin_block(size_t rerun_of = ShardedWeights::kForward);
+  void end_block() noexcept;
 
   // At a guard's opening: enters every model into computing (a graph
   // recorded before an earlier guard ended backpropagates in the dtypes it

@@ -200,7 +200,8 @@ void load_checkpoint(const std::string& path, const internal::ModelRefs& model_r
   }
   at::NoGradGuard no_grad;
   for (const auto& c : copies) {
-    c.target.copy_(c.value);
+    // A weight freed between uses (shard_weights) takes the values in its pieces alone.
+    if (c.target.numel() == 0 || c.target.storage().nbytes() != 0) c.target.copy_(c.value);
     if (context->sharded()) context->sharded()->take_values(c.target, c.value.to(at::kFloat));
   }
 }

@@ -95,6 +95,27 @@ std::vector<int64_t> versions_of(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
+// A block's run (its forward, or its rerun in backward) as the models'
+// weights see it: with sharded weights (ZeRO-3) what the run gathered is
+// freed when it ends.
+class BlockRunWeights {
+ public:
+  BlockRunWeights(std::shared_ptr<RecomputeSession> session, size_t rerun_of = ShardedWeights::kForward)
+      : session_(std::move(session)) {
+    if (session_) id_ = session_->weights().begin_block(rerun_of);
+  }
+  ~BlockRunWeights() {
+    if (session_) session_->weights().end_block();
+  }
+  BlockRunWeights(const BlockRunWeights&) = delete;
+  BlockRunWeights& operator=(const BlockRunWeights&) = delete;
+  size_t id() const { return id_; }
+
+ private:
+  std::shared_ptr<RecomputeSession> session_;
+  size_t id_ = 0;
+};
+
 class RecomputeNode final : public Node {
  public:
   struct Saved {
@@ -105,6 +126,8 @@ class RecomputeNode final : public Node {
     std::unique_ptr<ForwardReplay> replay;
     std::vector<BoundaryEdge> boundary;  // one per next edge; kCopy indexes replay's copies
     size_t block_outputs = 0;
+    std::weak_ptr<RecomputeSession> session;  // forward's, with the block's id there
+    size_t block_id = 0;
   };
 
   explicit RecomputeNode(Saved saved) : saved_(std::move(saved)) {}
@@ -177,6 +200,8 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   }
   RunMark mark;
   std::vector<at::Tensor> outputs;
+  // The rerun's weights, gathered (ZeRO-3) until its backward is done.
+  std::optional<BlockRunWeights> weights(std::in_place, saved_->session.lock(), saved_->block_id);
   {
     ForwardReplay::Scope replay(*saved_->replay, copies);
     at::AutoGradMode grad(true);
@@ -221,6 +246,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
     partial = torch::autograd::Engine::get_default_engine().execute(
         roots, root_grads, /*keep_graph=*/create_graph, create_graph, /*accumulate_grad=*/false, wanted);
   }
+  weights.reset();
   for (size_t j = 0; j < partial.size(); ++j) {
     if (!partial[j].defined()) continue;
     at::Tensor& into = result[*slots[j]];
@@ -265,7 +291,13 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   detail::BlockRun run(args, through);
   const std::vector<int64_t> versions = detail::versions_of(args);
   const detail::RunMark mark = detail::RunMark::now();
-  std::vector<at::Tensor> outputs = block(run.inputs);
+  std::vector<at::Tensor> outputs;
+  size_t block_id = 0;
+  {
+    detail::BlockRunWeights weights(session);
+    block_id = weights.id();
+    outputs = block(run.inputs);
+  }
   for (size_t i = 0; i < args.size(); ++i) {
     TORCH_CHECK(!args[i].defined() || args[i]._version() == versions[i], "amp::recompute: the block "
                 "changed its tensor argument ", i, " in place; backward's rerun would start from the "
@@ -305,6 +337,8 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   saved.replay = std::move(replay);
   saved.boundary = boundary.edges;
   saved.block_outputs = outputs.size();
+  saved.session = session;
+  saved.block_id = block_id;
   auto node = std::make_shared<detail::RecomputeNode>(std::move(saved));
   node->set_next_edges(std::move(next));
   if (session && session->forward_log() != nullptr) {

@@ -64,6 +64,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
   if (sharded_) {
     weights_->set_sharded(sharded_.get());
     sharded_->record_members();
+    sharded_->free_weights();  // shard_weights: each rank keeps its pieces alone
   }
   parameter_names_ = std::move(parameter_names);
   model_buffers_ = std::move(model_buffers);

@@ -149,6 +149,8 @@ void check_no_sparse_gradients(const Modules& models, const Properties& p) {
 // optimizers.
 void check_sharding(const Options& o, const Properties& p, const Optimizers& optimizers) {
   const DataParallel& dp = o.data_parallel;
+  TORCH_CHECK(dp.shard || !dp.shard_weights, "amp: Options::data_parallel.shard_weights spreads the weights "
+              "as well as what shard spreads (ZeRO stage 3); set shard = true too.");
   if (!dp.shard) return;
   TORCH_CHECK(dp.group, "amp: Options::data_parallel.shard needs data_parallel.group, the ranks' "
               "process group, to spread the float32 masters and optimizer state over.");
@@ -170,6 +172,13 @@ void check_sharding(const Options& o, const Properties& p, const Optimizers& opt
         TORCH_CHECK(seen.insert(param.unsafeGetTensorImpl()).second, "amp: a parameter is in two "
                     "parameter groups or optimizers; with Options::data_parallel.shard each "
                     "parameter's master lives in one optimizer's shard. Give each parameter to one.");
+        TORCH_CHECK(!dp.shard_weights || (param.storage_offset() == 0 && param.is_contiguous() &&
+                                          param.storage().use_count() == 1 &&
+                                          param.storage().nbytes() == param.nbytes()),
+                    "amp: Options::data_parallel.shard_weights frees each parameter's bytes between uses, "
+                    "but a parameter of shape ", param.sizes(), " shares its storage with another tensor "
+                    "(a view of a flat buffer, or a tensor made with from_blob): freeing it would free the "
+                    "other. Give each parameter storage of its own (param.clone()), or shard_weights=false.");
       }
     }
     TORCH_CHECK(optimizer->state().empty(), "amp: an optimizer already holds state (loaded or "

@@ -57,6 +57,10 @@ class Guard {
   bool passthrough() const { return passthrough_; }  // static scale 1 without masters: no multiply, no unscale
   bool capturing() const { return capturing_; }      // inside a CUDA graph capture
   Stage stage() const { return stage_; }
+  // scale_loss::backward kept the graph (retain_graph, create_graph): a
+  // later backward may run through it.
+  bool graph_retained() const { return graph_retained_; }
+  void keep_graph() { graph_retained_ = true; }
   // An exception is leaving the scope the guard was made in.
   bool exception_in_scope() const { return std::uncaught_exceptions() > uncaught_at_entry_; }
 
@@ -73,6 +77,7 @@ class Guard {
   uint64_t loss_graph_ = 0;   // the loss's root node's autograd sequence number
   bool passthrough_ = false;
   bool capturing_ = false;
+  bool graph_retained_ = false;
   Stage stage_ = Stage::kOpen;
   int uncaught_at_entry_ = std::uncaught_exceptions();
   std::vector<std::unique_ptr<GuardPart>> parts_;  // the participants', in order

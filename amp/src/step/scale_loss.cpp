@@ -238,6 +238,7 @@ scale_loss::~scale_loss() {
 const at::Tensor& scale_loss::scaled_loss() const { return state_->scaled_loss(); }
 
 void scale_loss::backward(std::optional<bool> retain_graph, bool create_graph) {
+  if (retain_graph.value_or(create_graph)) state_->keep_graph();
   state_->scaled_loss().backward({}, retain_graph, create_graph);
 }
 
