@@ -1105,6 +1105,26 @@ TEST_F(AmpTest, ShardedWeightsAreWholeOnlyWhileTheirRunsNeedThem) {
   EXPECT_EQ(run.whole(), only({}));
 }
 
+TEST_F(AmpTest, ShardedWeightsOfAKeptGraphStayUntilItsLastBackward) {
+  // Two losses of one forward, the first backward keeping the graph: the
+  // head's weights (read outside blocks, saved by autograd) stay whole for
+  // the second backward, and go when its guard ends.
+  Zero3Run run(/*shard_weights=*/true);
+  const at::Tensor out = run.forward(torch::randn({4, 8})).to(at::kFloat);
+  run.optimizer->zero_grad();
+  {
+    scale_loss scaled(out.pow(2).mean(), *run.optimizer);
+    scaled.backward(/*retain_graph=*/true);
+  }
+  EXPECT_EQ(run.whole(), only({6}));
+  {
+    scale_loss scaled(out.abs().mean(), *run.optimizer);
+    scaled.backward();
+  }
+  EXPECT_EQ(run.whole(), only({}));
+  run.optimizer->step();
+}
+
 TEST_F(AmpTest, ShardedWeightsTrainAsShardedMastersWithLateGathers) {
   // Each op waits for its own late all-gather, never reading a prefetched
   // one before it lands: the losses of three steps equal ZeRO-2's bit for bit.

@@ -8,7 +8,8 @@
 // without masters, stochastic rounding) with recomputation; both with 8-bit
 // optimizer state (optimizer_state_dtype uint8), and with the step in
 // backward (step_in_backward); the O2, O5 and recomputed ones sharded at
-// world sizes 2 and 4 (ZeRO-2 over Gloo, ranks
+// world sizes 2 and 4 (ZeRO-2 over Gloo, and the recomputed ones with
+// their weights sharded too: ZeRO-3; ranks
 // started by this program, bytes per rank), each beside the same
 // configuration replicated (plain data parallel) at the same per-rank
 // batch, which separates sharding's saving from the smaller batch's; and
@@ -93,6 +94,7 @@ struct Config {
   bool shard = false;  // with world > 1: ZeRO-2 (otherwise replicated)
   bool state8 = false;  // optimizer_state_dtype uint8 (amp's FusedAdamW)
   bool in_backward = false;  // step_in_backward (amp's FusedAdamW)
+  bool shard_weights = false;  // with shard: ZeRO-3
 };
 
 std::vector<Config> configs() {
@@ -112,6 +114,10 @@ std::vector<Config> configs() {
       out.push_back({"amp O6 + recompute" + per, amp::O6, true, world, shard});
       out.push_back({"amp O6 + recompute + 8-bit state" + per, amp::O6, true, world, shard, true});
     }
+    const std::string zero3 = " ZeRO-3 x" + std::to_string(world);
+    out.push_back({"amp O5 + recompute" + zero3, amp::O5, true, world, true, false, false, true});
+    out.push_back({"amp O6 + recompute" + zero3, amp::O6, true, world, true, false, false, true});
+    out.push_back({"amp O6 + recompute + 8-bit state" + zero3, amp::O6, true, world, true, true, false, true});
   }
   return out;
 }
@@ -151,6 +157,7 @@ class Trainer {
       if (group_) {
         options.data_parallel.group = group_;
         options.data_parallel.shard = config_.shard;
+        options.data_parallel.shard_weights = config_.shard_weights;
         options.data_parallel.bucket_bytes = static_cast<int64_t>(absl::GetFlag(FLAGS_bucket_mib) * 1048576);
       }
       handle_.initialize(model_, *optimizer_, options);
@@ -342,12 +349,14 @@ struct Row {
 // keeps 2 + 2 + 4; 8-bit state 2 for the moments; the step in backward
 // holds no gradient; sharding keeps 1/world of the float32 masters (O6: of
 // the weights' pieces), gradients and state, the gathered low-precision
-// weights whole.
+// weights whole; ZeRO-3 gathers them block by block, so 1/world of
+// everything.
 double floor_bytes(const Config& c) {
   const bool masters = c.level == amp::O2 || c.level == amp::O5;
   const double weights = c.level == amp::O6 ? 2 : 4;
   const double gradients = c.in_backward ? 0 : weights, state = c.state8 ? 2 : c.level == amp::O6 ? 4 : 8;
   if (!c.shard) return weights + (c.level == amp::O1 ? 2 : 0) + gradients + state;
+  if (c.shard_weights) return (weights + gradients + state) / c.world;
   const double copy = masters ? 2 : 0;
   return (c.level == amp::O6 ? 2 : copy) + (weights + gradients + state) / c.world;
 }

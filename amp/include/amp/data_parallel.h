@@ -73,8 +73,8 @@ struct DataParallel {
   // it and freed again when the run that read it ends - a block of
   // amp::recompute (its forward, and again its rerun in backward, whose
   // gathers start before it runs, the next block's behind it), or, read
-  // outside recomputed blocks, the scale_loss guard (the next forward's
-  // first op if that guard's backward retained its graph). Every forward,
+  // outside recomputed blocks, the scale_loss guard (with a guard whose
+  // backward kept the graph, the next guard that does not). Every forward,
   // evaluation included, gathers: run it on every rank. Between uses a
   // parameter holds no bytes, and an op amp does not intercept that reads
   // one stops with ATen's error "data is not allocated" (read weights in
