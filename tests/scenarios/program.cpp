@@ -207,6 +207,20 @@ void fit_step_in_backward(Program& p) {
   p.step_in_backward = true;
 }
 
+// Makes `p` a program sharded data parallel trains (program.h).
+void fit_sharding(Program& p, Program::Sharding sharding) {
+  p.zero = Zero::kOptimizer;
+  std::vector<Fault> kept;
+  for (const Fault& f : p.faults) {
+    if (f.kind == FaultKind::kNaNLoss) kept.push_back(f);
+  }
+  p.faults = std::move(kept);
+  for (Phase& phase : p.phases) {
+    for (LossSpec& loss : phase.losses) loss.penalty = 0;
+  }
+  p.sharding = sharding;
+}
+
 }  // namespace
 
 Program generate_program(uint64_t seed) {
@@ -312,6 +326,9 @@ Program generate_program(uint64_t seed) {
     if (m.recomputed && static_cast<size_t>(at) < m.recomputed->last) ++m.recomputed->last;
   }
   if (draw.chance(0.25)) fit_step_in_backward(p);  // drawn last, as above
+  if (!p.step_in_backward && draw.chance(0.35)) {  // drawn last, as above
+    fit_sharding(p, draw.chance(0.6) ? Program::Sharding::kZero3 : Program::Sharding::kZero2);
+  }
   return p;
 }
 
@@ -356,7 +373,11 @@ std::string describe(const Program& p) {
       << (p.dynamic_scaling ? "dynamic from " + std::to_string(p.init_scale) : std::string("level default"))
       << ", growth_interval " << p.growth_interval << ", " << (p.fused_step ? "fused" : "LibTorch's own")
       << " optimizer step" << (p.fp8 ? ", O5 with fp8" : "")
-      << (p.step_in_backward ? ", step in backward (O0, O3, O4, O6)" : "") << "\n";
+      << (p.step_in_backward ? ", step in backward (O0, O3, O4, O6)" : "")
+      << (p.sharding == Program::Sharding::kZero2   ? ", sharded over one rank (ZeRO-2; O2, O5, O6)"
+          : p.sharding == Program::Sharding::kZero3 ? ", sharded over one rank with the weights (ZeRO-3; O2, O5, O6)"
+                                                    : "")
+      << "\n";
   for (const Fault& f : p.faults) {
     out << "  fault: " << name(f.kind) << " at iteration " << f.iteration << " phase " << f.phase << " loss "
         << f.loss << " micro-batch " << f.micro_batch << "\n";

@@ -136,6 +136,15 @@ struct Program {
   // are freed, so none carry over), and each optimizer in one guard per
   // phase.
   bool step_in_backward = false;
+  // Options::data_parallel over a process group of one rank, with shard
+  // (ZeRO-2) or shard_weights too (ZeRO-3), at the levels that shard (O2,
+  // O5, O6 with amp's fused optimizers). A program drawn with it is made to
+  // fit: no gradient penalty (a backward outside the guard), no faults
+  // injected into gradients (backward hands each bucket to its reduction
+  // and leaves none on the model), gradients zeroed through the optimizer
+  // (model->zero_grad() cannot reach the shards), not in backward.
+  enum class Sharding { kNone, kZero2, kZero3 };
+  Sharding sharding = Sharding::kNone;
 };
 
 Program generate_program(uint64_t seed);

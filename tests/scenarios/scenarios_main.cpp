@@ -73,6 +73,8 @@ struct Coverage {
     count["float16 at O1-O3"] += p.float16;
     count["fp8 at O5"] += p.fp8;
     count["step in backward"] += p.step_in_backward;
+    count["sharded (ZeRO-2)"] += p.sharding == Program::Sharding::kZero2;
+    count["sharded weights (ZeRO-3)"] += p.sharding == Program::Sharding::kZero3;
     const auto recomputes = [&](bool nested) {
       return std::any_of(p.models.begin(), p.models.end(),
                          [&](const ModelSpec& m) { return m.recomputed && (!nested || m.recomputed->nested); });
