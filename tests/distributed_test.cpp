@@ -949,7 +949,10 @@ TEST_F(AmpTest, ShardedOptimizerStepsPiecesAndGetsItsParametersBack) {
       amp::scale_loss scaled(model->forward(torch::randn({4, 8})).sum(), optimizer);
       scaled.backward();
     }
-    EXPECT_FALSE(fc1.grad().defined());  // released once its bucket was reduced
+    // Released once its bucket was reduced: a mark of no bytes stays (model->zero_grad() resets it).
+    ASSERT_TRUE(fc1.grad().defined());
+    EXPECT_EQ(fc1.grad().storage().nbytes(), 0u);
+    EXPECT_EQ(fc1.grad().sizes(), fc1.sizes());
     optimizer.step();
     const TrainingBytes bytes = training_bytes(optimizer);
     EXPECT_EQ(bytes.masters, 4 * bytes.parameters);          // world size 1: every piece here
@@ -1152,6 +1155,39 @@ TEST_F(AmpTest, ShardedWeightsOptionsAreChecked) {
   zero3.data_parallel.shard_weights = true;
   EXPECT_THAT(initialize_refusal(model, with_view, zero3), ::testing::HasSubstr("shares its storage"));
   EXPECT_EQ(model->fc1->weight.scalar_type(), torch::kFloat);  // nothing changed
+}
+
+// model->zero_grad() finds no gradient on a sharded model's parameters
+// (backward's went to the shards), so amp leaves a mark of no bytes on each
+// after a guard: where the model's zero_grad reset it, the next guard resets
+// the shard's gradient too. Without that the shards would add up every
+// step's gradients.
+TEST_F(AmpTest, ShardedZeroGradThroughTheModelOrTheOptimizerTrainsAlike) {
+  for (const bool weights : {false, true}) {
+  SCOPED_TRACE(weights ? "ZeRO-3" : "ZeRO-2");
+  std::vector<at::Tensor> finals;
+  for (const bool through_model : {false, true}) {
+    torch::manual_seed(0);
+    TinyNet model;
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    Options options = fake_sharded(O2);
+    options.data_parallel.shard_weights = weights;
+    Handle handle;
+    handle.initialize(model, optimizer, options);
+    for (int step = 0; step < 3; ++step) {
+      through_model ? model->zero_grad() : optimizer.zero_grad();
+      {
+        scale_loss scaled(model->forward(torch::randn({4, 8})).to(at::kFloat).pow(2).mean(), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+    }
+    std::vector<at::Tensor> parts;
+    for (const auto& p : master_params(optimizer)) parts.push_back(p.detach().flatten().clone());
+    finals.push_back(torch::cat(parts));
+  }
+  EXPECT_TRUE(BitEqual(finals[0], finals[1]));
+  }
 }
 
 TEST_F(AmpTest, ShardedOptionsAreChecked) {

@@ -209,7 +209,6 @@ void fit_step_in_backward(Program& p) {
 
 // Makes `p` a program sharded data parallel trains (program.h).
 void fit_sharding(Program& p, Program::Sharding sharding) {
-  p.zero = Zero::kOptimizer;
   std::vector<Fault> kept;
   for (const Fault& f : p.faults) {
     if (f.kind == FaultKind::kNaNLoss) kept.push_back(f);

@@ -141,8 +141,7 @@ struct Program {
   // O5, O6 with amp's fused optimizers). A program drawn with it is made to
   // fit: no gradient penalty (a backward outside the guard), no faults
   // injected into gradients (backward hands each bucket to its reduction
-  // and leaves none on the model), gradients zeroed through the optimizer
-  // (model->zero_grad() cannot reach the shards), not in backward.
+  // and leaves none on the model), not in backward.
   enum class Sharding { kNone, kZero2, kZero3 };
   Sharding sharding = Sharding::kNone;
 };

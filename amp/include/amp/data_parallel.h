@@ -11,6 +11,10 @@
 //   options.data_parallel.shard = true;            // optional: ZeRO-2
 //   amp::initialize(model, optimizer, options);
 //
+// With shard, a parameter's gradient between guards is a mark of no bytes
+// (the gradients live in the shards: amp::master_params), so that
+// model->zero_grad() reaches the shards as optimizer.zero_grad() does.
+//
 // Errors (c10::Error, at initialize, nothing changed): both
 // data_parallel.group and reduce_overflow set; reduce_dtype not float32,
 // float16 or bfloat16; bucket_bytes < 1; gather_timeout < 1 ms; sparse

@@ -216,6 +216,44 @@ void ShardedOptimizer::take_values(const at::Tensor& member, const at::Tensor& f
   storages_[m] = member.storage().unsafeGetStorageImpl();
 }
 
+void ShardedOptimizer::mark_member_gradients() noexcept {
+  if (marks_.empty()) {
+    for (const at::Tensor& member : members_) {
+      at::Tensor mark = at::empty({0}, member.options());
+      mark.unsafeGetTensorImpl()->set_sizes_contiguous(member.sizes());  // the member's shape, no bytes
+      marks_.push_back(std::move(mark));
+    }
+  }
+  for (size_t m = 0; m < members_.size(); ++m) members_[m].mutable_grad() = marks_[m];
+}
+
+void ShardedOptimizer::check_member_gradients() const {
+  for (size_t m = 0; m < members_.size(); ++m) {
+    const at::Tensor& grad = members_[m].grad();
+    TORCH_CHECK(!grad.defined() || (!marks_.empty() && grad.unsafeGetTensorImpl() == marks_[m].unsafeGetTensorImpl()),
+                "amp: a model parameter has a gradient before the scale_loss guard: a backward ran outside "
+                "amp::scale_loss. With Options::data_parallel.shard the optimizer steps only this rank's shard, "
+                "whose gradient the guard reduces; a gradient outside it would be lost. Wrap backward in "
+                "amp::scale_loss(loss, optimizer).");
+  }
+}
+
+void ShardedOptimizer::take_model_zeroing() noexcept {
+  if (marks_.empty()) return;
+  for (size_t m = 0; m < members_.size(); ++m) {
+    at::Tensor& grad = members_[m].mutable_grad();
+    if (grad.defined()) continue;
+    const auto [b, p] = piece_of_[m];  // model->zero_grad() reset the mark: the program zeroed this parameter
+    if (b != kNoPiece) buckets_[b].pieces[p].stepped.mutable_grad().reset();
+    grad = marks_[m];
+  }
+}
+
+void ShardedOptimizer::take_member_gradients() noexcept {
+  take_model_zeroing();
+  for (at::Tensor& member : members_) member.mutable_grad().reset();
+}
+
 ShardedOptimizer::Sums ShardedOptimizer::sums_with_micro_batch() const {
   at::NoGradGuard no_grad;
   Sums sums;
@@ -588,6 +626,9 @@ bool ShardedOptimizer::optimizer_alive() const {
 
 void ShardedOptimizer::restore() {
   free_members();  // shard_weights: gathers in flight end first
+  for (size_t m = 0; m < marks_.size(); ++m) {
+    if (members_[m].grad().unsafeGetTensorImpl() == marks_[m].unsafeGetTensorImpl()) members_[m].mutable_grad().reset();
+  }
   // A program may destroy its optimizer before amp ends: then only the
   // model gets its float32 weights back. Every rank takes the same path.
   at::Tensor alive = at::full({1}, optimizer_alive() ? 1.0f : 0.0f,
@@ -691,16 +732,13 @@ void ShardedMasters::free_weights() noexcept {
   weights_freed();
 }
 
-void ShardedMasters::check_no_member_gradients() const {
-  for (const auto& s : optimizers_) {
-    for (const at::Tensor& m : s->members()) {
-      TORCH_CHECK(!m.grad().defined(), "amp: a model parameter has a gradient before the "
-                  "scale_loss guard: a backward ran outside amp::scale_loss. With "
-                  "Options::data_parallel.shard the optimizer steps only this rank's shard, "
-                  "whose gradient the guard reduces; a gradient outside it would be lost. Wrap "
-                  "backward in amp::scale_loss(loss, optimizer).");
-    }
-  }
+void ShardedMasters::take_model_zeroing() noexcept {
+  for (auto& s : optimizers_) s->take_model_zeroing();
+}
+
+void ShardedMasters::take_member_gradients() {
+  for (const auto& s : optimizers_) s->check_member_gradients();  // before any change
+  for (auto& s : optimizers_) s->take_member_gradients();
 }
 
 bool ShardedMasters::take_values(const at::Tensor& member, const at::Tensor& fp32) {
@@ -714,11 +752,7 @@ bool ShardedMasters::take_values(const at::Tensor& member, const at::Tensor& fp3
 }
 
 void ShardedMasters::clear_member_gradients() noexcept {
-  for (auto& s : optimizers_) {
-    for (const at::Tensor& m : s->members()) {
-      if (m.grad().defined()) m.mutable_grad() = at::Tensor();
-    }
-  }
+  for (auto& s : optimizers_) s->mark_member_gradients();
 }
 
 }  // namespace amp::detail

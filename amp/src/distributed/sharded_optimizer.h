@@ -106,6 +106,17 @@ class ShardedOptimizer {
   bool shards_weights() const { return stage3_; }
   // Takes writes to members behind amp's back into the pieces.
   void take_member_writes();
+  // After a guard: each member's gradient becomes a mark of no bytes, so
+  // that model->zero_grad() (which resets the gradients it finds) is seen.
+  void mark_member_gradients() noexcept;
+  // Where model->zero_grad() reset a member's mark, the member's piece's
+  // gradient is reset as optimizer.zero_grad() would, and the mark put back
+  // (a guard's first act, before it checks the optimizers' gradients).
+  void take_model_zeroing() noexcept;
+  // At a guard's opening: errors if a member carries a gradient other than
+  // its mark (a backward outside scale_loss); then the marks are taken off.
+  void check_member_gradients() const;
+  void take_member_gradients() noexcept;
   // shard_gradients=false, a delay_unscale guard is ending: the members'
   // gradients added to their whole float32 sums, per bucket (new tensors:
   // nothing changes until hold).
@@ -217,6 +228,7 @@ class ShardedOptimizer {
   bool stale_ = false;
   bool warned_ = false;
   bool stage3_ = false;                // DataParallel::shard_weights
+  std::vector<at::Tensor> marks_;      // per member: its gradient's mark (mark_member_gradients)
   WeightResidency residency_;
   bool round_open_ = false, round_without_grad_ = false;
 };
@@ -238,7 +250,8 @@ class ShardedMasters final : public ShardedWeights {
   // After `optimizer` stepped (amp's fused optimizers): gathers its weights
   // now, on every rank, so the next forward needs no collective.
   void gather_after_step(const torch::optim::Optimizer& optimizer);
-  void check_no_member_gradients() const override;
+  void take_member_gradients() override;
+  void take_model_zeroing() noexcept override;
   size_t begin_block(size_t rerun_of) override;
   void end_block() noexcept override;
   // shard_weights: after a guard (its backward did not retain the graph):
@@ -246,7 +259,8 @@ class ShardedMasters final : public ShardedWeights {
   void free_weights() noexcept;
   bool take_values(const at::Tensor& member, const at::Tensor& fp32) override;
   // Drops gradients backward left on members (losses through another
-  // optimizer's parameters: scratch scaled by that loss).
+  // optimizer's parameters: scratch scaled by that loss) and marks them
+  // (ShardedOptimizer::mark_member_gradients).
   void clear_member_gradients() noexcept;
 
  private:

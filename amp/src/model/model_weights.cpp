@@ -166,7 +166,7 @@ void ModelWeights::end_block() noexcept {
 
 void ModelWeights::prepare_backward() {
   if (mode_ == Mode::kConverted && sharded_ != nullptr) {
-    sharded_->check_no_member_gradients();
+    sharded_->take_member_gradients();
     sharded_->sync();
   }
   if (mode_ == Mode::kConverted) check_converted();

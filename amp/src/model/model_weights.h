@@ -90,8 +90,14 @@ class ShardedWeights {
   // Before an op over `t`: if it is a weight, gathers the weights up to its
   // (a collective; sharded_optimizer.h); nothing for other tensors.
   virtual void sync_for(const at::Tensor& t) = 0;
-  // Errors: a weight carries a gradient (a backward outside scale_loss).
-  virtual void check_no_member_gradients() const = 0;
+  // At a guard's opening: the weights' gradient marks are taken off, and
+  // the masters' gradients of weights model->zero_grad() reached are reset.
+  // Errors (nothing changed): a weight carries a gradient (a backward
+  // outside scale_loss).
+  virtual void take_member_gradients() = 0;
+  // A guard's first act: the masters' gradients of weights model->zero_grad()
+  // reached since the last guard are reset (as if it had reached them).
+  virtual void take_model_zeroing() noexcept = 0;
   // shard_weights (ZeRO-3): a recomputed block's run begins - its forward
   // (kForward: returns the block's id) or the rerun of block `rerun_of`
   // (starts the gathers its forward read; a collective) - and ends, freeing
@@ -171,6 +177,13 @@ class ModelWeights {
   // (ShardedWeights::begin_block). Returns the block's id.
   size_t begin_block(size_t rerun_of = ShardedWeights::kForward);
   void end_block() noexcept;
+
+  // A guard's first act, before it checks the optimizers' gradients: a
+  // model->zero_grad() of sharded weights reaches their masters
+  // (ShardedWeights::take_model_zeroing).
+  void take_model_zeroing() noexcept {
+    if (mode_ == Mode::kConverted && sharded_ != nullptr) sharded_->take_model_zeroing();
+  }
 
   // At a guard's opening: enters every model into computing (a graph
   // recorded before an earlier guard ended backpropagates in the dtypes it

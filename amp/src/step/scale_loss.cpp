@@ -23,6 +23,7 @@ namespace detail {
 Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& optimizers, ScaleLossOptions guard_options)
     : session_(require_step_session("amp::scale_loss")), options_(guard_options) {
   session_->rethrow_deferred_error();
+  session_->weights().take_model_zeroing();  // the program's zero_grad, done before this guard
   TORCH_CHECK(loss.defined(), "amp: scale_loss got an undefined loss tensor.");
   TORCH_CHECK(loss.is_floating_point(), "amp: scale_loss needs a floating-point loss, got ",
               loss.scalar_type());
