@@ -19,6 +19,7 @@
 #include <amp/internal/level_rules.h>
 
 #include "profiled.h"
+#include "world_of_one.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -555,44 +556,6 @@ TEST_F(RanksAsProcesses, ShardedForwardOnOneRankBeforeABarrierLeavesTheGroupWork
 }
 
 // ---- In one process: a process group of one rank ----------------------------
-
-struct DoneWork : c10d::Work {
-  bool wait(std::chrono::milliseconds) override { return true; }
-  std::vector<at::Tensor> held;  // as Gloo's work holds its tensors until it goes
-};
-
-// A world of one: a broadcast or a sum over one rank leaves the tensors. It
-// counts the all-reduces started.
-struct WorldOfOne : c10d::Backend {
-  WorldOfOne() : c10d::Backend(0, 1) {}
-  const std::string getBackendName() const override { return "world_of_one"; }
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>&, const c10d::BroadcastOptions&) override {
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
-    ++allreduces;
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>&,
-                                                     const c10d::AllreduceCoalescedOptions&) override {
-    ++allreduces;
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                      const c10d::ReduceScatterOptions&) override {
-    ++reduce_scatters;
-    out.copy_(in);
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                 const c10d::AllgatherOptions&) override {
-    out.copy_(in);
-    auto work = c10::make_intrusive<DoneWork>();
-    work->held = {out, in};
-    return work;
-  }
-  std::atomic<int> allreduces{0}, reduce_scatters{0};
-};
 
 Options fake_data_parallel(Options options, c10::intrusive_ptr<WorldOfOne> group = c10::make_intrusive<WorldOfOne>()) {
   options.verbosity = 0;

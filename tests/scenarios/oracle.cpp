@@ -22,11 +22,11 @@
 // or a step taken that should be skipped - move a tensor by a multiple of
 // its own update.
 #include "runs.h"
+#include "../world_of_one.h"
 #include <amp/internal/level_rules.h>
 
 #include <algorithm>
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -34,37 +34,6 @@
 
 namespace amp::scenarios {
 namespace {
-
-// A process group of one rank: a sum or gather over one rank leaves the
-// tensors as they are.
-struct DoneWork : c10d::Work {
-  bool wait(std::chrono::milliseconds) override { return true; }
-};
-
-struct WorldOfOne : c10d::Backend {
-  WorldOfOne() : c10d::Backend(0, 1) {}
-  const std::string getBackendName() const override { return "world_of_one"; }
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>&, const c10d::BroadcastOptions&) override {
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>&,
-                                                     const c10d::AllreduceCoalescedOptions&) override {
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                      const c10d::ReduceScatterOptions&) override {
-    out.copy_(in);
-    return c10::make_intrusive<DoneWork>();
-  }
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                 const c10d::AllgatherOptions&) override {
-    out.copy_(in);
-    return c10::make_intrusive<DoneWork>();
-  }
-};
 
 double unit_roundoff(c10::ScalarType dtype) {
   switch (dtype) {
@@ -97,7 +66,7 @@ LevelRun level_run(const Program& p, OptLevel level) {
   if (level == O5 && p.fp8) o.fp8 = true;
   const bool shards = level == O2 || level == O5 || (level == O6 && p.fused_step);
   if (p.sharding != Program::Sharding::kNone && shards) {
-    o.data_parallel.group = c10::make_intrusive<WorldOfOne>();
+    o.data_parallel.group = c10::make_intrusive<testing::WorldOfOne>();
     o.data_parallel.bucket_bytes = 64;  // several buckets, and gathers, per model
     o.data_parallel.shard = true;
     o.data_parallel.shard_weights = p.sharding == Program::Sharding::kZero3;
