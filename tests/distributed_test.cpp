@@ -443,15 +443,16 @@ TEST_F(RanksAsProcesses, ShardedCheckpointResumesAtAnyWorldSize) {
 // the weights and gathers them op by op - recomputed blocks free theirs when
 // their forward ends and gather them again for the rerun in backward. The
 // gathered values are the pieces', so every step's float32 masters equal
-// ZeRO-2's bit for bit: O2, O5 and O6, with and without recomputation, with
-// accumulation, uneven shards at world size 3, and an evaluation on every
-// rank after each step (its outputs join the trace).
+// ZeRO-2's bit for bit: O2, O5 (also with fp8) and O6, with and without
+// recomputation, with accumulation, uneven shards at world size 3, and an
+// evaluation on every rank after each step (its outputs join the trace).
 TEST_F(RanksAsProcesses, ShardedWeightsTrainBitForBitAsShardedMasters) {
   const std::vector<std::pair<int, std::string>> runs = {
       {2, "level=O5 optimizer=adam recompute=1"},
       {2, "level=O5 optimizer=adam recompute=0 evaluate=1"},
       {2, "level=O2 optimizer=sgd recompute=1 micro_batches=2 evaluate=1"},
       {2, "level=O6 optimizer=fused_adamw recompute=1"},
+      {2, "level=O5 optimizer=adam recompute=1 fp8=1"},
       {3, "level=O2 optimizer=fused_adamw recompute=1 bucket_bytes=1 positions=first"},
   };
   for (const auto& [world, args] : runs) {
