@@ -75,6 +75,8 @@ ABSL_FLAG(double, bucket_mib, 4,
           "data-parallel rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
           "of float32 gradients at once)");
 // Set by the launcher for the ranks it starts.
+ABSL_FLAG(bool, phases, false, "print the measured step's allocator bytes (now, and the peak since the last phase) "
+          "after forward, backward, the guard and the step (rank 0), to stderr");
 ABSL_FLAG(int, rank, -1, "internal: this process is one rank of a data-parallel configuration");
 ABSL_FLAG(int, world, 1, "internal: ranks of that configuration");
 ABSL_FLAG(std::string, store, "", "internal: rendezvous file of the ranks");
@@ -172,9 +174,10 @@ class Trainer {
     amp::reset_peak_allocated();
     const int64_t start = amp::allocated_bytes().current;
     step(1);
-    f.above_start_mib = (amp::allocated_bytes().peak - start) / 1048576.0;
+    const int64_t peak = std::max(amp::allocated_bytes().peak, phase_peak_);
+    f.above_start_mib = (peak - start) / 1048576.0;
     // The corpus is the program's, not the step's (the Python peer counts tensors of the step alone).
-    f.peak_mib = (amp::allocated_bytes().peak - corpus_.nbytes()) / 1048576.0;
+    f.peak_mib = (peak - corpus_.nbytes()) / 1048576.0;
     std::vector<double> ms;
     for (int i = 0; i < timed; ++i) {
       const auto start = std::chrono::steady_clock::now();
@@ -210,15 +213,29 @@ class Trainer {
     if (group_) windows = windows.chunk(config_.world)[group_->getRank()];
     const at::Tensor inputs = windows.narrow(1, 0, kContext), targets = windows.narrow(1, 1, kContext);
     optimizer_->zero_grad();
+    // --phases: the measured step's allocator bytes after each phase (rank 0).
+    const bool phases = absl::GetFlag(FLAGS_phases) && number == 1 && (!group_ || group_->getRank() == 0);
+    auto phase = [&](const char* name) {
+      if (!phases) return;
+      const auto b = amp::allocated_bytes();
+      std::fprintf(stderr, "%-10s current %.1f MiB peak %.1f MiB\n", name, b.current / 1048576.0, b.peak / 1048576.0);
+      phase_peak_ = std::max(phase_peak_, b.peak);  // the step's peak, across the resets
+      amp::reset_peak_allocated();
+    };
+    phase("start");
     const at::Tensor logits = model_->forward(inputs);
     const at::Tensor loss = torch::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, 256}), targets.reshape({-1}));
+    phase("forward");
     if (config_.level) {
       amp::scale_loss scaled(loss, *optimizer_);
       scaled.backward();
+      phase("backward");
     } else {
       loss.backward();
     }
+    phase("guard end");
     optimizer_->step();
+    phase("step");
     return loss.item<double>();
   }
 
@@ -228,6 +245,7 @@ class Trainer {
   examples::CharTransformer model_{nullptr};
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   amp::Handle handle_;
+  int64_t phase_peak_ = 0;  // --phases: the highest peak a phase saw
 };
 
 std::string serialize(const Figures& f) {
@@ -257,6 +275,7 @@ Figures run_ranks(const Config& config, int layers, int timed, int train_steps) 
                                      "--train_steps=" + std::to_string(train_steps),
                                      "--timed_steps=" + std::to_string(timed),
                                      "--bucket_mib=" + std::to_string(absl::GetFlag(FLAGS_bucket_mib)),
+                                     std::string("--phases=") + (absl::GetFlag(FLAGS_phases) ? "true" : "false"),
                                      "--result=" + base + "." + std::to_string(rank)};
     std::vector<char*> raw;
     for (auto& a : args) raw.push_back(a.data());
