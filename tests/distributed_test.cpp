@@ -894,6 +894,33 @@ TEST_F(AmpTest, ShardedStepHoldsItsPartOnce) {
   }
 }
 
+TEST_F(AmpTest, ShardedOverGlooHoldsNoWholeBucketsWhenBackwardReturns) {
+  // Over Gloo amp all-reduces each bucket whole and keeps its chunk; the
+  // whole float32 buckets go as their reductions end. When backward returns
+  // a rank holds its chunks (here, at world size 1, every gradient once in
+  // bfloat16: 2 bytes a parameter), not the float32 buckets (4 more), which
+  // a view kept alive until the guard's end.
+  amp::track_allocations();
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int i = 0; i < 32; ++i) model->push_back(torch::nn::Linear(64, 64));
+  amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  Options options = fake_data_parallel(O6, c10::make_intrusive<GlooNamedWorldOfOne>());
+  options.data_parallel.shard = true;
+  options.data_parallel.bucket_bytes = 16 * 1024;
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  const int64_t params = 32 * (64 * 64 + 64);
+  optimizer.zero_grad();
+  const at::Tensor loss = model->forward(torch::randn({1, 64})).to(at::kFloat).pow(2).mean();
+  const int64_t before = allocated_bytes().current;
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+    EXPECT_LT(allocated_bytes().current - before, 3 * params);
+  }
+}
+
 TEST_F(AmpTest, ShardedOptimizerStepsPiecesAndGetsItsParametersBack) {
   torch::manual_seed(0);
   TinyNet model;

@@ -212,7 +212,10 @@ void GradientReducer::Reduction::keep_chunk(size_t b) {
   at::NoGradGuard no_grad;
   const int64_t chunk = bucket.padded / reducer_.world_;
   bucket.chunk.copy_(bucket.flat.narrow(0, reducer_.rank_ * chunk, chunk));
-  used_[b] = bucket.flat.narrow(0, bucket.padded, static_cast<int64_t>(bucket.members.size())).to(at::kFloat);
+  // A copy: a float32 flat's narrow would be a view keeping the whole bucket (and
+  // the buffer of the buckets reduced with it) alive until the guard ends.
+  used_[b] = bucket.flat.narrow(0, bucket.padded, static_cast<int64_t>(bucket.members.size()))
+                 .to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   if (!agreed_non_finite_.defined()) agreed_non_finite_ = at::zeros({1}, bucket.flat.options().dtype(at::kFloat));
   std::vector<at::Tensor> sums{bucket.flat.narrow(0, 0, bucket.numel)};
   non_finite_check_and_unscale(sums, agreed_non_finite_, at::ones({1}, agreed_non_finite_.options()));  // x * 1: a check
