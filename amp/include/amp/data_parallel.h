@@ -9,6 +9,7 @@
 //   amp::Options options = amp::O2;
 //   options.data_parallel.group = process_group;   // ProcessGroupGloo, ProcessGroupNCCL, ...
 //   options.data_parallel.shard = true;            // optional: ZeRO-2
+//   options.data_parallel.shard_weights = true;    // optional, with shard: ZeRO-3
 //   amp::initialize(model, optimizer, options);
 //
 // With shard, a parameter's gradient between guards is a mark of no bytes
