@@ -250,8 +250,7 @@ void ShardedOptimizer::take_model_zeroing() noexcept {
 }
 
 void ShardedOptimizer::take_member_gradients() noexcept {
-  take_model_zeroing();
-  for (at::Tensor& member : members_) member.mutable_grad().reset();
+  for (at::Tensor& member : members_) member.mutable_grad().reset();  // marks (zeroing taken at the guard's start)
 }
 
 ShardedOptimizer::Sums ShardedOptimizer::sums_with_micro_batch() const {
@@ -657,7 +656,7 @@ void ShardedOptimizer::restore() {
 
 ShardedMasters::ShardedMasters(const std::vector<torch::optim::Optimizer*>& optimizers,
                                const DataParallel& config, const ShardDtypes& dtypes)
-    : group_(config.group) {
+    : group_(config.group), shards_weights_(config.shard_weights) {
   // Every rank initializes as often as the others (it is a collective), so
   // the count names this initialization alike on every rank.
   static std::atomic<uint64_t> initializations{0};
@@ -718,18 +717,18 @@ size_t ShardedMasters::begin_block(size_t rerun_of) {
       throw;
     }
   }
-  weights_freed();  // a forward's begin ends an evaluation's round
+  if (shards_weights_) weights_freed();  // a forward's begin ends an evaluation's round
   return id;
 }
 
 void ShardedMasters::end_block() noexcept {
   for (auto& s : optimizers_) s->end_run();
-  weights_freed();
+  if (shards_weights_) weights_freed();
 }
 
 void ShardedMasters::free_weights() noexcept {
   for (auto& s : optimizers_) s->free_members();
-  weights_freed();
+  if (shards_weights_) weights_freed();
 }
 
 void ShardedMasters::take_model_zeroing() noexcept {

@@ -113,8 +113,9 @@ class ShardedOptimizer {
   // gradient is reset as optimizer.zero_grad() would, and the mark put back
   // (a guard's first act, before it checks the optimizers' gradients).
   void take_model_zeroing() noexcept;
-  // At a guard's opening: errors if a member carries a gradient other than
-  // its mark (a backward outside scale_loss); then the marks are taken off.
+  // At a guard's opening (after take_model_zeroing): errors if a member
+  // carries a gradient other than its mark (a backward outside
+  // scale_loss); then the marks are taken off.
   void check_member_gradients() const;
   void take_member_gradients() noexcept;
   // shard_gradients=false, a delay_unscale guard is ending: the members'
@@ -265,6 +266,7 @@ class ShardedMasters final : public ShardedWeights {
 
  private:
   c10::intrusive_ptr<c10d::Backend> group_;
+  bool shards_weights_;  // DataParallel::shard_weights
   std::vector<std::unique_ptr<ShardedOptimizer>> optimizers_;
 };
 

@@ -90,10 +90,9 @@ class ShardedWeights {
   // Before an op over `t`: if it is a weight, gathers the weights up to its
   // (a collective; sharded_optimizer.h); nothing for other tensors.
   virtual void sync_for(const at::Tensor& t) = 0;
-  // At a guard's opening: the weights' gradient marks are taken off, and
-  // the masters' gradients of weights model->zero_grad() reached are reset.
-  // Errors (nothing changed): a weight carries a gradient (a backward
-  // outside scale_loss).
+  // At a guard's opening, after take_model_zeroing: the weights' gradient
+  // marks are taken off. Errors (nothing changed): a weight carries a
+  // gradient (a backward outside scale_loss).
   virtual void take_member_gradients() = 0;
   // A guard's first act: the masters' gradients of weights model->zero_grad()
   // reached since the last guard are reset (as if it had reached them).
