@@ -483,5 +483,70 @@ TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
   EXPECT_LT(recomputed, plain * 6 / 10);
 }
 
+// Two levels (sqrt-decomposition, as the memory benchmark's deepest rows):
+// runs of recomputed blocks, each run recomputed as one. After forward only
+// the runs' inputs are kept; a run's rerun keeps its blocks' inputs while
+// backward goes through it. Gradients are the one-level ones bit for bit
+// (dropout's masks drawn again alike at both levels).
+TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
+  amp::track_allocations();
+  constexpr int kBlocks = 12, kRun = 4;
+  const at::Tensor x = torch::randn({1024, 64});
+  const int64_t input_bytes = x.nbytes();
+  struct Held {
+    int64_t after_forward = 0, peak = 0;
+    std::vector<at::Tensor> grads;
+  };
+  auto step = [&](int run) {
+    torch::manual_seed(0);
+    torch::nn::ModuleList blocks;
+    for (int i = 0; i < kBlocks; ++i) blocks->push_back(Block(64));
+    torch::optim::SGD optimizer(blocks->parameters(), 0.1);
+    Options options = O1;
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize(blocks, optimizer, options);
+    auto run_blocks = [blocks](size_t begin, size_t end, at::Tensor h) {
+      for (size_t i = begin; i < end; ++i) {
+        const auto b = blocks->ptr<BlockImpl>(i);
+        h = amp::recompute([b](const at::Tensor& in) { return b->forward(in, false); }, h);
+      }
+      return h;
+    };
+    Held held;
+    optimizer.zero_grad();
+    reset_peak_allocated();
+    const int64_t before = allocated_bytes().current;
+    at::Tensor h = x;
+    if (run == 1) {
+      h = run_blocks(0, kBlocks, h);
+    } else {
+      for (size_t begin = 0; begin < kBlocks; begin += run) {
+        h = amp::recompute([run_blocks, begin, run](const at::Tensor& in) { return run_blocks(begin, begin + run, in); },
+                           h);
+      }
+    }
+    held.after_forward = allocated_bytes().current - before;
+    {
+      scale_loss scaled(h.to(at::kFloat).pow(2).mean(), optimizer);
+      scaled.backward();
+    }
+    held.peak = allocated_bytes().peak - before;
+    for (const auto& p : blocks->parameters()) held.grads.push_back(p.grad().clone());
+    return held;
+  };
+  const Held one_level = step(1), two_levels = step(kRun);
+  // One level keeps the inputs of blocks 1..11, two those of blocks 4 and 8;
+  // each recompute node also keeps the CPU generator's state for its rerun.
+  const int64_t rng_state_bytes = at::detail::getDefaultCPUGenerator().get_state().nbytes();
+  std::printf("after forward: %lld bytes with one level, %lld with runs of %d; peak %lld and %lld\n",
+              static_cast<long long>(one_level.after_forward), static_cast<long long>(two_levels.after_forward), kRun,
+              static_cast<long long>(one_level.peak), static_cast<long long>(two_levels.peak));
+  EXPECT_EQ(one_level.after_forward - two_levels.after_forward, 9 * (input_bytes + rng_state_bytes))
+      << "forward should keep 9 block inputs (and their nodes' generator states) fewer, and nothing else";
+  EXPECT_LT(two_levels.peak, one_level.peak);
+  expect_bit_equal(one_level.grads, two_levels.grads, "gradient");
+}
+
 }  // namespace
 }  // namespace amp::testing

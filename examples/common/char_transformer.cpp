@@ -54,12 +54,26 @@ CharTransformerImpl::CharTransformerImpl(const TransformerConfig& c) : config(c)
   if (c.tied_head) torch::nn::init::normal_(token->weight, 0.0, 0.02);
 }
 
-torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
-  auto x = token(tokens) + position(at::arange(tokens.size(1), tokens.options()));
-  for (const auto& module : *blocks) {
-    auto block = std::dynamic_pointer_cast<BlockImpl>(module);
+torch::Tensor CharTransformerImpl::run_blocks(size_t begin, size_t end, torch::Tensor x) {
+  for (size_t i = begin; i < end; ++i) {
+    auto block = blocks->ptr<BlockImpl>(i);
     x = config.recompute ? amp::recompute([block](const torch::Tensor& in) { return block->forward(in); }, x)
                          : block->forward(x);
+  }
+  return x;
+}
+
+torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
+  auto x = token(tokens) + position(at::arange(tokens.size(1), tokens.options()));
+  const size_t layers = blocks->size();
+  if (config.recompute && config.recompute_run > 1) {
+    auto self = std::static_pointer_cast<CharTransformerImpl>(shared_from_this());  // lives until backward
+    for (size_t begin = 0, run = config.recompute_run; begin < layers; begin += run) {
+      const size_t end = std::min(begin + run, layers);
+      x = amp::recompute([self, begin, end](const torch::Tensor& in) { return self->run_blocks(begin, end, in); }, x);
+    }
+  } else {
+    x = run_blocks(0, layers, x);
   }
   x = norm(x);
   return config.tied_head ? at::linear(x, token->weight) : linear(head, x);

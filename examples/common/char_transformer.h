@@ -2,7 +2,7 @@
 // position embeddings, pre-norm blocks of causal multi-head attention
 // (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
 // linear head (or the token embedding, tied). Each block may run under
-// amp::recompute.
+// amp::recompute, and runs of blocks around them (two levels).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -22,6 +22,11 @@ struct TransformerConfig {
   int64_t layers = 2;
   bool tied_head = false;  // logits from the token embedding's weight, no head of its own
   bool recompute = false;  // each block's activations recomputed in backward
+  // With recompute, > 1: runs of this many blocks are recomputed as one as
+  // well (two levels: forward keeps a run's input, the run's rerun keeps its
+  // blocks' inputs). About sqrt(layers) keeps the fewest block inputs at
+  // once - 2 sqrt(layers) instead of layers - for a third forward pass.
+  int64_t recompute_run = 0;
 };
 
 struct BlockImpl : torch::nn::Module {
@@ -37,6 +42,8 @@ struct CharTransformerImpl : torch::nn::Module {
   explicit CharTransformerImpl(const TransformerConfig& c = {});
   // tokens [batch, time] int64 -> logits [batch, time, vocab]
   torch::Tensor forward(const torch::Tensor& tokens);
+  // Blocks [begin, end) on x, each recomputed when config.recompute is set.
+  torch::Tensor run_blocks(size_t begin, size_t end, torch::Tensor x);
   TransformerConfig config;
   torch::nn::Embedding token{nullptr}, position{nullptr};
   torch::nn::ModuleList blocks;

@@ -7,7 +7,9 @@
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
 // without masters, stochastic rounding) with recomputation; both with 8-bit
 // optimizer state (optimizer_state_dtype uint8), and with the step in
-// backward (step_in_backward); the O2, O5 and recomputed ones sharded at
+// backward (step_in_backward), that also with recomputation in two levels
+// (runs of about sqrt(depth) blocks recomputed around their recomputed
+// blocks: fewer kept block inputs for a third forward); the O2, O5 and recomputed ones sharded at
 // world sizes 2 and 4 (ZeRO-2 over Gloo, and the recomputed ones with
 // their weights sharded too: ZeRO-3; ranks
 // started by this program, bytes per rank), each beside the same
@@ -71,6 +73,9 @@ ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
 ABSL_FLAG(std::string, only, "", "run only the configurations whose name a match of this regular expression contains");
 ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: no peer rows)");
 ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
+ABSL_FLAG(std::vector<std::string>, budget_depths, {},
+          "largest-model table: amp's rows try only these depths (comma-separated) and show the deepest that "
+          "fits, a lower bound on their largest (LibTorch float32 is still searched); empty: every row searched");
 ABSL_FLAG(double, bucket_mib, 4,
           "data-parallel rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
           "of float32 gradients at once)");
@@ -97,6 +102,7 @@ struct Config {
   bool state8 = false;  // optimizer_state_dtype uint8 (amp's FusedAdamW)
   bool in_backward = false;  // step_in_backward (amp's FusedAdamW)
   bool shard_weights = false;  // with shard: ZeRO-3
+  bool two_levels = false;  // with recompute: runs of about sqrt(depth) blocks recomputed around the blocks
 };
 
 std::vector<Config> configs() {
@@ -106,7 +112,9 @@ std::vector<Config> configs() {
                              {"amp O5 + recompute + 8-bit state", amp::O5, true, 1, false, true},
                              {"amp O6 + recompute + 8-bit state", amp::O6, true, 1, false, true},
                              {"amp O6 + recompute + step in backward", amp::O6, true, 1, false, false, true},
-                             {"amp O6 + recompute + 8-bit state + step in backward", amp::O6, true, 1, false, true, true}};
+                             {"amp O6 + recompute + 8-bit state + step in backward", amp::O6, true, 1, false, true, true},
+                             {"amp O6 + recompute in two levels + 8-bit state + step in backward", amp::O6, true, 1,
+                              false, true, true, false, true}};
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
       const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
@@ -144,6 +152,7 @@ class Trainer {
     shape.layers = layers;
     shape.tied_head = true;
     shape.recompute = config.recompute;
+    if (config.two_levels) shape.recompute_run = std::lround(std::sqrt(double(layers)));
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);
     if (config.level == amp::O6 || config.state8 || config.in_backward) {
@@ -423,13 +432,21 @@ void equal_batch_table(const std::vector<Row>& table, int layers) {
 // The deepest model whose step's peak fits the budget: peaks grow about
 // linearly with depth, so each guess follows the line through the last two
 // measurements, kept between the deepest that fit and the shallowest that
-// did not.
+// did not. With --budget_depths, amp's rows measure only those.
 std::pair<int, Figures> largest_in_budget(const Row& row, double budget) {
   std::map<int, Figures> measured;
   auto peak_at = [&](int layers) {
     if (!measured.count(layers)) measured[layers] = row.measure(layers, /*timed=*/0, /*train=*/0);
     return measured[layers].peak_mib;
   };
+  const std::vector<std::string> depths = absl::GetFlag(FLAGS_budget_depths);
+  if (!depths.empty() && row.name != "LibTorch fp32") {
+    int deepest = 0;
+    for (const std::string& depth : depths) {
+      if (peak_at(std::stoi(depth)) <= budget) deepest = std::max(deepest, std::stoi(depth));
+    }
+    return {deepest, measured[deepest]};
+  }
   int fits = 0, too_deep = 1 << 20, previous = 2, current = 4;
   for (int layers : {previous, current}) (peak_at(layers) <= budget ? fits : too_deep) = layers;
   while (too_deep - fits > 1) {
