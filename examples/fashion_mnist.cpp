@@ -38,6 +38,7 @@ ABSL_FLAG(double, lr, 2e-3, "Adam learning rate");
 ABSL_FLAG(std::string, optimizer, "",
           "libtorch (torch::optim::Adam) or fused (amp::optim::FusedAdam); default: fused at O6, whose "
           "stochastic rounding needs it, libtorch otherwise");
+ABSL_FLAG(bool, eight_bit_state, false, "keep Adam's moments in 8 bits (optimizer_state_dtype uint8; fused optimizer)");
 ABSL_FLAG(int, seed, 0, "random seed (weights and batch order)");
 ABSL_FLAG(std::string, data_dir, examples::kDefaultFashionMnistDir, "directory of the idx .gz files");
 ABSL_FLAG(int64_t, train_limit, 20000,
@@ -160,6 +161,7 @@ int run() {
       absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype), device, absl::GetFlag(FLAGS_verbosity));
   options.measured_policy = absl::GetFlag(FLAGS_measured_policy);
   options.keep_cpu_memory = absl::GetFlag(FLAGS_keep_cpu_memory);
+  if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
   if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
   if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
