@@ -82,9 +82,11 @@ bool under_a_sanitizer() {
 // process each: 49,200 faults with the threshold fixed at 128 KiB (every
 // run), 0 kept, from glibc's defaults or from that threshold. The heap may
 // still grow once in a run (a 4 or 8 MiB block placed at its top, as in an
-// unoptimized build: hence the fewest of three).
+// unoptimized build: hence the fewest of three). Under load a build has
+// seen one 4 MiB block (1024 pages) fault in during each of the three runs:
+// the line sits at 16 MiB, still a twelfth of what memory given back faults.
 void exit_with(long faults, bool reused) {
-  constexpr long kFew = 1024;
+  constexpr long kFew = 4096;
   if ((faults < kFew) == reused) std::exit(0);
   std::fprintf(stderr, "the fewest faults in four steps were %ld pages (expected %s %ld)\n", faults,
                reused ? "under" : "at least", kFew);
