@@ -432,18 +432,17 @@ void equal_batch_table(const std::vector<Row>& table, int layers) {
 // The deepest model whose step's peak fits the budget: peaks grow about
 // linearly with depth, so each guess follows the line through the last two
 // measurements, kept between the deepest that fit and the shallowest that
-// did not. With --budget_depths, amp's rows measure only those.
-std::pair<int, Figures> largest_in_budget(const Row& row, double budget) {
+// did not. Given `depths`, it measures only those.
+std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const std::vector<int>& depths) {
   std::map<int, Figures> measured;
   auto peak_at = [&](int layers) {
     if (!measured.count(layers)) measured[layers] = row.measure(layers, /*timed=*/0, /*train=*/0);
     return measured[layers].peak_mib;
   };
-  const std::vector<std::string> depths = absl::GetFlag(FLAGS_budget_depths);
-  if (!depths.empty() && row.name != "LibTorch fp32") {
+  if (!depths.empty()) {
     int deepest = 0;
-    for (const std::string& depth : depths) {
-      if (peak_at(std::stoi(depth)) <= budget) deepest = std::max(deepest, std::stoi(depth));
+    for (int depth : depths) {
+      if (peak_at(depth) <= budget) deepest = std::max(deepest, depth);
     }
     return {deepest, measured[deepest]};
   }
@@ -465,9 +464,11 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
               "trained %d steps\n\n", budget, train_steps);
   std::printf("| configuration | blocks | parameters | parameters / fp32 | peak MiB | peak bytes / parameter | floor | "
               "loss (last 5 steps) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::vector<int> depths;  // --budget_depths, for every row but the float32 reference (the first)
+  for (const std::string& depth : absl::GetFlag(FLAGS_budget_depths)) depths.push_back(std::stoi(depth));
   int64_t fp32_parameters = 0;
   for (const Row& row : table) {
-    const auto [layers, fit] = largest_in_budget(row, budget);
+    const auto [layers, fit] = largest_in_budget(row, budget, fp32_parameters == 0 ? std::vector<int>{} : depths);
     if (layers == 0) continue;
     // Without training, the search's own step at that depth is the row.
     const Figures trained = train_steps > 0 ? row.measure(layers, /*timed=*/0, train_steps) : fit;
