@@ -497,12 +497,12 @@ TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
     int64_t after_forward = 0, peak = 0;
     std::vector<at::Tensor> grads;
   };
-  auto step = [&](int run) {
+  auto step = [&](int run, OptLevel level) {
     torch::manual_seed(0);
     torch::nn::ModuleList blocks;
     for (int i = 0; i < kBlocks; ++i) blocks->push_back(Block(64));
     torch::optim::SGD optimizer(blocks->parameters(), 0.1);
-    Options options = O1;
+    Options options = level;
     options.verbosity = 0;
     Handle handle;
     handle.initialize(blocks, optimizer, options);
@@ -535,7 +535,7 @@ TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
     for (const auto& p : blocks->parameters()) held.grads.push_back(p.grad().clone());
     return held;
   };
-  const Held one_level = step(1), two_levels = step(kRun);
+  const Held one_level = step(1, O1), two_levels = step(kRun, O1);
   // One level keeps the inputs of blocks 1..11, two those of blocks 4 and 8;
   // each recompute node also keeps the CPU generator's state for its rerun.
   const int64_t rng_state_bytes = at::detail::getDefaultCPUGenerator().get_state().nbytes();
@@ -546,6 +546,10 @@ TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
       << "forward should keep 9 block inputs (and their nodes' generator states) fewer, and nothing else";
   EXPECT_LT(two_levels.peak, one_level.peak);
   expect_bit_equal(one_level.grads, two_levels.grads, "gradient");
+  // With bfloat16 weights (O2) and float32 masters stepped from them (O5), the same.
+  for (OptLevel level : {O2, O5}) {
+    expect_bit_equal(step(1, level).grads, step(kRun, level).grads, "gradient at O2/O5");
+  }
 }
 
 }  // namespace
