@@ -27,7 +27,9 @@
 # benchmarks 89 s; the machine started in about 30 s; the peer's
 # torch.compile rows, added since, compile the transformer three times and
 # have not yet run there: the peer stage may take minutes more). The benchmark
-# windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12").
+# windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12"), its
+# workloads AMP_GPU_BENCH_MODELS (default all: resnet,gpt,sweep); the suite's
+# tests AMP_GPU_SUITE_FILTER (a --gtest_filter; default all).
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU
 # machine is: Debian's Abseil, GoogleTest, gloo and zlib under /usr are
@@ -159,7 +161,7 @@ if wants suite; then
   # Simulating (on CI, right after the same suite ran on the same CPU): the
   # tests that train in helper processes or beside Python peers run only
   # CPU code, which this build does not change; the GPU machine runs them.
-  filter='*'
+  filter=${AMP_GPU_SUITE_FILTER:-*}
   ((simulate)) && filter='*-RanksAsProcesses.*:*BuiltInDataParallel.*:*HandWrittenAllReduce.*:*ShardedDataParallel.*:*PeerTest.*'
   for ((i = 0; i < shards; i++)); do
     GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 900 "$build/tests/amp_tests" --gtest_filter="$filter" \
@@ -237,7 +239,7 @@ fi
 if device_stage benchmarks; then
   start=$SECONDS
   # shellcheck disable=SC2086  # two numbers
-  timeout 240 "$build/tools/gpu_benchmarks" $bench_steps > "$out/benchmarks.md" 2>> "$out/log.txt"
+  timeout 240 "$build/tools/gpu_benchmarks" $bench_steps ${AMP_GPU_BENCH_MODELS:-} > "$out/benchmarks.md" 2>> "$out/log.txt"
   say "gpu_run: gpu_benchmarks exit $? ($((SECONDS - start)) s): benchmarks.md"
 fi
 

@@ -26,7 +26,8 @@
 // layer's training step (forward, both gradients, AdamW) at O5 and at
 // O5+fp8, and the bare float8 kernel's throughput as a fraction of the
 // card's float8 ceiling (an 8192^3 _scaled_mm) - what float8 can give, and
-// what amp's scaling and casts leave of it; and the same per Linear layer
+// what amp's scaling and casts leave of it, with the device operations
+// (kernels, memsets, copies) each step launches; and the same per Linear layer
 // from 768 x 3072 to 8192 x 28672 (models "sweep"): where float8 pays.
 //
 //   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt,sweep]
@@ -44,11 +45,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -299,9 +302,32 @@ double scaled_mm_tflops(int64_t rows, int64_t in, int64_t out) {
   return 2.0 * rows * in * out / (ms / 1e3) / 1e12;
 }
 
+// The device operations (kernels, memsets, copies) one call of `fn` puts on
+// the GPU, counted by LibTorch's profiler.
+int64_t device_ops(const std::function<void()>& fn) {
+  namespace profiler = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  const profiler::ProfilerConfig config(profiler::ProfilerState::KINETO, /*report_input_shapes=*/false,
+                                        /*profile_memory=*/false);
+  const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+  fn();
+  torch::cuda::synchronize();
+  const std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
+  return std::count_if(result->events().begin(), result->events().end(),
+                       [](const auto& e) { return e.deviceType() == c10::DeviceType::CUDA; });
+}
+
+struct LayerStep {
+  double ms;
+  int64_t device_ops;
+};
+
 // One Linear(in, out) layer's training step on [rows, in] at O5, with and
-// without the fp8 property: milliseconds.
-double linear_step_ms(int64_t rows, int64_t in, int64_t out, bool fp8) {
+// without the fp8 property: milliseconds, and the device operations of one
+// step.
+LayerStep linear_step(int64_t rows, int64_t in, int64_t out, bool fp8) {
   torch::nn::Linear layer(in, out);
   layer->to(torch::kCUDA);
   auto optimizer = std::make_shared<amp::optim::FusedAdamW>(layer->parameters(), torch::optim::AdamWOptions(1e-4));
@@ -311,14 +337,16 @@ double linear_step_ms(int64_t rows, int64_t in, int64_t out, bool fp8) {
   amp::Handle handle;
   handle.initialize(layer, optimizer, options);
   const at::Tensor x = torch::randn({rows, in}, torch::kCUDA);
-  return time_ms(5, 20, [&] {
+  const auto step = [&] {
     optimizer->zero_grad();
     {
       amp::scale_loss scaled(layer->forward(x).to(at::kFloat).mean(), optimizer);
       scaled.backward();
     }
     optimizer->step();
-  });
+  };
+  const double ms = time_ms(5, 20, step);
+  return {ms, device_ops(step)};
 }
 
 struct GemmShape {
@@ -335,13 +363,15 @@ void fp8_gemm_rows(const char* title, const std::vector<GemmShape>& shapes) {
   }
   const double ceiling = scaled_mm_tflops(8192, 8192, 8192);
   std::printf("\n%s (8192 tokens); float8 ceiling (8192^3 _scaled_mm) %.0f TFLOP/s\n| GEMM | in x out | "
-              "bare float8 TFLOP/s | of the ceiling | layer step O5 ms | O5+fp8 ms | speedup |\n"
-              "|---|---|---:|---:|---:|---:|---:|\n", title, ceiling);
+              "bare float8 TFLOP/s | of the ceiling | layer step O5 ms | O5+fp8 ms | speedup | "
+              "device ops/step O5 | O5+fp8 |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|\n", title, ceiling);
   for (const GemmShape& g : shapes) {
     const double tflops = scaled_mm_tflops(8192, g.in, g.out);
-    const double o5 = linear_step_ms(8192, g.in, g.out, false), fp8 = linear_step_ms(8192, g.in, g.out, true);
-    std::printf("| %s | %lld x %lld | %.0f | %.0f%% | %.3f | %.3f | %.2f |\n", g.name, static_cast<long long>(g.in),
-                static_cast<long long>(g.out), tflops, 100 * tflops / ceiling, o5, fp8, o5 / fp8);
+    const LayerStep o5 = linear_step(8192, g.in, g.out, false), fp8 = linear_step(8192, g.in, g.out, true);
+    std::printf("| %s | %lld x %lld | %.0f | %.0f%% | %.3f | %.3f | %.2f | %lld | %lld |\n", g.name,
+                static_cast<long long>(g.in), static_cast<long long>(g.out), tflops, 100 * tflops / ceiling, o5.ms,
+                fp8.ms, o5.ms / fp8.ms, static_cast<long long>(o5.device_ops), static_cast<long long>(fp8.device_ops));
     std::fflush(stdout);
   }
 }
