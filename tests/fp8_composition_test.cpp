@@ -272,6 +272,62 @@ TEST_F(Fp8CompositionTest, TelemetryTalliesEveryFloat8Operand) {
   EXPECT_AMP_ERROR(fp8_telemetry(), "needs the fp8 property");
 }
 
+// Float8 only where it pays: a GEMM below min_gemm_intensity runs in
+// bfloat16 - exactly as O5 without fp8 - while a larger one beside it runs
+// in float8; fp8_choices() and the op counts say which and why.
+TEST_F(Fp8CompositionTest, OnlyGemmsWithEnoughIntensityRunInFloat8) {
+  torch::manual_seed(6);
+  // At 64 rows: 16 -> 64 has 64*16*64 / (64*16 + 16*64 + 64*64) = 10.7
+  // multiply-adds per element quantized, 64 -> 256 has 28.4.
+  torch::nn::Sequential model(torch::nn::Linear(16, 64), torch::nn::Linear(64, 256));
+  torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.1);
+  Options options = fp8_options();
+  options.fp8_scaling.min_gemm_intensity = 20;
+  initialize(model, optimizer, options);
+  const at::Tensor x = torch::randn({64, 16});
+  OpStatsRecorder recorder;
+  const at::Tensor out = model->forward(x);
+  std::vector<Fp8LayerChoice> choices = fp8_choices();
+  ASSERT_EQ(choices.size(), 2u);
+  EXPECT_EQ(choices[0].layer, "0.weight");
+  EXPECT_FALSE(choices[0].float8);
+  EXPECT_EQ(choices[0].rows, 64);
+  EXPECT_EQ(choices[0].in, 16);
+  EXPECT_EQ(choices[0].out, 64);
+  EXPECT_DOUBLE_EQ(choices[0].intensity, 64.0 * 16 * 64 / (64 * 16 + 16 * 64 + 64 * 64));
+  EXPECT_EQ(choices[0].reason, "intensity 11 < 20 (min_gemm_intensity)");
+  EXPECT_EQ(choices[1].layer, "1.weight");
+  EXPECT_TRUE(choices[1].float8);
+  EXPECT_EQ(choices[1].reason, "intensity 28 >= 20 (min_gemm_intensity)");
+  int64_t float8 = 0, fallbacks = 0;
+  for (const OpStats& row : recorder.stats()) float8 += row.float8, fallbacks += row.float8_fallbacks;
+  EXPECT_EQ(float8, 1);
+  EXPECT_EQ(fallbacks, 1);
+  EXPECT_EQ(gemms().sites(), 1);  // the bfloat16 layer has no float8 state
+  // The first layer's output is O5's without fp8, bit for bit.
+  const at::Tensor first = model[0]->as<torch::nn::Linear>()->forward(x);
+  deinitialize();
+  initialize(model, optimizer, quiet(O5));
+  EXPECT_TRUE(BitEqual(first, model[0]->as<torch::nn::Linear>()->forward(x)));
+  deinitialize();
+  // Unset on a CPU: every qualifying GEMM in float8.
+  initialize(model, optimizer, fp8_options());
+  model->forward(x);
+  choices = fp8_choices();
+  ASSERT_EQ(choices.size(), 2u);
+  EXPECT_TRUE(choices[0].float8 && choices[1].float8);
+  EXPECT_EQ(choices[0].reason, "intensity 11 >= 0 (min_gemm_intensity)");
+  deinitialize();
+  initialize(model, optimizer, quiet(O5));
+  EXPECT_AMP_ERROR(fp8_choices(), "needs the fp8 property");
+  deinitialize();
+  for (double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    options.fp8_scaling.min_gemm_intensity = bad;
+    EXPECT_AMP_ERROR(initialize(model, optimizer, options), "min_gemm_intensity must be a finite number >= 0");
+    EXPECT_FALSE(is_initialized());
+  }
+}
+
 // A recomputed block quantizes its inputs again in backward, with the
 // forward's scales; telemetry counts each operand once.
 TEST_F(Fp8CompositionTest, ARecomputedBlockIsTalliedOnce) {

@@ -173,6 +173,70 @@ TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
   }
 }
 
+// A matrix's quantization with its transpose (what the backward GEMMs take):
+// the values and inverse scale quantize() gives, and their transpose.
+TEST(Fp8ScalerTest, QuantizeTransposedIsQuantizeAndItsTranspose) {
+  torch::manual_seed(1);
+  Fp8Scaling recipe;
+  detail::Fp8Scaler with(recipe, at::kFloat8_e4m3fn), without(recipe, at::kFloat8_e4m3fn);
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    const at::Tensor x = (torch::randn({37, 20}) * (iteration + 1)).to(at::kBFloat16);
+    const auto [x8, inverse, x8_t] = with.quantize_transposed(x);
+    const auto [r8, r_inverse] = without.quantize(x);
+    EXPECT_TRUE(BitEqual(x8, r8));
+    EXPECT_TRUE(BitEqual(inverse, r_inverse));
+    ASSERT_EQ(x8_t.sizes(), (std::vector<int64_t>{20, 37}));
+    EXPECT_TRUE(x8_t.is_contiguous());
+    EXPECT_TRUE(BitEqual(x8_t, r8.t().contiguous()));
+    with.update();
+    without.update();
+    EXPECT_TRUE(BitEqual(with.amax_history(), without.amax_history()));
+  }
+  const at::Tensor m = torch::randn({5, 3}).to(at::kFloat8_e5m2);
+  EXPECT_TRUE(BitEqual(detail::fp8_transposed(m), m.t().contiguous()));
+}
+
+// The fused cast-transpose and the float8 transpose on CUDA against the
+// ATen path, bit for bit: both recipes and formats, three input dtypes,
+// shapes that are not multiples of the kernels' 32 x 32 tiles.
+TEST(Fp8ScalerTest, OnCudaTheCastTransposeIsTheAtenPathBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  const auto cuda = torch::TensorOptions(torch::kCUDA);
+  const std::vector<std::vector<int64_t>> shapes = {{1000, 48}, {33, 70}, {1, 17}, {64, 1}, {300, 257}};
+  for (auto recipe_kind : {Fp8Scaling::Recipe::kDelayed, Fp8Scaling::Recipe::kCurrent}) {
+    for (at::ScalarType format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        Fp8Scaling recipe;
+        recipe.recipe = recipe_kind;
+        recipe.amax_history_len = 3;
+        detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
+        const std::string what = std::string(recipe_kind == Fp8Scaling::Recipe::kDelayed ? "delayed " : "current ") +
+                                 c10::toString(format) + " from " + c10::toString(dtype);
+        torch::manual_seed(0);
+        for (int iteration = 0; iteration < 3; ++iteration) {
+          for (const auto& shape : shapes) {
+            const at::Tensor x = (torch::randn(shape, cuda) * (iteration + 1)).to(dtype);
+            const auto [x8, inverse, x8_t] = fused.quantize_transposed(x, /*tally=*/false);
+            const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
+            const std::string where = what + ", " + std::to_string(shape[0]) + " x " + std::to_string(shape[1]);
+            EXPECT_TRUE(BitEqual(x8, r8)) << where;
+            EXPECT_TRUE(BitEqual(inverse, r_inverse)) << where;
+            EXPECT_TRUE(x8_t.is_contiguous() && BitEqual(x8_t, r8.t().contiguous())) << where;
+            EXPECT_TRUE(BitEqual(detail::fp8_transposed(r8), r8.t().contiguous())) << where;
+          }
+          fused.update();
+          reference.update();
+          EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what;
+          EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what;
+        }
+      }
+    }
+  }
+  // A float8 matrix the kernel does not take (a transposed view): ATen's copy.
+  const at::Tensor m = torch::randn({40, 24}, cuda).to(at::kFloat8_e4m3fn).t();
+  EXPECT_TRUE(BitEqual(detail::fp8_transposed(m), m.t().contiguous()));
+}
+
 // ---- One linear layer against float64 ---------------------------------------
 
 // `t` rounded as the GEMM sees it: scaled, saturated, in `format`, unscaled.

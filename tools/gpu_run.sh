@@ -239,7 +239,7 @@ fi
 if device_stage benchmarks; then
   start=$SECONDS
   # shellcheck disable=SC2086  # two numbers
-  timeout 240 "$build/tools/gpu_benchmarks" $bench_steps ${AMP_GPU_BENCH_MODELS:-} > "$out/benchmarks.md" 2>> "$out/log.txt"
+  timeout 420 "$build/tools/gpu_benchmarks" $bench_steps ${AMP_GPU_BENCH_MODELS:-} > "$out/benchmarks.md" 2>> "$out/log.txt"
   say "gpu_run: gpu_benchmarks exit $? ($((SECONDS - start)) s): benchmarks.md"
 fi
 

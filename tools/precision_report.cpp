@@ -140,7 +140,10 @@ int run() {
   const amp::CastCounts counts = amp::cast_counts();
   std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n\n";
   if (telemetry) examples::print_telemetry(std::cout, *telemetry);
-  if (amp::properties().fp8) examples::print_fp8_telemetry(std::cout << "\n", amp::fp8_telemetry());
+  if (amp::properties().fp8) {
+    examples::print_fp8_choices(std::cout << "\n", amp::fp8_choices());
+    examples::print_fp8_telemetry(std::cout << "\n", amp::fp8_telemetry());
+  }
   print_memory(std::cout, optimizer, loss_of_forward, device);
   // Shapes that fit the hardware: the layers to pad for the low dtype here.
   const c10::ScalarType low = amp::properties().low_precision_dtype(device.type());

@@ -131,6 +131,18 @@ void print_fp8_telemetry(std::ostream& out, const std::vector<amp::Fp8TensorTele
   }
 }
 
+void print_fp8_choices(std::ostream& out, const std::vector<amp::Fp8LayerChoice>& layers) {
+  char line[320];
+  out << "Linear layers in float8 or bfloat16 (the fp8 property's choice, latest call):\n"
+      << "| layer | GEMM rows x in x out | intensity | runs in | why |\n|---|---|---:|---|---|\n";
+  for (const amp::Fp8LayerChoice& c : layers) {
+    std::snprintf(line, sizeof(line), "| %s | %lld x %lld x %lld | %.0f | %s | %s |\n", c.layer.c_str(),
+                  static_cast<long long>(c.rows), static_cast<long long>(c.in), static_cast<long long>(c.out),
+                  c.intensity, c.float8 ? "float8" : "bfloat16", c.reason.c_str());
+    out << line;
+  }
+}
+
 void print_measured_policy(std::ostream& out) {
   const std::vector<amp::MeasuredChoice> choices = amp::measured_policy();
   size_t kept = 0;

@@ -47,5 +47,8 @@ void print_telemetry(std::ostream& out, const amp::PrecisionTelemetry& telemetry
 // With the fp8 property: per layer and operand, the format, scale, amax and
 // the fractions saturated and flushed to zero (amp::fp8_telemetry).
 void print_fp8_telemetry(std::ostream& out, const std::vector<amp::Fp8TensorTelemetry>& tensors);
+// With the fp8 property: per linear layer, float8 or bfloat16 and why
+// (amp::fp8_choices).
+void print_fp8_choices(std::ostream& out, const std::vector<amp::Fp8LayerChoice>& layers);
 
 }  // namespace examples

@@ -4,10 +4,13 @@ GPT-2-small-shaped transformer, 12 x 768, 12 heads, sequence 1024, batch 8,
 with gpu_benchmarks' vocabulary of 50304 - GPT-2's 50257 padded to a
 multiple of 64 - and once with 50257 beside it): FP32 (TF32 off and on),
 torch.amp (autocast + GradScaler) with AdamW foreach and fused,
-torch.compile(model) with torch.amp and fused AdamW, and for bfloat16
-torchao's float8 training (convert_to_float8_training) with torch.compile;
-and one Linear layer's step at gpu_benchmarks' sweep of shapes (8192 tokens,
-768 x 3072 to 8192 x 28672) in bfloat16, eager and with torchao's float8.
+torch.compile(model) with torch.amp and fused AdamW (and with
+mode="reduce-overhead", CUDA graphs, on GPT), and for bfloat16 torchao's
+float8 training (convert_to_float8_training) with torch.compile; the
+small-batch step and the four Transformer Engine quickstart layers of
+gpu_benchmarks (small_batch, te_layers); and one Linear layer's step at
+gpu_benchmarks' sweep of shapes (8192 tokens, 768 x 3072 to 8192 x 28672)
+in bfloat16, eager and with torchao's float8.
 
 Prints Markdown tables in gpu_benchmarks' format: the mean step of one window
 of steps with one sync at its end (CUDA events) after warm-up, peak allocated
@@ -15,7 +18,7 @@ memory, host syncs per step - counted, not assumed: CUDA's sync debug mode
 warns at every synchronizing call in the window, and the warnings are
 counted, as gpu_benchmarks counts amp's and LibTorch's - and the final loss.
 
-    python3 tools/bench/gpu_peer.py [warmup=10] [timed=50] [models=resnet,gpt,sweep]
+    python3 tools/bench/gpu_peer.py [warmup=10] [timed=50] [models=resnet,gpt,small_batch,te_layers,sweep]
     python3 tools/bench/gpu_peer.py --smoke   # no GPU: every mode, tiny, on the CPU
 
 --smoke runs each mode for one step of a tiny transformer on the CPU (bfloat16
@@ -79,6 +82,9 @@ def resnet_loss(device):
 # gpu_benchmarks' transformer; --smoke's stand-in.
 GPT = dict(vocab=50304, context=1024, width=768, heads=12, layers=12, batch=8)
 SMOKE_GPT = dict(vocab=96, context=16, width=32, heads=4, layers=2, batch=2)
+# gpu_benchmarks' small step and its four Transformer Engine quickstart layers.
+SMALL_BATCH = dict(GPT, context=128, batch=1)
+TE_LAYERS = dict(vocab=256, context=2048, width=4096, heads=32, layers=4, batch=4)
 
 
 def gpt(shape):
@@ -112,6 +118,7 @@ MODES = {
     "foreach": ("torch.amp, AdamW foreach", False, False),
     "fused": ("torch.amp, AdamW fused", False, False),
     "compiled": ("torch.compile + torch.amp, AdamW fused", True, False),
+    "compiled_graphs": ('torch.compile(mode="reduce-overhead") + torch.amp, AdamW fused', "reduce-overhead", False),
     "float8": ("torchao float8 + torch.compile + torch.amp, AdamW fused", True, True),
 }
 
@@ -139,7 +146,9 @@ def measure(make, loss_of, mode, low, device, warmup, timed):
     if float8:
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(model)
-    forward = torch.compile(model) if compiled else model
+    forward = model
+    if compiled:
+        forward = torch.compile(model, mode=compiled) if isinstance(compiled, str) else torch.compile(model)
     fp32 = mode.startswith("fp32")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "fp32_tf32"
@@ -181,7 +190,7 @@ def main():
     args = [a for a in sys.argv[1:] if a != "--smoke"]
     warmup = int(args[0]) if len(args) > 0 else (1 if smoke else 10)
     timed = int(args[1]) if len(args) > 1 else (1 if smoke else 50)
-    models = args[2] if len(args) > 2 else ("gpt,sweep" if smoke else "resnet,gpt,sweep")
+    models = (args[2] if len(args) > 2 else "gpt,sweep" if smoke else "resnet,gpt,small_batch,te_layers,sweep").split(",")
     device = torch.device("cpu" if smoke else "cuda")
     shape = SMOKE_GPT if smoke else GPT
     unpadded = dict(shape, vocab=80 if smoke else 50257)
@@ -195,15 +204,24 @@ def main():
     lows = [torch.bfloat16] if smoke else [torch.float16, torch.bfloat16]
     # (title, make, loss, low dtypes, modes)
     workloads = []
-    if "resnet" in models:
-        workloads.append(("ResNet-18, batch 256, 3x224x224", ResNet18, resnet_loss(device), lows,
-                          ["fp32", "fp32_tf32", "foreach", "fused", "compiled"]))
     if "gpt" in models:
         title = (f"GPT-2-small shape ({shape['layers']} x {shape['width']}, {shape['heads']} heads), "
                  f"seq {shape['context']}, batch {shape['batch']}, vocabulary {shape['vocab']}")
-        workloads.append((title, gpt(shape), gpt_loss(shape, device), lows, list(MODES)))
+        # (CUDA graphs need a GPU: --smoke leaves reduce-overhead out.)
+        modes = [m for m in MODES if not (smoke and m == "compiled_graphs")]
+        workloads.append((title, gpt(shape), gpt_loss(shape, device), lows, modes))
         workloads.append((f"The same with vocabulary {unpadded['vocab']} (unpadded)", gpt(unpadded),
-                          gpt_loss(unpadded, device), lows, ["fused"]))
+                          gpt_loss(unpadded, device), lows, ["fused"] if smoke else ["fused", "compiled"]))
+    if "small_batch" in models and not smoke:
+        workloads.append(("GPT-2-small shape, seq 128, batch 1 (a small step)", gpt(SMALL_BATCH),
+                          gpt_loss(SMALL_BATCH, device), [torch.bfloat16], ["fused", "compiled", "compiled_graphs"]))
+    if "te_layers" in models and not smoke:
+        workloads.append(("Transformer Engine's quickstart layer x 4 (4096, FFN 16384, 32 heads), seq 2048, batch 4",
+                          gpt(TE_LAYERS), gpt_loss(TE_LAYERS, device), [torch.bfloat16],
+                          ["fp32_tf32", "fused", "compiled", "float8"]))
+    if "resnet" in models:
+        workloads.append(("ResNet-18, batch 256, 3x224x224", ResNet18, resnet_loss(device), lows,
+                          ["fp32", "fp32_tf32", "foreach", "fused", "compiled"]))
     if "sweep" in models:
         tokens = 32 if smoke else 8192
         for features, out in SWEEP[:1] if smoke else SWEEP:

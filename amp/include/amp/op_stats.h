@@ -34,8 +34,9 @@ struct OpStats {
   int64_t cache_hits = 0;  // weight casts served from the cast cache
   int64_t bytes_cast = 0;  // bytes of the cast copies made
   // The fp8 property (opt_levels.h): calls run as scaled float8 GEMMs, and
-  // calls that qualified but whose shapes the device's float8 kernel cannot
-  // take (on CUDA: dimensions not multiples of 16), run in bfloat16.
+  // calls that qualified but ran in bfloat16: shapes the device's float8
+  // kernel cannot take (on CUDA: dimensions not multiples of 16), or too
+  // few multiply-adds per element to pay (Fp8Scaling::min_gemm_intensity).
   int64_t float8 = 0;
   int64_t float8_fallbacks = 0;
 };

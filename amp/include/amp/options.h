@@ -14,6 +14,7 @@
 #include <amp/opt_levels.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace at {
@@ -101,8 +102,20 @@ struct Options : PropertyOverrides {
   //     one. Before the first commit a GEMM scales by its current amax.
   //   kCurrent: every call scales by its operand's own amax (the same formula).
   // kHybrid: e4m3 for the forward's operands, e5m2 for gradients (TE's
-  // HYBRID); kE4M3: e4m3 for all three. Errors (at initialize):
-  // amax_history_len < 1 or margin < 0.
+  // HYBRID); kE4M3: e4m3 for all three.
+  // min_gemm_intensity: which qualifying GEMMs run in float8, the others in
+  // bfloat16 - those doing at least this many multiply-adds per element
+  // they quantize, M*K*N / (M*K + K*N + M*N) for M rows (tokens), K inputs
+  // and N outputs. Below it, a pass over each of the three operands costs
+  // more than float8's faster GEMMs save. Unset: 3000 on CUDA, calibrated on
+  // an H200 (BENCHMARKS.md: a Linear layer's training step at 8192 tokens
+  // took 0.83x bfloat16's speed at 4096 x 16384, intensity 2341, and 1.03x
+  // at 8192 x 28672, 3574; GPT-2-small's largest is 692), and 0 elsewhere
+  // (float8 on a CPU checks numerics; it is never faster there). 0: every
+  // qualifying GEMM whose shapes fit. amp::fp8_choices() (telemetry.h)
+  // says which layers ran in float8 and why.
+  // Errors (at initialize): amax_history_len < 1, margin < 0,
+  // min_gemm_intensity negative or not finite.
   struct Fp8Scaling {
     enum class Recipe : uint8_t { kDelayed, kCurrent };
     enum class Format : uint8_t { kHybrid, kE4M3 };
@@ -112,6 +125,7 @@ struct Options : PropertyOverrides {
     int64_t amax_history_len = 16;
     Amax amax_compute = Amax::kMax;
     int margin = 0;
+    std::optional<double> min_gemm_intensity;
   };
   Fp8Scaling fp8_scaling;
 };

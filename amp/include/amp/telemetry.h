@@ -101,6 +101,17 @@ struct Fp8TensorTelemetry {
   double flushed_fraction() const { return numel > 0 ? static_cast<double>(flushed) / numel : 0.0; }
 };
 
+// The fp8 property's choice for one linear layer at its latest call: float8,
+// or bfloat16 and why (Options::Fp8Scaling::min_gemm_intensity, or shapes
+// the device's float8 kernel cannot take).
+struct Fp8LayerChoice {
+  std::string layer;  // the layer's weight, by name ("fc1.weight")
+  bool float8 = false;
+  int64_t rows = 0, in = 0, out = 0;  // the GEMM: [rows, in] x [in, out]
+  double intensity = 0;  // rows*in*out / (rows*in + in*out + rows*out)
+  std::string reason;    // "intensity 692 < 3000 (min_gemm_intensity)"
+};
+
 // What the latest guard over `optimizer` recorded; nullopt before the first.
 std::optional<PrecisionTelemetry> precision_telemetry(internal::OptimizerRef optimizer);
 
@@ -111,5 +122,10 @@ std::vector<double> scale_history(int loss_id = 0);
 // Every float8 operand's latest iteration, by layer name and operand;
 // empty before the first guard that ended an iteration.
 std::vector<Fp8TensorTelemetry> fp8_telemetry();
+
+// Every linear layer the fp8 property saw, by name: whether its latest call
+// ran in float8, and why. Needs the fp8 property (else an error), not
+// precision_telemetry.
+std::vector<Fp8LayerChoice> fp8_choices();
 
 }  // namespace amp

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -16,6 +17,54 @@ Fp8Gemms::Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally)
       tally_(tally),
       forward_(at::kFloat8_e4m3fn),
       backward_(recipe.format == Options::Fp8Scaling::Format::kHybrid ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn) {}
+
+namespace {
+
+// Calibrated on an H200 (options.h, BENCHMARKS.md).
+constexpr double kCudaMinGemmIntensity = 3000;
+
+}  // namespace
+
+bool Fp8Gemms::choose(const at::Tensor& input, int64_t out, const c10::TensorImpl* layer) {
+  Fp8LayerChoice c;
+  c.in = input.size(-1);
+  c.rows = c.in > 0 ? input.numel() / c.in : 0;
+  c.out = out;
+  const double rows = static_cast<double>(c.rows), in = static_cast<double>(c.in), outs = static_cast<double>(out);
+  const double elements = rows * in + in * outs + rows * outs;
+  c.intensity = elements > 0 ? rows * in * outs / elements : 0;
+  const double least = recipe_.min_gemm_intensity.value_or(input.is_cuda() ? kCudaMinGemmIntensity : 0);
+  char figures[96];
+  if (!fp8_shapes_fit(input, out)) {
+    c.reason = "dimensions not multiples of 16 (the CUDA float8 kernel's)";
+  } else if (c.intensity < least) {
+    std::snprintf(figures, sizeof figures, "intensity %.0f < %.0f (min_gemm_intensity)", c.intensity, least);
+    c.reason = figures;
+  } else {
+    c.float8 = true;
+    std::snprintf(figures, sizeof figures, "intensity %.0f >= %.0f (min_gemm_intensity)", c.intensity, least);
+    c.reason = figures;
+  }
+  const bool float8 = c.float8;
+  std::lock_guard<std::mutex> lock(mutex_);
+  choices_[layer] = std::move(c);
+  return float8;
+}
+
+std::vector<Fp8LayerChoice> Fp8Gemms::choices(const Names& names) const {
+  std::vector<Fp8LayerChoice> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [layer, choice] : choices_) {
+      auto name = names.find(layer);
+      if (name == names.end()) continue;
+      out.push_back(choice);
+      out.back().layer = name->second;
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const Fp8LayerChoice& a, const Fp8LayerChoice& b) { return a.layer < b.layer; });
+  return out;
+}
 
 std::shared_ptr<Fp8Site> Fp8Gemms::make_site() const {
   return std::make_shared<Fp8Site>(recipe_, forward_, backward_, tally_);

@@ -1,9 +1,10 @@
 // Private: the fp8 property's state - one Fp8Site per linear layer (by its
 // weight), created by the layer's first forward, and their update once an
 // iteration (the step participant in step/fp8_step.h calls it when a guard
-// commits). GEMMs whose shapes the device cannot take in float8 run in
-// bfloat16: the interception kernel checks fp8_shapes_fit() first, and
-// the precision report counts them (OpStats::float8_fallbacks).
+// commits). Which GEMMs run in float8 is choose()'s: those whose shapes the
+// device's kernel takes and whose intensity pays (min_gemm_intensity); the
+// others run in bfloat16, counted (OpStats::float8_fallbacks) and named
+// (amp::fp8_choices).
 #pragma once
 
 #include <amp/telemetry.h>
@@ -24,11 +25,20 @@ namespace amp::detail {
 
 class Fp8Gemms {
  public:
+  using Names = std::unordered_map<const c10::TensorImpl*, std::string>;
+
   // `tally`: keep what each operand's quantizations held
   // (Options::precision_telemetry).
   Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally);
 
-  // at::linear for the interception kernel in float8 (shapes that fit),
+  // Whether the interception kernel runs a qualifying GEMM of `layer` (its
+  // weight parameter) on `input` with `out` outputs in float8; the choice
+  // and its reason are kept as the layer's latest (choices()).
+  bool choose(const at::Tensor& input, int64_t out, const c10::TensorImpl* layer);
+  // Each layer's latest choice, named by `names` (others skipped), by name.
+  std::vector<Fp8LayerChoice> choices(const Names& names) const;
+
+  // at::linear for the interception kernel in float8 (a chosen GEMM),
   // the site being `layer`'s (its weight parameter); `rerun`: a recomputed
   // block's rerun (fp8_linear).
   at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -41,7 +51,6 @@ class Fp8Gemms {
   // The completed tallies (amp/telemetry.h), each site named by its
   // weight; one copy to the host. Sites of weights `names` lacks are
   // skipped.
-  using Names = std::unordered_map<const c10::TensorImpl*, std::string>;
   std::vector<Fp8TensorTelemetry> telemetry(const Names& names) const;
 
   // amp's state: every site under its weight's parameter name, in the
@@ -65,6 +74,7 @@ class Fp8Gemms {
   at::ScalarType forward_, backward_;
   mutable std::mutex mutex_;
   std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Fp8Site>> sites_;
+  std::unordered_map<const c10::TensorImpl*, Fp8LayerChoice> choices_;  // unnamed
 };
 
 }  // namespace amp::detail

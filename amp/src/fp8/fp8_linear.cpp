@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <memory>
+#include <tuple>
 #include <utility>
 
 namespace amp::detail {
@@ -14,8 +15,9 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// _scaled_mm wants its second operand column-major.
-at::Tensor column_major(const at::Tensor& t) { return t.t().contiguous().t(); }
+// _scaled_mm wants its second operand column-major: t's values, laid out
+// as its transpose is.
+at::Tensor column_major(const at::Tensor& t) { return fp8_transposed(t).t(); }
 
 struct Fp8LinearBackward final : Node {
   std::shared_ptr<Fp8Site> site;
@@ -34,16 +36,23 @@ struct Fp8LinearBackward final : Node {
     variable_list out(3);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return out;
-    const at::Tensor grad2 = grad.reshape({-1, grad.size(-1)});
-    const auto [grad8, grad_inv] = site->grad_output.quantize(grad2);
+    const at::Tensor grad2 = grad.reshape({-1, grad.size(-1)}).contiguous();
+    // The weight's gradient takes the gradient transposed: written by the
+    // pass that quantizes it.
+    at::Tensor grad8, grad_inv, grad8_t;
+    if (task_should_compute_output(1)) {
+      std::tie(grad8, grad_inv, grad8_t) = site->grad_output.quantize_transposed(grad2);
+    } else {
+      std::tie(grad8, grad_inv) = site->grad_output.quantize(grad2);
+    }
     if (task_should_compute_output(0)) {  // [N, out] . [out, in]
       out[0] = at::_scaled_mm(grad8, column_major(weight8), grad_inv, weight_inv, std::nullopt, std::nullopt,
                               input_dtype)
                    .reshape(input_sizes);
     }
     if (task_should_compute_output(1)) {  // [out, N] . [N, in]
-      out[1] = at::_scaled_mm(grad8.t().contiguous(), column_major(input8), grad_inv, input_inv, std::nullopt,
-                              std::nullopt, weight_dtype);
+      out[1] = at::_scaled_mm(grad8_t, column_major(input8), grad_inv, input_inv, std::nullopt, std::nullopt,
+                              weight_dtype);
     }
     if (task_should_compute_output(2)) out[2] = at::sum_to(grad2, bias_sizes).to(bias_dtype);
     return out;

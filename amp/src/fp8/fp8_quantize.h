@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
 #include <utility>
 
 namespace amp::detail {
@@ -34,5 +35,17 @@ bool fused_fp8_quantize_applies(const at::Tensor& x);
 // 0-dim float32 tensor), as Fp8Scaler::quantize's ATen path computes them;
 // with delayed scaling x's amax joins state.current. No host sync.
 std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const Fp8QuantizeState& state);
+// The same of a matrix x [rows, cols], and its transpose [cols, rows]
+// contiguous (the layout _scaled_mm takes a column-major operand in),
+// written by the pass that scales and casts: values, inverse, transpose.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_quantize_transposed(const at::Tensor& x,
+                                                                            const Fp8QuantizeState& state);
+
+// Whether `m` can take fused_fp8_transpose: a contiguous, non-empty float8
+// matrix on CUDA, in a build with the kernels.
+bool fused_fp8_transpose_applies(const at::Tensor& m);
+// m.t().contiguous() in one tiled pass (ATen's strided copy reads a byte of
+// each 32-byte sector it loads when it transposes float8).
+at::Tensor fused_fp8_transpose(const at::Tensor& m);
 
 }  // namespace amp::detail

@@ -61,19 +61,42 @@ at::Tensor Fp8Scaler::fresh_scale(const at::Tensor& amax) const {
   return amax.reciprocal().mul_(scale_factor());
 }
 
+at::Tensor fp8_transposed(const at::Tensor& m) {
+#ifdef AMP_WITH_FP8_KERNELS
+  if (fused_fp8_transpose_applies(m)) return fused_fp8_transpose(m);
+#endif
+  return m.t().contiguous();
+}
+
+#ifdef AMP_WITH_FP8_KERNELS
+// Two kernels where the ATen path takes a dozen launches (the tally's counts
+// stay with ATen's), for an x they take.
+bool Fp8Scaler::fused_applies(const at::Tensor& x, bool tally) const {
+  return !(tallying_ && tally) && fused_fp8_quantize_applies(x);
+}
+
+Fp8QuantizeState Fp8Scaler::fused_state(const at::Tensor& x) {
+  place(x);
+  dirty_ = true;
+  const bool delayed = recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed;
+  return {scale_, updated_, current_, delayed, scale_factor(), smallest_usable_amax(scale_factor()), fp8_max_, format_};
+}
+#endif
+
 std::pair<at::Tensor, at::Tensor> Fp8Scaler::quantize(const at::Tensor& x, bool tally) {
 #ifdef AMP_WITH_FP8_KERNELS
-  // Two kernels where this path takes a dozen launches (the tally's counts
-  // stay with ATen's).
-  if (!(tallying_ && tally) && fused_fp8_quantize_applies(x)) {
-    place(x);
-    dirty_ = true;
-    const bool delayed = recipe_.recipe == Options::Fp8Scaling::Recipe::kDelayed;
-    return fused_fp8_quantize(x, {scale_, updated_, current_, delayed, scale_factor(),
-                                  smallest_usable_amax(scale_factor()), fp8_max_, format_});
-  }
+  if (fused_applies(x, tally)) return fused_fp8_quantize(x, fused_state(x));
 #endif
   return quantize_reference(x, tally);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Fp8Scaler::quantize_transposed(const at::Tensor& x, bool tally) {
+  TORCH_INTERNAL_ASSERT(x.dim() == 2, "amp: quantize_transposed takes a matrix");
+#ifdef AMP_WITH_FP8_KERNELS
+  if (fused_applies(x, tally)) return fused_fp8_quantize_transposed(x, fused_state(x));
+#endif
+  auto [x8, inverse] = quantize_reference(x, tally);
+  return {x8, inverse, fp8_transposed(x8)};
 }
 
 // Each call is a handful of launches on a GPU, where a small layer's step is

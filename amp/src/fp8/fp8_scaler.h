@@ -3,12 +3,15 @@
 // The recipe and its formula: Options::Fp8Scaling (options.h).
 #pragma once
 
+#include "fp8/fp8_quantize.h"
+
 #include <amp/options.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/serialize/archive.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <utility>
@@ -23,6 +26,9 @@ struct Fp8Tally {
   at::Tensor amax;    // float32 [1]: the largest |x|
   at::Tensor scale;   // float32 [1]: the scale of the latest call
 };
+
+// m.t().contiguous() of a float8 matrix; on CUDA one tiled pass.
+at::Tensor fp8_transposed(const at::Tensor& m);
 
 class Fp8Scaler {
  public:
@@ -43,6 +49,11 @@ class Fp8Scaler {
   // device, and the reference those kernels are tested against.
   std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, bool tally = true);
   std::pair<at::Tensor, at::Tensor> quantize_reference(const at::Tensor& x, bool tally = true);
+  // quantize() of a matrix x [rows, cols], with the values' transpose
+  // [cols, rows] contiguous beside them (what _scaled_mm takes as a
+  // column-major operand): values, inverse scale, transpose. On CUDA the
+  // pass that casts writes both.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_transposed(const at::Tensor& x, bool tally = true);
 
   // Once an iteration, if quantize() ran since the last update: the tally
   // completes, and with delayed scaling the next scale comes from the
@@ -75,6 +86,10 @@ class Fp8Scaler {
   const at::Tensor& amax_history() const { return history_; }
 
  private:
+  // The fused kernels' part (GPU builds): whether they take x, and what
+  // they read and write of this scaler, placed on x's device.
+  bool fused_applies(const at::Tensor& x, bool tally) const;
+  Fp8QuantizeState fused_state(const at::Tensor& x);
   double scale_factor() const;
   at::Tensor fresh_scale(const at::Tensor& amax) const;
   void place(const at::Tensor& like);

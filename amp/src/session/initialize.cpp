@@ -1,3 +1,4 @@
+#include <cmath>
 #include <amp/initialize.h>
 #include <amp/internal/level_rules.h>
 
@@ -268,6 +269,10 @@ void check_fp8_scaling(const Options::Fp8Scaling& f) {
   TORCH_CHECK(f.amax_history_len >= 1, "amp: Options::fp8_scaling.amax_history_len must be at least 1, got ",
               f.amax_history_len, " (Transformer Engine's default is 1024; amp's 16).");
   TORCH_CHECK(f.margin >= 0, "amp: Options::fp8_scaling.margin must be >= 0, got ", f.margin, ".");
+  TORCH_CHECK(!f.min_gemm_intensity || (std::isfinite(*f.min_gemm_intensity) && *f.min_gemm_intensity >= 0),
+              "amp: Options::fp8_scaling.min_gemm_intensity must be a finite number >= 0, got ",
+              f.min_gemm_intensity.value_or(0), " (0 runs every qualifying GEMM in float8; leave it unset for the "
+              "calibrated default).");
 }
 
 // The fp8 property on a device without float8 GEMMs fails here, not in

@@ -177,4 +177,11 @@ std::vector<Fp8TensorTelemetry> fp8_telemetry() {
   return session->fp8()->telemetry(*session->parameter_names());
 }
 
+std::vector<Fp8LayerChoice> fp8_choices() {
+  const auto session = detail::require_step_session("amp::fp8_choices");
+  TORCH_CHECK(session->fp8() != nullptr, "amp: amp::fp8_choices needs the fp8 property, which is off. Set "
+              "PropertyOverrides::fp8 = true at O5 when calling amp::initialize.");
+  return session->fp8()->choices(*session->parameter_names());
+}
+
 }  // namespace amp

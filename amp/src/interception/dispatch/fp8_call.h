@@ -31,12 +31,12 @@ inline const c10::TensorImpl* weight_key(const at::Tensor& t) {
   return t.is_view() ? t._base().unsafeGetTensorImpl() : t.unsafeGetTensorImpl();
 }
 
-// Whether a qualifying call runs in float8: its shapes fit the device's
-// kernel (else it runs as the policy says); both counted per op.
-inline bool in_float8(const at::Tensor& input, int64_t out_features) {
-  const bool fits = fp8_shapes_fit(input, out_features);
-  CallRecord::note_float8(/*fell_back=*/!fits);  // a recomputed rerun's calls are not recorded
-  return fits;
+// Whether a qualifying call runs in float8 (Fp8Gemms::choose; else it runs
+// as the policy says); both counted per op.
+inline bool in_float8(Fp8Gemms& fp8, const at::Tensor& input, int64_t out_features, const at::Tensor& weight) {
+  const bool float8 = fp8.choose(input, out_features, weight_key(weight));
+  CallRecord::note_float8(/*fell_back=*/!float8);  // a recomputed rerun's calls are not recorded
+  return float8;
 }
 
 template <class Op>
@@ -50,7 +50,7 @@ struct Fp8Call<at::_ops::linear> {
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias) {
-    if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(input, weight.size(0))) return std::nullopt;
+    if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(fp8, input, weight.size(0), weight)) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor, std::optional<at::Tensor>> cast(to, device);
     return fp8.linear(cast(input), cast(weight), cast(bias), weight_key(weight), recomputing());
   }
@@ -63,7 +63,7 @@ struct Fp8Call<at::_ops::addmm> {
                                         const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                                         const at::Scalar& beta, const at::Scalar& alpha) {
     if (!is_layer_weight(mat2) || !beta.equal(1) || !alpha.equal(1) || self.dim() > 1 ||
-        !in_float8(mat1, mat2.size(1))) {
+        !in_float8(fp8, mat1, mat2.size(1), mat2)) {
       return std::nullopt;
     }
     ArgCastFor<at::Tensor, at::Tensor, at::Tensor> cast(to, device);
@@ -77,7 +77,7 @@ struct Fp8Call<at::_ops::mm> {
   static constexpr bool kApplies = true;
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& self, const at::Tensor& mat2) {
-    if (!is_layer_weight(mat2) || !in_float8(self, mat2.size(1))) return std::nullopt;
+    if (!is_layer_weight(mat2) || !in_float8(fp8, self, mat2.size(1), mat2)) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
     return fp8.linear(cast(self), cast(mat2).t(), std::nullopt, weight_key(mat2), recomputing());
   }
@@ -88,7 +88,7 @@ struct Fp8Call<at::_ops::matmul> {
   static constexpr bool kApplies = true;
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& self, const at::Tensor& other) {
-    if (!is_layer_weight(other) || self.dim() < 2 || !in_float8(self, other.size(1))) return std::nullopt;
+    if (!is_layer_weight(other) || self.dim() < 2 || !in_float8(fp8, self, other.size(1), other)) return std::nullopt;
     ArgCastFor<at::Tensor, at::Tensor> cast(to, device);
     return fp8.linear(cast(self), cast(other).t(), std::nullopt, weight_key(other), recomputing());
   }
