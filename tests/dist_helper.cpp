@@ -1,5 +1,5 @@
 // One rank of distributed_test: data-parallel training over ProcessGroupGloo
-// on loopback, a global batch of 24 rows split evenly across the ranks, with
+// on loopback (or ProcessGroupNCCL), a global batch of 24 rows split evenly across the ranks, with
 // one rank alone seeing an overflow at step 2.
 //
 //   dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]
@@ -43,6 +43,8 @@
 //                             out (the same program otherwise) (1)
 //     gather_timeout_ms=N     data_parallel.gather_timeout (60000)
 //     group_timeout_ms=N      the Gloo group's own timeout (1800000)
+//     backend=gloo|nccl       the process group (gloo); nccl: device=cuda,
+//                             in a build that found NCCL's header (AMP_WITH_NCCL)
 //     fp8=0|1                 1: the fp8 property (level=O5) (0)
 //     positions=none|first|after
 //                             a table [24, 2] added to the output, read
@@ -63,6 +65,9 @@
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef AMP_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/torch.h>
 
 #include <chrono>
@@ -133,7 +138,7 @@ int main(int argc, char** argv) {
                                            {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
                                            {"lone", "1"}, {"group_timeout_ms", "1800000"},
                                            {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"},
-                                           {"evaluate", "0"}};
+                                           {"evaluate", "0"}, {"backend", "gloo"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -146,8 +151,16 @@ int main(int argc, char** argv) {
   const std::string reduce = flags["reduce"];
   const int micro_batches = std::stoi(flags["micro_batches"]);
 
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-  if (reduce != "none") {
+  c10::intrusive_ptr<c10d::Backend> group;
+  if (reduce != "none" && flags["backend"] == "nccl") {
+#ifdef AMP_WITH_NCCL
+    group = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::FileStore>(argv[3], world), rank,
+                                                        world);
+#else
+    std::cerr << "backend=nccl: this build found no nccl.h (AMP_WITH_NCCL)\n";
+    return 2;
+#endif
+  } else if (reduce != "none") {
     auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
     auto gloo_options = c10d::ProcessGroupGloo::Options::create();
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));

@@ -397,6 +397,25 @@ TEST_F(RanksAsProcesses, ShardedOverGlooWithCudaTensors) {
   EXPECT_EQ(masters_free[0].skipped, 1);
 }
 
+// amp's data parallelism over NCCL: a world of one rank, replicated and
+// sharded, at O2 and O6, trains as one process does without a group.
+TEST_F(RanksAsProcesses, NcclWithCudaTensorsOneRankTrainsAsOneProcess) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+#ifndef AMP_WITH_NCCL
+  FAIL() << "LibTorch has CUDA here, but the build found no nccl.h (tests/CMakeLists.txt, AMP_NCCL_INCLUDE_DIR)";
+#endif
+  for (const std::string level : {"O2", "O6"}) {
+    const std::string args = "device=cuda optimizer=fused_adamw level=" + level;
+    const auto single = run_ranks(1, args + " reduce=none")[0];
+    for (const std::string shard : {"0", "1"}) {
+      const auto nccl = run_ranks(1, args + " backend=nccl shard=" + shard)[0];
+      expect_same_bits({nccl}, {single}, level + " over NCCL, shard=" + shard);
+      EXPECT_EQ(nccl.skipped, single.skipped);
+      EXPECT_EQ(nccl.skipped, 1);  // the injected overflow
+    }
+  }
+}
+
 TEST_F(RanksAsProcesses, ShardedAccumulationAtStagesOneAndTwo) {
   // ZeRO-2 keeps no whole gradient between micro-batches: each guard
   // reduce-scatters, and the pieces sum the averages. The order of the sums

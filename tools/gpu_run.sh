@@ -17,19 +17,24 @@
 # to stdout and to <out_dir>/summary.md; logs go to <out_dir>/log.txt, the
 # suite's output to tests.txt, tables to benchmarks.md and peer.md as they
 # are measured (a run killed at its limit still returns what it had).
-# Seven files in all (with the examples' trace.json). Each stage has a time limit. A session's device time is
-# about 15 minutes, machine starts included, so the run is two calls, the
-# second while the machine is still warm (its build is kept):
-#   tools/gpu_run.sh "$OUT" configure build suite sanitizer examples   # about 8 minutes
-#   tools/gpu_run.sh "$OUT" accuracy benchmarks peer                   # about 3 minutes
-# (measured on an H100 host with 16 cores, 2026-11-26: configure 5 s, build
-# 98 s, suite 252 s, sanitizer 26 s, examples 88 s, accuracy 26 s,
-# benchmarks 89 s; the machine started in about 30 s; the peer's
-# torch.compile rows, added since, compile the transformer three times and
-# have not yet run there: the peer stage may take minutes more). The benchmark
+# Seven files in all (with the examples' trace.json). Each stage has a time
+# limit. A session's device time is about 15 minutes, machine starts
+# included, and a machine goes back 30 s after a call, so the run is two or
+# three calls, each sent the moment the last returns (the build is kept):
+#   AMP_GPU_SUITE_FILTER='Cuda*:*.OnCuda*:*BackwardOnAutogradsCudaThread*:RanksAsProcesses.*Cuda*' \
+#     tools/gpu_run.sh "$OUT" configure build suite sanitizer benchmarks   # about 4 minutes
+#   tools/gpu_run.sh "$OUT" peer examples accuracy                         # about 5 minutes
+#   tools/gpu_run.sh "$OUT" suite        # the whole suite, with what is left
+# (measured on an H200 with 16 cores, 2026-11-28, docs/gpu_runs/2026-11-28:
+# configure 7 s, build 99 s, the 27 CUDA tests 6 s, sanitizer 29 s,
+# benchmarks 49 s for gpt,sweep alone, peer 191 s, examples 82 s, accuracy
+# 25 s; the whole suite did not end in 270 s; the machine started in about
+# a minute. The benchmarks' and the peer's small_batch and te_layers
+# workloads, added since, have not run there: minutes more.) The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12"), its
-# workloads AMP_GPU_BENCH_MODELS (default all: resnet,gpt,sweep); the suite's
-# tests AMP_GPU_SUITE_FILTER (a --gtest_filter; default all).
+# workloads AMP_GPU_BENCH_MODELS (default all:
+# resnet,gpt,small_batch,te_layers,sweep); the suite's tests
+# AMP_GPU_SUITE_FILTER (a --gtest_filter; default all).
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU
 # machine is: Debian's Abseil, GoogleTest, gloo and zlib under /usr are
@@ -258,7 +263,8 @@ fi
 # the GPU.
 if wants peer; then
   start=$SECONDS
-  peer_args=($bench_steps)
+  # shellcheck disable=SC2206  # two numbers and a list, split
+  peer_args=($bench_steps ${AMP_GPU_BENCH_MODELS:-})
   has_gpu || peer_args=(--smoke)
   PYTHONPATH="$deps/python${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$python" "$root/tools/bench/gpu_peer.py" \
     "${peer_args[@]}" > "$out/peer.md" 2>> "$out/log.txt"
