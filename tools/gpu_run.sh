@@ -230,9 +230,12 @@ if device_stage examples; then
   say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
   say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
   say "    O1 transformer_lm --measured_policy: $(example_result 120 transformer_lm --steps=20 --opt_level=O1 --measured_policy)"
-  # The fp8 property: linear layers in float8 through _scaled_mm (compute capability 8.9+).
-  say "    O5+fp8 fashion_mnist: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O5+fp8)"
-  say "    O5+fp8 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8)"
+  # The fp8 property: linear layers in float8 through _scaled_mm (compute
+  # capability 8.9+), every one (the examples' layers are too small for the
+  # default rule to choose float8), and as the rule chooses.
+  say "    O5+fp8 fashion_mnist, every GEMM in float8: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
+  say "    O5+fp8 transformer_lm, every GEMM in float8: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
+  say "    O5+fp8 transformer_lm, the default rule: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8)"
   # One CUDA step's profiler trace: amp's ranges beside the kernels.
   say "    O1 transformer_lm --trace: $(example_result 120 transformer_lm --steps=6 --opt_level=O1 --trace="$out/trace.json")"
   [ -f "$out/trace.json" ] && say "    amp's ranges in the trace: $("$python" -c 'import collections, json, sys

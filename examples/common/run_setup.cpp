@@ -7,6 +7,7 @@
 
 #include <sys/resource.h>
 
+#include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
 #include <c10/util/Exception.h>
@@ -16,6 +17,10 @@
 #include <iostream>
 #include <stdexcept>
 #include <unistd.h>
+
+ABSL_FLAG(double, fp8_min_gemm_intensity, -1,
+          "with --opt_level=O5+fp8: Options::fp8_scaling.min_gemm_intensity, the multiply-adds per element "
+          "quantized a GEMM needs to run in float8 (0: every GEMM that fits; below 0: amp's default)");
 
 namespace examples {
 
@@ -56,6 +61,8 @@ amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
     const bool fp8 = opt_level == "O5+fp8";  // O5 with linear layers' GEMMs in float8
     options = amp::Options(fp8 ? std::string("O5") : opt_level);
     if (fp8) options.fp8 = true;
+    const double least = absl::GetFlag(FLAGS_fp8_min_gemm_intensity);
+    if (fp8 && least >= 0) options.fp8_scaling.min_gemm_intensity = least;
   } catch (const c10::Error& e) {
     throw std::invalid_argument("--opt_level: " + std::string(e.what_without_backtrace()));
   }

@@ -14,7 +14,8 @@
 namespace examples {
 
 // Throws std::invalid_argument with a message that names the flag.
-// `opt_level`: O0..O6, or O5+fp8 (the fp8 property on top of O5).
+// `opt_level`: O0..O6, or O5+fp8 (the fp8 property on top of O5, with
+// --fp8_min_gemm_intensity where set).
 amp::Options amp_options(const std::string& opt_level, const std::string& dtype,
                          c10::Device device, int verbosity = 1);
 c10::Device parse_device(const std::string& device);
