@@ -26,28 +26,19 @@ constexpr double kCudaMinGemmIntensity = 3000;
 }  // namespace
 
 bool Fp8Gemms::choose(const at::Tensor& input, int64_t out, const c10::TensorImpl* layer) {
-  Fp8LayerChoice c;
+  // Every qualifying GEMM asks: numbers only here, the words when asked.
+  Choice c;
   c.in = input.size(-1);
   c.rows = c.in > 0 ? input.numel() / c.in : 0;
   c.out = out;
   const double rows = static_cast<double>(c.rows), in = static_cast<double>(c.in), outs = static_cast<double>(out);
   const double elements = rows * in + in * outs + rows * outs;
   c.intensity = elements > 0 ? rows * in * outs / elements : 0;
-  const double least = recipe_.min_gemm_intensity.value_or(input.is_cuda() ? kCudaMinGemmIntensity : 0);
-  char figures[96];
-  if (!fp8_shapes_fit(input, out)) {
-    c.reason = "dimensions not multiples of 16 (the CUDA float8 kernel's)";
-  } else if (c.intensity < least) {
-    std::snprintf(figures, sizeof figures, "intensity %.0f < %.0f (min_gemm_intensity)", c.intensity, least);
-    c.reason = figures;
-  } else {
-    c.float8 = true;
-    std::snprintf(figures, sizeof figures, "intensity %.0f >= %.0f (min_gemm_intensity)", c.intensity, least);
-    c.reason = figures;
-  }
-  const bool float8 = c.float8;
+  c.least = recipe_.min_gemm_intensity.value_or(input.is_cuda() ? kCudaMinGemmIntensity : 0);
+  c.fits = fp8_shapes_fit(input, out);
+  const bool float8 = c.fits && c.intensity >= c.least;
   std::lock_guard<std::mutex> lock(mutex_);
-  choices_[layer] = std::move(c);
+  choices_[layer] = c;
   return float8;
 }
 
@@ -55,11 +46,21 @@ std::vector<Fp8LayerChoice> Fp8Gemms::choices(const Names& names) const {
   std::vector<Fp8LayerChoice> out;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [layer, choice] : choices_) {
+    for (const auto& [layer, c] : choices_) {
       auto name = names.find(layer);
       if (name == names.end()) continue;
-      out.push_back(choice);
-      out.back().layer = name->second;
+      Fp8LayerChoice choice;
+      choice.layer = name->second;
+      choice.float8 = c.fits && c.intensity >= c.least;
+      choice.rows = c.rows, choice.in = c.in, choice.out = c.out;
+      choice.intensity = c.intensity;
+      char reason[96] = "dimensions not multiples of 16 (the CUDA float8 kernel's)";
+      if (c.fits) {
+        std::snprintf(reason, sizeof reason, "intensity %.0f %s %.0f (min_gemm_intensity)", c.intensity,
+                      choice.float8 ? ">=" : "<", c.least);
+      }
+      choice.reason = reason;
+      out.push_back(std::move(choice));
     }
   }
   std::sort(out.begin(), out.end(), [](const Fp8LayerChoice& a, const Fp8LayerChoice& b) { return a.layer < b.layer; });

@@ -74,7 +74,13 @@ class Fp8Gemms {
   at::ScalarType forward_, backward_;
   mutable std::mutex mutex_;
   std::unordered_map<const c10::TensorImpl*, std::shared_ptr<Fp8Site>> sites_;
-  std::unordered_map<const c10::TensorImpl*, Fp8LayerChoice> choices_;  // unnamed
+  // A layer's latest choice, as choose() found it.
+  struct Choice {
+    int64_t rows = 0, in = 0, out = 0;
+    double intensity = 0, least = 0;
+    bool fits = false;
+  };
+  std::unordered_map<const c10::TensorImpl*, Choice> choices_;
 };
 
 }  // namespace amp::detail
