@@ -32,8 +32,8 @@ class Fp8Gemms {
   Fp8Gemms(const Options::Fp8Scaling& recipe, bool tally);
 
   // Whether the interception kernel runs a qualifying GEMM of `layer` (its
-  // weight parameter) on `input` with `out` outputs in float8; the choice
-  // and its reason are kept as the layer's latest (choices()).
+  // weight parameter) on `input` with `out` outputs in float8; its figures
+  // are kept as the layer's latest choice (choices()).
   bool choose(const at::Tensor& input, int64_t out, const c10::TensorImpl* layer);
   // Each layer's latest choice, named by `names` (others skipped), by name.
   std::vector<Fp8LayerChoice> choices(const Names& names) const;

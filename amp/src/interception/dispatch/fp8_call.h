@@ -50,7 +50,9 @@ struct Fp8Call<at::_ops::linear> {
   static std::optional<at::Tensor> call(Fp8Gemms& fp8, at::ScalarType to, c10::DeviceType device,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias) {
-    if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(fp8, input, weight.size(0), weight)) return std::nullopt;
+    if (!is_layer_weight(weight) || input.dim() < 1 || !in_float8(fp8, input, weight.size(0), weight)) {
+      return std::nullopt;
+    }
     ArgCastFor<at::Tensor, at::Tensor, std::optional<at::Tensor>> cast(to, device);
     return fp8.linear(cast(input), cast(weight), cast(bias), weight_key(weight), recomputing());
   }
