@@ -124,6 +124,25 @@ TEST(Fp8ScalerTest, CurrentScalingScalesEachCallByItsOwnAmax) {
   }
 }
 
+// Calls fn(recipe, format, dtype, what) for each case the fused CUDA kernels
+// take: both recipes (with an amax history of `history`), both float8
+// formats, float32, bfloat16 and float16 inputs; `what` names the case.
+template <class Fn>
+void for_each_kernel_case(int64_t history, Fn fn) {
+  for (auto kind : {Fp8Scaling::Recipe::kDelayed, Fp8Scaling::Recipe::kCurrent}) {
+    for (at::ScalarType format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        Fp8Scaling recipe;
+        recipe.recipe = kind;
+        recipe.amax_history_len = history;
+        fn(recipe, format, dtype,
+           std::string(kind == Fp8Scaling::Recipe::kDelayed ? "delayed " : "current ") + c10::toString(format) +
+               " from " + c10::toString(dtype));
+      }
+    }
+  }
+}
+
 // The fused CUDA kernels (fp8_quantize.cu) against the ATen path they
 // replace, side by side: every output, the amax history and the scale bit
 // for bit over iterations, for both recipes, both formats, float32,
@@ -132,45 +151,37 @@ TEST(Fp8ScalerTest, CurrentScalingScalesEachCallByItsOwnAmax) {
 TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   const auto cuda = torch::TensorOptions(torch::kCUDA);
-  for (auto recipe_kind : {Fp8Scaling::Recipe::kDelayed, Fp8Scaling::Recipe::kCurrent}) {
-    for (at::ScalarType format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
-      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-        Fp8Scaling recipe;
-        recipe.recipe = recipe_kind;
-        recipe.amax_history_len = 4;
-        detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
-        const std::string what = std::string(recipe_kind == Fp8Scaling::Recipe::kDelayed ? "delayed " : "current ") +
-                                 c10::toString(format) + " from " + c10::toString(dtype);
-        torch::manual_seed(0);
-        for (int iteration = 0; iteration < 5; ++iteration) {
-          std::vector<at::Tensor> inputs = {torch::randn({1000, 48}, cuda) * (iteration + 1),
-                                            torch::randn({37}, cuda) * 1e-3};
-          if (iteration == 2) inputs.push_back(torch::zeros({64}, cuda));
-          if (iteration == 3) inputs.back()[5] = 3e4;  // saturates e4m3 at the delayed scale
-          for (const at::Tensor& input : inputs) {
-            const at::Tensor x = input.to(dtype);
-            const auto [x8, inverse] = fused.quantize(x, /*tally=*/false);
-            const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
-            EXPECT_TRUE(BitEqual(x8, r8)) << what << ", iteration " << iteration;
-            EXPECT_TRUE(BitEqual(inverse, r_inverse)) << what << ", iteration " << iteration;
-          }
-          fused.update();
-          reference.update();
-          EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what << ", iteration " << iteration;
-          EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ", iteration " << iteration;
-        }
-        at::Tensor bad = torch::randn({256}, cuda).to(dtype);
-        bad[7] = std::numeric_limits<float>::infinity();
-        const auto [b8, b_inverse] = fused.quantize(bad, false);
-        const auto [r8, r_inverse] = reference.quantize_reference(bad, false);
-        EXPECT_TRUE(std::isnan(b_inverse.item<float>()) && std::isnan(r_inverse.item<float>())) << what;
-        EXPECT_TRUE(BitEqual(b8, r8)) << what << ": the finite values and the saturated inf";
-        fused.update();
-        reference.update();
-        EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ": an inf stays out";
+  for_each_kernel_case(4, [&](const Fp8Scaling& recipe, at::ScalarType format, at::ScalarType dtype,
+                              const std::string& what) {
+    detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
+    torch::manual_seed(0);
+    for (int iteration = 0; iteration < 5; ++iteration) {
+      std::vector<at::Tensor> inputs = {torch::randn({1000, 48}, cuda) * (iteration + 1),
+                                        torch::randn({37}, cuda) * 1e-3};
+      if (iteration == 2) inputs.push_back(torch::zeros({64}, cuda));
+      if (iteration == 3) inputs.back()[5] = 3e4;  // saturates e4m3 at the delayed scale
+      for (const at::Tensor& input : inputs) {
+        const at::Tensor x = input.to(dtype);
+        const auto [x8, inverse] = fused.quantize(x, /*tally=*/false);
+        const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
+        EXPECT_TRUE(BitEqual(x8, r8)) << what << ", iteration " << iteration;
+        EXPECT_TRUE(BitEqual(inverse, r_inverse)) << what << ", iteration " << iteration;
       }
+      fused.update();
+      reference.update();
+      EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what << ", iteration " << iteration;
+      EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ", iteration " << iteration;
     }
-  }
+    at::Tensor bad = torch::randn({256}, cuda).to(dtype);
+    bad[7] = std::numeric_limits<float>::infinity();
+    const auto [b8, b_inverse] = fused.quantize(bad, false);
+    const auto [r8, r_inverse] = reference.quantize_reference(bad, false);
+    EXPECT_TRUE(std::isnan(b_inverse.item<float>()) && std::isnan(r_inverse.item<float>())) << what;
+    EXPECT_TRUE(BitEqual(b8, r8)) << what << ": the finite values and the saturated inf";
+    fused.update();
+    reference.update();
+    EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what << ": an inf stays out";
+  });
 }
 
 // A matrix's quantization with its transpose (what the backward GEMMs take):
@@ -203,35 +214,27 @@ TEST(Fp8ScalerTest, OnCudaTheCastTransposeIsTheAtenPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   const auto cuda = torch::TensorOptions(torch::kCUDA);
   const std::vector<std::vector<int64_t>> shapes = {{1000, 48}, {33, 70}, {1, 17}, {64, 1}, {300, 257}};
-  for (auto recipe_kind : {Fp8Scaling::Recipe::kDelayed, Fp8Scaling::Recipe::kCurrent}) {
-    for (at::ScalarType format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
-      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-        Fp8Scaling recipe;
-        recipe.recipe = recipe_kind;
-        recipe.amax_history_len = 3;
-        detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
-        const std::string what = std::string(recipe_kind == Fp8Scaling::Recipe::kDelayed ? "delayed " : "current ") +
-                                 c10::toString(format) + " from " + c10::toString(dtype);
-        torch::manual_seed(0);
-        for (int iteration = 0; iteration < 3; ++iteration) {
-          for (const auto& shape : shapes) {
-            const at::Tensor x = (torch::randn(shape, cuda) * (iteration + 1)).to(dtype);
-            const auto [x8, inverse, x8_t] = fused.quantize_transposed(x, /*tally=*/false);
-            const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
-            const std::string where = what + ", " + std::to_string(shape[0]) + " x " + std::to_string(shape[1]);
-            EXPECT_TRUE(BitEqual(x8, r8)) << where;
-            EXPECT_TRUE(BitEqual(inverse, r_inverse)) << where;
-            EXPECT_TRUE(x8_t.is_contiguous() && BitEqual(x8_t, r8.t().contiguous())) << where;
-            EXPECT_TRUE(BitEqual(detail::fp8_transposed(r8), r8.t().contiguous())) << where;
-          }
-          fused.update();
-          reference.update();
-          EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what;
-          EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what;
-        }
+  for_each_kernel_case(3, [&](const Fp8Scaling& recipe, at::ScalarType format, at::ScalarType dtype,
+                              const std::string& what) {
+    detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
+    torch::manual_seed(0);
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      for (const auto& shape : shapes) {
+        const at::Tensor x = (torch::randn(shape, cuda) * (iteration + 1)).to(dtype);
+        const auto [x8, inverse, x8_t] = fused.quantize_transposed(x, /*tally=*/false);
+        const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
+        const std::string where = what + ", " + std::to_string(shape[0]) + " x " + std::to_string(shape[1]);
+        EXPECT_TRUE(BitEqual(x8, r8)) << where;
+        EXPECT_TRUE(BitEqual(inverse, r_inverse)) << where;
+        EXPECT_TRUE(x8_t.is_contiguous() && BitEqual(x8_t, r8.t().contiguous())) << where;
+        EXPECT_TRUE(BitEqual(detail::fp8_transposed(r8), r8.t().contiguous())) << where;
       }
+      fused.update();
+      reference.update();
+      EXPECT_TRUE(BitEqual(fused.scale(), reference.scale())) << what;
+      EXPECT_TRUE(BitEqual(fused.amax_history(), reference.amax_history())) << what;
     }
-  }
+  });
   // A float8 matrix the kernel does not take (a transposed view): ATen's copy.
   const at::Tensor m = torch::randn({40, 24}, cuda).to(at::kFloat8_e4m3fn).t();
   EXPECT_TRUE(BitEqual(detail::fp8_transposed(m), m.t().contiguous()));
