@@ -1200,6 +1200,63 @@ TEST_F(AmpTest, ShardedZeroGradThroughTheModelOrTheOptimizerTrainsAlike) {
   }
 }
 
+// An accumulation's sums live in one place, each optimizer's record: a
+// micro-batch's guard that throws takes only its own backward with it,
+// replicated, ZeRO-1 (whose float32 sums the record holds between guards)
+// and ZeRO-2 alike; a step() while accumulating changes nothing, and the
+// accumulation ends bit for bit as one that never ran the failed micro-batch.
+TEST_F(AmpTest, DataParallelAccumulationKeepsItsSumThroughAFailedMicroBatch) {
+  torch::manual_seed(1);
+  const std::vector<at::Tensor> micro = {torch::randn({4, 8}), torch::randn({4, 8}), torch::randn({4, 8})};
+  struct Stage {
+    const char* name;
+    bool shard, shard_gradients;
+  };
+  for (const Stage& stage : {Stage{"replicated", false, true}, Stage{"ZeRO-1", true, false}, Stage{"ZeRO-2", true, true}}) {
+    SCOPED_TRACE(stage.name);
+    std::vector<at::Tensor> finals;
+    for (const bool fail : {false, true}) {
+      torch::manual_seed(0);
+      TinyNet model;
+      torch::optim::SGD optimizer(model->parameters(), 0.1);
+      Options options = fake_data_parallel(O2);
+      options.data_parallel.shard = stage.shard;
+      options.data_parallel.shard_gradients = stage.shard_gradients;
+      Handle handle;
+      handle.initialize(model, optimizer, options);
+      auto accumulate = [&](const at::Tensor& x, bool last) {
+        scale_loss scaled(model->forward(x).to(at::kFloat).pow(2).mean(), optimizer, {0, /*delay_unscale=*/!last});
+        scaled.backward();
+      };
+      optimizer.zero_grad();
+      accumulate(micro[0], false);
+      if (fail) {
+        try {
+          scale_loss scaled(model->forward(micro[1]).to(at::kFloat).pow(2).mean(), optimizer, {0, true});
+          scaled.backward();
+          throw std::runtime_error("the data loader failed");
+        } catch (const std::runtime_error& e) {
+          EXPECT_STREQ(e.what(), "the data loader failed");
+        }
+      }
+      std::vector<at::Tensor> before;
+      for (const auto& p : master_params(optimizer)) before.push_back(p.detach().clone());
+      optimizer.step();  // still accumulating: sees no gradients
+      const auto masters = master_params(optimizer);
+      for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(BitEqual(masters[i], before[i])) << "param " << i;
+      accumulate(micro[2], true);
+      optimizer.step();
+      std::vector<at::Tensor> parts;
+      for (size_t i = 0; i < masters.size(); ++i) {
+        EXPECT_FALSE(BitEqual(masters[i], before[i])) << "param " << i << " must have stepped";
+        parts.push_back(masters[i].detach().flatten().clone());
+      }
+      finals.push_back(torch::cat(parts));
+    }
+    EXPECT_TRUE(BitEqual(finals[0], finals[1]));
+  }
+}
+
 TEST_F(AmpTest, ShardedOptionsAreChecked) {
   torch::manual_seed(0);
   TinyNet model;

@@ -37,19 +37,23 @@ class DataParallelParticipant::Part final : public GuardPart {
   void prepare(Guard& guard) override {
     ShardedMasters* sharded = owner_.sharded_;
     if (sharded == nullptr || !guard.options().delay_unscale || owner_.reducer_->config().shard_gradients) return;
-    for (OptimizerStep* step : guard.steps()) sums_.push_back(sharded->of(step->optimizer())->sums_with_micro_batch());
+    for (OptimizerStep* step : guard.steps()) {
+      sums_.push_back(sharded->of(step->optimizer())->sums_with_micro_batch(step->held()));
+      step->reserve_sums(sums_.back().size());
+    }
   }
 
+  // The optimizers committed first: their records hold nothing of this
+  // guard's then, and take ZeRO-1's new sums here.
   void commit(Guard& guard) noexcept override {
     ShardedMasters* sharded = owner_.sharded_;
     if (sharded == nullptr) return;
     for (size_t i = 0; i < guard.steps().size(); ++i) {
-      ShardedOptimizer& s = *sharded->of(guard.steps()[i]->optimizer());
+      OptimizerStep& step = *guard.steps()[i];
       if (!sums_.empty()) {
-        s.hold(std::move(sums_[i]));
+        for (auto& [member, sum] : sums_[i]) step.hold_sum(member, std::move(sum));
       } else if (!guard.options().delay_unscale) {
-        s.end_accumulation();
-        s.mark_stale();
+        sharded->of(step.optimizer())->mark_stale();
       }
     }
     sharded->clear_member_gradients();
@@ -87,9 +91,9 @@ std::unique_ptr<GuardPart> DataParallelParticipant::open(Guard& guard) {
     // accumulate the averages, so no rank keeps whole gradients between
     // micro-batches. ZeRO-1 reduces in the accumulation's last guard.
     if (!guard.options().delay_unscale || reducer_->config().shard_gradients) {
-      std::vector<std::vector<ReduceBucket>*> buckets;
-      for (OptimizerStep* step : guard.steps()) buckets.push_back(&sharded_->of(step->optimizer())->buckets());
-      reduction = reducer_->start_sharded(buckets);
+      std::vector<GradientReducer::ShardedOwner> owners;
+      for (OptimizerStep* step : guard.steps()) owners.push_back({&sharded_->of(step->optimizer())->buckets(), &step->held()});
+      reduction = reducer_->start_sharded(owners);
     }
   } else if (reducer_ != nullptr && !guard.options().delay_unscale) {
     reduction = reducer_->start(guard.slots());  // delay_unscale: DDP's no_sync, the last guard reduces

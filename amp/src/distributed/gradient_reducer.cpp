@@ -93,21 +93,22 @@ std::unique_ptr<GradientReducer::Reduction> GradientReducer::start(std::vector<G
   return std::make_unique<Reduction>(*this, std::move(buckets), &slots);
 }
 
-std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(
-    const std::vector<std::vector<ReduceBucket>*>& owners) {
+std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(const std::vector<ShardedOwner>& owners) {
   std::vector<ReduceBucket*> buckets;
-  for (std::vector<ReduceBucket>* owned : owners) {
-    for (ReduceBucket& bucket : *owned) {
+  std::vector<const HeldGradients*> sums;
+  for (const ShardedOwner& owner : owners) {
+    for (ReduceBucket& bucket : *owner.buckets) {
       drain(bucket);
       buckets.push_back(&bucket);
+      sums.push_back(owner.sums);
     }
   }
-  return std::make_unique<Reduction>(*this, std::move(buckets), nullptr);
+  return std::make_unique<Reduction>(*this, std::move(buckets), nullptr, std::move(sums));
 }
 
 GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets,
-                                      std::vector<GradSlot>* slots)
-    : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots) {
+                                      std::vector<GradSlot>* slots, std::vector<const HeldGradients*> sums)
+    : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots), sums_(std::move(sums)) {
   // Gloo reduce-scatters by all-reducing the whole buffer and keeping the
   // chunk: all-reducing it here costs the same and leaves every rank the
   // whole sums, so the members' "used" flags ride in the bucket and the
@@ -147,8 +148,14 @@ void GradientReducer::Reduction::on_gradient(size_t member) {
   start_ready_buckets();
 }
 
-// Copies the bucket's gradients in: this backward's, plus (replicated) an
-// accumulation's earlier micro-batches (scaled asides); zero for a member
+at::Tensor GradientReducer::Reduction::earlier_sum(size_t b, size_t j) const {
+  if (sharded()) return sums_[b]->find(buckets_[b]->members[j]);
+  const GradSlot& slot = (*slots_)[buckets_[b]->ids[j]];
+  return slot.aside_scaled ? slot.aside : at::Tensor();
+}
+
+// Copies the bucket's gradients in: this backward's, plus an accumulation's
+// earlier micro-batches (scaled asides, or ZeRO-1's sums); zero for a member
 // without any.
 void GradientReducer::Reduction::fill(size_t b) {
   ReduceBucket& bucket = *buckets_[b];
@@ -177,9 +184,7 @@ void GradientReducer::Reduction::fill(size_t b) {
       grad = at::Tensor();
     }
     at::Tensor region = bucket.flat.narrow(0, bucket.offsets[j], member.numel()).view(member.sizes());
-    const GradSlot* slot = sharded() ? nullptr : &(*slots_)[bucket.ids[j]];
-    const at::Tensor aside = slot ? (slot->aside_scaled ? slot->aside : at::Tensor())
-                                  : (bucket.asides.empty() ? at::Tensor() : bucket.asides[j]);
+    const at::Tensor aside = earlier_sum(b, j);
     if (grad.defined()) {
       dst.push_back(region);
       src.push_back(grad);
@@ -302,8 +307,8 @@ void GradientReducer::Reduction::finish() {
   if (sharded() && !whole_sums() && !produced_.empty()) {
     std::vector<float> flags(produced_.begin(), produced_.end());
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      for (size_t j = 0; j < buckets_[b]->asides.size(); ++j) {
-        if (buckets_[b]->asides[j].defined()) flags[first_member_[b] + j] = 1;
+      for (size_t j = 0; j < buckets_[b]->members.size(); ++j) {
+        if (earlier_sum(b, j).defined()) flags[first_member_[b] + j] = 1;
       }
     }
     used = at::tensor(flags).to(buckets_.front()->chunk.device());
@@ -370,8 +375,8 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
   // A member this rank had a gradient for: produced now, or summed earlier.
   std::vector<bool> local = produced_;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    for (size_t j = 0; j < buckets_[b]->asides.size(); ++j) {
-      if (buckets_[b]->asides[j].defined()) local[first_member_[b] + j] = true;
+    for (size_t j = 0; j < buckets_[b]->members.size(); ++j) {
+      if (earlier_sum(b, j).defined()) local[first_member_[b] + j] = true;
     }
   }
   bool all_local = true;

@@ -27,6 +27,7 @@
 #pragma once
 
 #include "autograd/accumulator_hooks.h"
+#include "optim/held_gradients.h"
 #include "optim/unscale_plan.h"
 
 #include <amp/distributed.h>
@@ -61,9 +62,6 @@ struct ReduceBucket {
   at::ScalarType dtype = at::kFloat;  // sharded: the members' dtype (one per bucket)
   at::ScalarType stepped_dtype = at::kFloat;  // sharded: the pieces' (every rank's)
   std::vector<Piece> pieces;        // sharded: this rank's
-  // Sharded, shard_gradients=false: per member, the whole float32 sum of an
-  // accumulation's earlier micro-batches (scaled), reduced with the last.
-  std::vector<at::Tensor> asides;
   at::Tensor flat;                  // replicated: kept; sharded: only while reducing
   at::Tensor chunk;                 // sharded: this rank's reduced part, while reducing
   c10::intrusive_ptr<c10d::Work> work;  // started and not yet waited for
@@ -91,8 +89,14 @@ class GradientReducer {
   // for reductions an unwound guard left running on the same buckets.
   std::unique_ptr<Reduction> start(std::vector<GradSlot>& slots);
   // Sharded: the same over the buckets of the guard's sharded optimizers,
-  // in the guard's order.
-  std::unique_ptr<Reduction> start_sharded(const std::vector<std::vector<ReduceBucket>*>& buckets);
+  // in the guard's order, each with its optimizer's record
+  // (optimizer_step.h), whose held float32 sums of an accumulation's earlier
+  // micro-batches (ZeRO-1) are reduced with this backward's gradients.
+  struct ShardedOwner {
+    std::vector<ReduceBucket>* buckets;
+    const HeldGradients* sums;
+  };
+  std::unique_ptr<Reduction> start_sharded(const std::vector<ShardedOwner>& owners);
 
  private:
   struct Layout;
@@ -103,8 +107,10 @@ class GradientReducer {
 
 class GradientReducer::Reduction {
  public:
-  // `slots`: the guard's (replicated); null when sharded.
-  Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets, std::vector<GradSlot>* slots);
+  // `slots`: the guard's (replicated); null when sharded, where `sums` holds
+  // each bucket's record of earlier sums.
+  Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets, std::vector<GradSlot>* slots,
+            std::vector<const HeldGradients*> sums = {});
   // Unhooks; reductions already started are waited for by the next start().
   ~Reduction();
   Reduction(const Reduction&) = delete;
@@ -126,6 +132,9 @@ class GradientReducer::Reduction {
   bool sharded() const { return slots_ == nullptr; }
   // Sharded: reduced by an all-reduce whose chunk is kept (see the .cpp).
   bool whole_sums() const { return whole_sums_; }
+  // An accumulation's earlier micro-batches, scaled, reduced with this
+  // backward's gradient of bucket `b`'s member `j` (undefined: none).
+  at::Tensor earlier_sum(size_t b, size_t j) const;
   void on_gradient(size_t member);
   void fill(size_t bucket);
   void start_ready_buckets();
@@ -143,6 +152,7 @@ class GradientReducer::Reduction {
   GradientReducer& reducer_;
   std::vector<ReduceBucket*> buckets_;
   std::vector<GradSlot>* slots_;
+  std::vector<const HeldGradients*> sums_;  // sharded: per bucket
   std::vector<size_t> first_member_;    // per bucket: its first member's index below
   std::vector<bool> produced_;          // per member (buckets in order): its accumulator ran
   std::vector<int64_t> missing_;        // per bucket: members not produced yet

@@ -253,28 +253,16 @@ void ShardedOptimizer::take_member_gradients() noexcept {
   for (at::Tensor& member : members_) member.mutable_grad().reset();  // marks (zeroing taken at the guard's start)
 }
 
-ShardedOptimizer::Sums ShardedOptimizer::sums_with_micro_batch() const {
+ShardedOptimizer::Sums ShardedOptimizer::sums_with_micro_batch(const HeldGradients& held) const {
   at::NoGradGuard no_grad;
   Sums sums;
-  for (const ReduceBucket& bucket : buckets_) {
-    std::vector<at::Tensor>& bucket_sums = sums.emplace_back(bucket.asides);
-    bucket_sums.resize(bucket.members.size());
-    for (size_t j = 0; j < bucket.members.size(); ++j) {
-      const at::Tensor& grad = bucket.members[j].grad();
-      if (!grad.defined()) continue;
-      at::Tensor& sum = bucket_sums[j];
-      sum = sum.defined() ? grad.to(at::kFloat) + sum : grad.to(at::kFloat);  // as the plan sums asides
-    }
+  for (const at::Tensor& member : members_) {
+    const at::Tensor& grad = member.grad();
+    if (!grad.defined()) continue;
+    const at::Tensor sum = held.find(member);
+    sums.emplace_back(member, sum.defined() ? grad.to(at::kFloat) + sum : grad.to(at::kFloat));  // as the plan sums asides
   }
   return sums;
-}
-
-void ShardedOptimizer::hold(Sums sums) noexcept {
-  for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].asides = std::move(sums[b]);
-}
-
-void ShardedOptimizer::end_accumulation() noexcept {
-  for (ReduceBucket& bucket : buckets_) bucket.asides.clear();
 }
 
 void ShardedOptimizer::gather_for(const at::Tensor& member) {

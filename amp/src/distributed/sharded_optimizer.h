@@ -58,6 +58,7 @@
 #include "distributed/gradient_reducer.h"
 #include "distributed/weight_residency.h"
 #include "model/model_weights.h"
+#include "optim/held_gradients.h"
 
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
@@ -118,15 +119,12 @@ class ShardedOptimizer {
   // scale_loss); then the marks are taken off.
   void check_member_gradients() const;
   void take_member_gradients() noexcept;
-  // shard_gradients=false, a delay_unscale guard is ending: the members'
-  // gradients added to their whole float32 sums, per bucket (new tensors:
-  // nothing changes until hold).
-  using Sums = std::vector<std::vector<at::Tensor>>;
-  Sums sums_with_micro_batch() const;
-  // The guard ended: `sums` become the buckets' asides.
-  void hold(Sums sums) noexcept;
-  // The accumulation's last guard ended: the sums are reduced.
-  void end_accumulation() noexcept;
+  // shard_gradients=false, a delay_unscale guard is ending: each member's
+  // gradient added to its whole float32 sum that `held` (its optimizer's
+  // record) keeps, as (member, new sum) - new tensors: nothing changes
+  // until the record holds them.
+  using Sums = std::vector<std::pair<at::Tensor, at::Tensor>>;
+  Sums sums_with_micro_batch(const HeldGradients& held) const;
   // All-gathers the pieces into the members, every bucket (collective;
   // nothing when none is stale). A gather starting takes writes behind
   // amp's back into the pieces first.

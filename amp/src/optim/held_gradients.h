@@ -1,21 +1,27 @@
 // Private: gradients amp keeps off their parameters for a while, then gives
-// back. Every place the step holds a gradient away from its optimizer:
+// back or sums in. Every place the step holds a gradient away from its
+// optimizer:
 //
 //   holder                   holds                                  until
 //   -----------------------  -------------------------------------  ----------------------------
-//   OptimizerStep            an accumulation's scaled sum between   the guard that ends it
-//   (a HeldGradients)        delay_unscale guards, so that a step()  opens
-//                            in between changes nothing
+//   each optimizer's         its parameters' accumulated            the iteration ends, or
+//   iteration record         gradients, the one place they are      a guard's commit or unwind
+//   (OptimizerStep, a        kept: from a guard's opening, what     (given back on unwind; the
+//   HeldGradients)           each had (true values, or an           unscale summed them in on
+//                            accumulation's scaled sum; the         commit)
+//                            guard's GradSlot::aside reads it);
+//                            between delay_unscale guards, the
+//                            scaled sum - over ZeRO-1
+//                            (shard_gradients=false) each member's
+//                            float32 sum, which the accumulation's
+//                            last guard reduces with its own
 //   Guard (a HeldGradients)  other optimizers' master gradients     the guard commits or unwinds
 //                            while it runs (its backward leaves
 //                            scratch scaled by its loss on them)
-//   Guard's GradSlot::aside  its own parameters' gradients at its   the unscale sums them in; an
-//   (unscale_plan.h)         opening, which the unscale reads       unwind gives them back
-//   ReduceBucket (ZeRO-1:    each member's float32 sum of an        the accumulation's last guard
-//   shard_gradients=false)   accumulation's earlier micro-batches   reduces them
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <utility>
 #include <vector>
@@ -25,16 +31,26 @@ namespace amp::detail {
 class HeldGradients {
  public:
   // Takes `param`'s gradient off it; one it has none is held too, and is
-  // given back as none (what backward left there is dropped). Cannot fail
+  // given back as none. A parameter held already keeps what is held (what
+  // it carries now is dropped). Returns what is held for it. Cannot fail
   // once reserve() made room for it.
-  void take(const at::Tensor& param);
-  void reserve(size_t gradients) { held_.reserve(gradients); }
+  const at::Tensor& take(const at::Tensor& param);
+  // Holds `grad` for `param` (whose own gradient is left alone), replacing
+  // what is held for it. Cannot fail once reserve() made room for it.
+  void put(const at::Tensor& param, at::Tensor grad);
+  // What is held for `param` (undefined: nothing).
+  at::Tensor find(const at::Tensor& param) const;
+  // Room for `more` gradients beside those held now.
+  void reserve(size_t more);
   // Gives each held gradient back to its parameter (replacing what it has);
   // the hold is empty then.
   void give_back() noexcept;
+  // Drops everything held (summed in elsewhere, or discarded).
+  void clear() noexcept;
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient)
+  ska::flat_hash_map<const c10::TensorImpl*, size_t> index_;  // parameter -> its place in held_
 };
 
 }  // namespace amp::detail

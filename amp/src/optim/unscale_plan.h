@@ -27,7 +27,9 @@ namespace amp::detail {
 // One parameter a guard covers.
 struct GradSlot {
   at::Tensor param;
-  at::Tensor aside;                       // its gradient when the guard opened
+  // Its gradient when the guard opened: what its optimizer's record holds
+  // (held_gradients.h), which gives it back if the guard unwinds.
+  at::Tensor aside;
   at::ScalarType grad_dtype = at::kFloat;  // the dtype its gradient is kept in
   bool aside_scaled = false;  // the aside holds values scaled by this loss (delay_unscale)
   // The data-parallel average already includes the scaled aside (it was

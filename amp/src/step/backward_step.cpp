@@ -105,6 +105,7 @@ void BackwardStep::apply(size_t slot) {
   stepping.settle(attempt, /*skipped=*/false, optimizer.state());
   p.mutable_grad() = at::Tensor();  // the point: freed as soon as it is applied
   s.aside = at::Tensor();           // applied: nothing to give back on unwind
+  step.release_aside(p);
 }
 
 void BackwardStep::before_unscale(Guard& guard) {

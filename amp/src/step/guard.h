@@ -83,6 +83,8 @@ class Guard {
   std::vector<std::unique_ptr<GuardPart>> parts_;  // the participants', in order
   // Master weights of other optimizers, with the gradients they had: a
   // backward through them leaves scratch scaled by this loss, discarded.
+  // (This guard's own parameters' gradients are held by their optimizers'
+  // records: GradSlot::aside.)
   HeldGradients held_;
   std::optional<internal::LossScaling::State> scaler_before_;  // to unwind an update
   std::shared_ptr<OverflowVerdict> verdict_;

@@ -93,13 +93,24 @@ void OptimizerStep::settle_before_guard() {
   settle(/*wait=*/kept);
 }
 
+size_t OptimizerStep::parameter_count() const {
+  size_t count = 0;
+  for (const auto& group : optimizer_->param_groups()) count += group.params().size();
+  return count;
+}
+
+void OptimizerStep::reserve_asides() { iteration_.held.reserve(parameter_count()); }
+
 void OptimizerStep::open() {
   Iteration& it = iteration_;
   TORCH_INTERNAL_ASSERT(it.state != State::kInGuard, "amp: a guard opened over an optimizer that is ",
                         to_string(it.state));
   it.before_guard = it.state;
-  it.accumulated.give_back();  // the guard sets the parameters' gradients aside itself
   it.state = State::kInGuard;
+}
+
+const at::Tensor& OptimizerStep::set_aside(const at::Tensor& param) {
+  return iteration_.held.take(param);  // room reserved by reserve_asides()
 }
 
 // kAccumulating keeps the scaled sum away from the optimizer, so a step()
@@ -107,9 +118,15 @@ void OptimizerStep::open() {
 void OptimizerStep::hold_accumulated() noexcept {
   for (auto& group : optimizer_->param_groups()) {
     for (auto& p : group.params()) {
-      if (p.grad().defined()) iteration_.accumulated.take(p);  // room reserved by prepare()
+      if (p.grad().defined()) iteration_.held.take(p);  // room reserved by prepare()
     }
   }
+}
+
+void OptimizerStep::reserve_sums(size_t sums) { iteration_.held.reserve(parameter_count() + sums); }
+
+void OptimizerStep::hold_sum(const at::Tensor& member, at::Tensor sum) noexcept {
+  iteration_.held.put(member, std::move(sum));  // room reserved by reserve_sums()
 }
 
 void OptimizerStep::prepare(const GuardOutcome& outcome) {
@@ -117,15 +134,11 @@ void OptimizerStep::prepare(const GuardOutcome& outcome) {
   TORCH_INTERNAL_ASSERT(it.state == State::kInGuard, "amp: a guard committed an optimizer that is ",
                         to_string(it.state));
   if (outcome.verdict == GuardOutcome::Verdict::kOnDevice) it.verdicts.reserve(it.verdicts.size() + 1);
-  if (!outcome.delay_unscale) return;
-  size_t held = 0;
-  for (const auto& group : optimizer_->param_groups()) {
-    for (const auto& p : group.params()) held += p.grad().defined() ? 1 : 0;
-  }
-  it.accumulated.reserve(held);
+  if (outcome.delay_unscale) it.held.reserve(parameter_count());
 }
 
 void OptimizerStep::commit(const GuardOutcome& outcome) noexcept {
+  iteration_.held.clear();  // the unscale summed the asides into the new gradients
   switch (outcome.verdict) {
     case GuardOutcome::Verdict::kNone:
       break;
@@ -165,7 +178,11 @@ void OptimizerStep::unwind() noexcept {
   Iteration& it = iteration_;
   if (it.state != State::kInGuard) return;  // (never opened: nothing to undo)
   it.state = it.before_guard;
-  if (it.state == State::kAccumulating) hold_accumulated();  // the guard gave the sum back
+  if (it.state == State::kAccumulating) {
+    drop_gradients();  // this backward's; the sum stays held
+  } else {
+    it.held.give_back();
+  }
 }
 
 void OptimizerStep::record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report) {

@@ -99,7 +99,23 @@ class OptimizerStep {
   // Learns what a guard opening now must know of pending fused steps:
   // gradients kept from a step the device skipped are discarded.
   void settle_before_guard();
+  // Room in the record for every parameter's aside (before open: open and
+  // set_aside cannot fail then).
+  void reserve_asides();
   void open();  // kReady | kAccumulating -> kInGuard
+  // The guard covers `param`: the record takes its gradient (true values)
+  // or keeps the accumulation's sum it holds for it, and returns that - the
+  // aside the guard's unscale adds in. Given back if the guard unwinds.
+  const at::Tensor& set_aside(const at::Tensor& param);
+  // The step in backward applied `param`'s aside: an unwind gives it none.
+  void release_aside(const at::Tensor& param) noexcept { iteration_.held.put(param, at::Tensor()); }
+  // Every gradient the record holds (asides, an accumulation's sums).
+  const HeldGradients& held() const { return iteration_.held; }
+  // ZeRO-1: room for `sums` beside what commit holds (prepare), then at
+  // commit each member's float32 sum of the accumulation so far, which the
+  // last guard's reduction adds.
+  void reserve_sums(size_t sums);
+  void hold_sum(const at::Tensor& member, at::Tensor sum) noexcept;
   // The guard is ending with `outcome`: allocates what commit needs, so
   // that commit cannot fail (changes nothing else).
   void prepare(const GuardOutcome& outcome);
@@ -139,6 +155,7 @@ class OptimizerStep {
   void record_clean(uint64_t loss_graph);
   bool holds_gradients() const;
   void hold_accumulated() noexcept;
+  size_t parameter_count() const;
   void drop_gradients();
   void record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report = nullptr);
   const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
@@ -154,9 +171,10 @@ class OptimizerStep {
     State state = State::kReady;
     State before_guard = State::kReady;  // kInGuard: the state an unwind returns to
     int scaled_by = 0;                   // kAccumulating: the loss whose scale the sum carries
-    // kAccumulating: the scaled sum, off the parameters until the guard that
-    // ends the accumulation opens.
-    HeldGradients accumulated;
+    // The accumulated gradients, off the parameters (held_gradients.h):
+    // kInGuard, the guard's asides; kAccumulating, the scaled sum (ZeRO-1:
+    // the members' float32 sums), so that a step() in between changes nothing.
+    HeldGradients held;
     Verdicts verdicts;                   // device verdicts the next fused step combines
     // A guard's backward applied the step (step_in_backward): step() only
     // ends the iteration.

@@ -53,7 +53,10 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
     throw;
   }
   weights.prepare_backward();
-  for (OptimizerStep* step : steps_) step->settle_before_guard();
+  for (OptimizerStep* step : steps_) {
+    step->settle_before_guard();
+    step->reserve_asides();
+  }
 
   // Everything is checked; from here on the guard changes state.
   std::unordered_set<const c10::TensorImpl*> covered;
@@ -64,7 +67,7 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
       for (at::Tensor& p : group.params()) {
         if (!covered.insert(p.unsafeGetTensorImpl()).second) continue;
         const at::ScalarType grad_dtype = weights.is_master(p) ? at::kFloat : p.scalar_type();
-        slots_.push_back({p, std::exchange(p.mutable_grad(), at::Tensor()), grad_dtype, scaled});
+        slots_.push_back({p, step->set_aside(p), grad_dtype, scaled});
       }
     }
   }
@@ -194,7 +197,6 @@ void Guard::commit() {
 void Guard::unwind() noexcept {
   for (auto part = parts_.rbegin(); part != parts_.rend(); ++part) (*part)->unwind(*this);
   parts_.clear();
-  for (GradSlot& s : slots_) s.param.mutable_grad() = s.aside;
   held_.give_back();
   if (scaler_before_) scaler().restore(*scaler_before_);
   for (OptimizerStep* step : steps_) step->unwind();
