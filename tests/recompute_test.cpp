@@ -442,6 +442,112 @@ TEST_F(AmpTest, RecomputeRefusesWhatItCannotRerunFaithfully) {
   EXPECT_AMP_ERROR(amp::recompute_sequential(torch::nn::Sequential(), 1, x), "empty Sequential");
 }
 
+// --- In slices of the batch -----------------------------------------------------
+
+// Three blocks with dropout, run in `slices` slices of the batch either by
+// amp::recompute_in_slices or by hand (each slice through the blocks
+// without recomputation, the outputs concatenated): the same dropout masks,
+// outputs and gradients.
+std::vector<at::Tensor> sliced_step(Options options, int64_t slices, bool recompute, int64_t rows) {
+  torch::manual_seed(0);
+  torch::nn::ModuleList blocks;
+  for (int i = 0; i < 3; ++i) blocks->push_back(Block(16));
+  torch::optim::SGD optimizer(blocks->parameters(), 0.1);
+  options.verbosity = 0;
+  Handle handle;
+  handle.initialize(blocks, optimizer, options);
+  const at::Tensor x = torch::randn({rows, 16}, torch::requires_grad());
+  auto run = [blocks](const at::Tensor& in) {
+    at::Tensor h = in;
+    for (size_t i = 0; i < blocks->size(); ++i) h = blocks->ptr<BlockImpl>(i)->forward(h, false);
+    return h;
+  };
+  at::Tensor y;
+  if (recompute) {
+    y = amp::recompute_in_slices(slices, run, x);
+  } else {
+    std::vector<at::Tensor> pieces;
+    for (const at::Tensor& piece : x.chunk(slices)) pieces.push_back(run(piece));
+    y = torch::cat(pieces);
+  }
+  const at::Tensor loss = y.to(at::kFloat).pow(2).mean();
+  {
+    scale_loss scaled(loss, optimizer);
+    scaled.backward();
+  }
+  std::vector<at::Tensor> out = {y.detach().clone(), x.grad().clone()};
+  for (const auto& p : blocks->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+TEST_F(AmpTest, RecomputeInSlicesIsTheBlockRunOnEachSliceBitForBit) {
+  Options fp16 = O1;
+  fp16.cpu_dtype = c10::kHalf;
+  fp16.loss_scale = LossScale::Static(128);
+  for (const auto& [name, options] : std::vector<std::pair<std::string, Options>>{
+           {"O0", O0}, {"O1 bf16", O1}, {"O1 fp16", fp16}, {"O2", O2}, {"O5", O5}}) {
+    SCOPED_TRACE(name);
+    // 10 rows in 4 slices: 3, 3, 3 and 1.
+    expect_bit_equal(sliced_step(options, 4, true, 10), sliced_step(options, 4, false, 10), "output or gradient");
+  }
+}
+
+// Against the whole batch at once, in float64 without dropout: equal but for
+// the order in which each weight's gradient sums the slices' parts.
+TEST_F(AmpTest, RecomputeInSlicesMatchesTheWholeBlockInFloat64) {
+  auto step = [](int64_t slices) {
+    torch::manual_seed(0);
+    Block block(16);
+    block->to(torch::kDouble);
+    block->eval();  // no dropout: the whole batch and its slices draw alike
+    const at::Tensor x = torch::randn({12, 16}, torch::dtype(torch::kDouble).requires_grad(true));
+    auto run = [block](const at::Tensor& in) mutable { return block->forward(in, false); };
+    const at::Tensor y = slices > 1 ? amp::recompute_in_slices(slices, run, x) : run(x);
+    y.pow(2).sum().backward();
+    std::vector<at::Tensor> out = {y.detach(), x.grad()};
+    for (const auto& p : block->parameters()) out.push_back(p.grad());
+    return out;
+  };
+  const auto whole = step(1), sliced = step(3);
+  ASSERT_EQ(whole.size(), sliced.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(sliced[i], whole[i], 1e-12, 1e-12)) << "tensor " << i;
+  }
+}
+
+TEST_F(AmpTest, RecomputeInSlicesRunsEachSliceOnceAndNoGradIsAPlainCall) {
+  torch::nn::Linear fc(4, 4);
+  std::vector<int64_t> rows;
+  auto block = [&](const at::Tensor& x) {
+    rows.push_back(x.size(0));
+    return torch::tanh(fc(x));
+  };
+  const at::Tensor x = torch::randn({5, 4}, torch::requires_grad());
+  const at::Tensor y = amp::recompute_in_slices(2, block, x);
+  EXPECT_EQ(rows, (std::vector<int64_t>{3, 2}));
+  y.sum().backward();
+  EXPECT_EQ(rows, (std::vector<int64_t>{3, 2, 2, 3}));  // each slice again, the last first
+  rows.clear();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_FALSE(amp::recompute_in_slices(2, block, x).requires_grad());
+  }
+  EXPECT_EQ(rows, (std::vector<int64_t>{5}));
+}
+
+TEST_F(AmpTest, RecomputeInSlicesRefusesWhatCannotRunInSlices) {
+  torch::nn::Linear fc(4, 4);
+  auto block = [fc](const at::Tensor& in) mutable { return fc(in); };
+  const at::Tensor x = torch::randn({4, 4}, torch::requires_grad());
+  EXPECT_AMP_ERROR(amp::recompute_in_slices(0, block, x), "slices must be >= 1");
+  EXPECT_AMP_ERROR(amp::recompute_in_slices(2, block, at::Tensor()), "an undefined tensor");
+  EXPECT_AMP_ERROR(amp::recompute_in_slices(2, block, torch::tensor(1.0)), "a tensor without dimensions");
+  // A block that mixes rows (a sum over the batch) cannot run in slices.
+  EXPECT_AMP_ERROR(amp::recompute_in_slices(2, [fc](const at::Tensor& in) mutable { return fc(in).sum(0, true); }, x),
+                   "must map each row of its input to the same row of its output");
+  EXPECT_FALSE(fc->weight.grad().defined());
+}
+
 // --- Memory -----------------------------------------------------------------------
 
 // Bytes held during backward: without recomputation every block's
@@ -481,6 +587,47 @@ TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
   std::printf("peak bytes above the step's start: %lld without recomputation, %lld with\n",
               static_cast<long long>(plain), static_cast<long long>(recomputed));
   EXPECT_LT(recomputed, plain * 6 / 10);
+}
+
+// In slices, a block's rerun holds one slice's activations: what backward
+// holds above what forward kept falls with the slices (the weights' and the
+// input's gradients, whole in both, aside).
+TEST_F(AmpTest, RecomputeInSlicesHoldsOneSlicesActivations) {
+  amp::track_allocations();
+  struct Held {
+    int64_t after_forward = 0, peak = 0;
+  };
+  auto step = [](int64_t slices) {
+    torch::manual_seed(0);
+    Block block(64);
+    torch::optim::SGD optimizer(block->parameters(), 0.1);
+    Options options = O1;
+    options.verbosity = 0;
+    Handle handle;
+    handle.initialize(block, optimizer, options);
+    const at::Tensor x = torch::randn({4096, 64});
+    optimizer.zero_grad();
+    reset_peak_allocated();
+    const int64_t before = allocated_bytes().current;
+    auto run = [block](const at::Tensor& in) mutable { return block->forward(in, false); };
+    const at::Tensor y = slices > 1 ? amp::recompute_in_slices(slices, run, x) : amp::recompute(run, x);
+    Held held;
+    held.after_forward = allocated_bytes().current - before;
+    {
+      scale_loss scaled(y.sum(), optimizer);  // its gradient an expanded scalar: no bytes of its own
+      scaled.backward();
+    }
+    held.peak = allocated_bytes().peak - before;
+    return held;
+  };
+  const Held whole = step(1), sliced = step(8);
+  const int64_t whole_rerun = whole.peak - whole.after_forward, sliced_rerun = sliced.peak - sliced.after_forward;
+  std::printf("backward above forward's bytes: %lld whole, %lld in 8 slices\n", static_cast<long long>(whole_rerun),
+              static_cast<long long>(sliced_rerun));
+  // Forward keeps the input, the output and each slice's node its generator state.
+  const int64_t rng_state_bytes = at::detail::getDefaultCPUGenerator().get_state().nbytes();
+  EXPECT_EQ(sliced.after_forward, whole.after_forward + 7 * rng_state_bytes);
+  EXPECT_LT(sliced_rerun, whole_rerun / 4);
 }
 
 // Two levels (sqrt-decomposition, as the memory benchmark's deepest rows):

@@ -1,6 +1,7 @@
 // Properties::step_in_backward: the loop users write, run with and without
 // it, ends bit for bit the same (weights and optimizer state) at the levels
-// that allow it, with recomputation, schedulers, zero_grad either way, two
+// that allow it, with recomputation (whole blocks, or in slices of the
+// batch: each weight still stepped once), schedulers, zero_grad either way, two
 // models and losses, and a resumed checkpoint; the gradients are freed as
 // they are applied (the allocator's bytes); what cannot step in backward is
 // refused with its error.
@@ -19,7 +20,8 @@ namespace {
 // Linear, BatchNorm, two residual blocks with dropout, a head, and a gain
 // used at both ends (its gradient sums two paths before it is final).
 struct InBackwardNetImpl : torch::nn::Module {
-  explicit InBackwardNetImpl(bool recompute)
+  // slices > 1: the blocks recomputed in that many slices of the batch.
+  explicit InBackwardNetImpl(bool recompute, int64_t slices = 0)
       : in(register_module("input", torch::nn::Linear(12, 64))),
         bn(register_module("bn", torch::nn::BatchNorm1d(64))),
         up1(register_module("up1", torch::nn::Linear(64, 128))),
@@ -29,7 +31,8 @@ struct InBackwardNetImpl : torch::nn::Module {
         drop(register_module("drop", torch::nn::Dropout(0.2))),
         head(register_module("head", torch::nn::Linear(64, 5))),
         gain(register_parameter("gain", torch::ones({64}))),
-        recompute_(recompute) {}
+        recompute_(recompute),
+        slices_(slices) {}
   at::Tensor block(const at::Tensor& x, torch::nn::Linear& up, torch::nn::Linear& down) {
     return x + down(drop(torch::gelu(up(x))));
   }
@@ -37,7 +40,11 @@ struct InBackwardNetImpl : torch::nn::Module {
     at::Tensor h = torch::relu(bn(in(x))) * gain;
     auto first = [this](const at::Tensor& t) { return block(t, up1, down1); };
     auto second = [this](const at::Tensor& t) { return block(t, up2, down2); };
-    h = recompute_ ? amp::recompute(second, amp::recompute(first, h)) : second(first(h));
+    if (slices_ > 1) {
+      h = amp::recompute_in_slices(slices_, [first, second](const at::Tensor& t) { return second(first(t)); }, h);
+    } else {
+      h = recompute_ ? amp::recompute(second, amp::recompute(first, h)) : second(first(h));
+    }
     return head(h * gain);
   }
   torch::nn::Linear in;
@@ -47,6 +54,7 @@ struct InBackwardNetImpl : torch::nn::Module {
   torch::nn::Linear head;
   at::Tensor gain;
   bool recompute_;
+  int64_t slices_;
 };
 TORCH_MODULE(InBackwardNet);
 
@@ -69,6 +77,7 @@ struct Case {
   Options options;
   Kind kind;
   bool recompute;
+  int64_t slices = 0;
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -91,7 +100,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
   options.step_in_backward = in_backward;
   torch::manual_seed(0);
   if (device.is_cuda()) torch::cuda::manual_seed_all(0);
-  auto model = std::make_shared<InBackwardNet>(c.recompute);
+  auto model = std::make_shared<InBackwardNet>(c.recompute, c.slices);
   (*model)->to(device);
   auto optimizer = make_optimizer(c.kind, *model);
   auto scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
@@ -104,7 +113,7 @@ Trained train(const Case& c, bool in_backward, int steps = 5, int resume_at = -1
       save_checkpoint(path, {*model}, {*optimizer});
       handle.reset();
       torch::manual_seed(1);
-      model = std::make_shared<InBackwardNet>(c.recompute);
+      model = std::make_shared<InBackwardNet>(c.recompute, c.slices);
       (*model)->to(device);
       optimizer = make_optimizer(c.kind, *model);
       scheduler = std::make_unique<torch::optim::StepLR>(*optimizer, 2, 0.5);
@@ -152,7 +161,10 @@ INSTANTIATE_TEST_SUITE_P(
              Kind::kAdamW, true},
         Case{"O6_SGD_float32_state", with(O6, [](Options& o) { o.optimizer_state_dtype = at::kFloat; }), Kind::kSgd,
              false},
+        Case{"O6_AdamW_8bit_recompute_in_slices", with(O6, [](Options& o) { o.optimizer_state_dtype = at::kByte; }),
+             Kind::kAdamW, true, 4},
         Case{"O4_Adam_amsgrad_recompute", with(O4), Kind::kAdam, true},
+        Case{"O4_SGD_recompute_in_slices", with(O4), Kind::kSgd, true, 3},
         Case{"O4_AdamW_8bit", with(O4, [](Options& o) { o.optimizer_state_dtype = at::kByte; }), Kind::kAdamW, false},
         Case{"O1_static_scale_128_SGD", with(O1, [](Options& o) { o.loss_scale = LossScale::Static(128); }),
              Kind::kSgd, true},

@@ -57,8 +57,14 @@ CharTransformerImpl::CharTransformerImpl(const TransformerConfig& c) : config(c)
 torch::Tensor CharTransformerImpl::run_blocks(size_t begin, size_t end, torch::Tensor x) {
   for (size_t i = begin; i < end; ++i) {
     auto block = blocks->ptr<BlockImpl>(i);
-    x = config.recompute ? amp::recompute([block](const torch::Tensor& in) { return block->forward(in); }, x)
-                         : block->forward(x);
+    auto run = [block](const torch::Tensor& in) { return block->forward(in); };
+    if (!config.recompute) {
+      x = block->forward(x);
+    } else if (config.recompute_slices > 1) {
+      x = amp::recompute_in_slices(config.recompute_slices, run, x);
+    } else {
+      x = amp::recompute(run, x);
+    }
   }
   return x;
 }

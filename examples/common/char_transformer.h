@@ -2,7 +2,8 @@
 // position embeddings, pre-norm blocks of causal multi-head attention
 // (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
 // linear head (or the token embedding, tied). Each block may run under
-// amp::recompute, and runs of blocks around them (two levels).
+// amp::recompute (whole, or in slices of the batch), and runs of blocks
+// around them (two levels).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -27,6 +28,10 @@ struct TransformerConfig {
   // blocks' inputs). About sqrt(layers) keeps the fewest block inputs at
   // once - 2 sqrt(layers) instead of layers - for a third forward pass.
   int64_t recompute_run = 0;
+  // With recompute, > 1: each block runs, and reruns, on this many slices of
+  // the batch (amp::recompute_in_slices): its activations at once are a
+  // slice's, for GEMMs of fewer rows.
+  int64_t recompute_slices = 0;
 };
 
 struct BlockImpl : torch::nn::Module {

@@ -207,6 +207,18 @@ void fit_step_in_backward(Program& p) {
   p.step_in_backward = true;
 }
 
+// Whether blocks `r` of `m` compute each output row from its input row
+// alone, so they can run in slices of the batch: not BatchNorm (batch
+// statistics), not a position table sliced to the batch's size, not nested.
+bool maps_rows_to_rows(const ModelSpec& m, const RecomputedBlocks& r) {
+  if (r.nested) return false;
+  for (size_t i = r.first; i < r.last; ++i) {
+    if (m.blocks[i] == Block::kBatchNorm) return false;
+    if (m.blocks[i] == Block::kTableView && m.table_view == TableView::kPositionSlice) return false;
+  }
+  return true;
+}
+
 // Makes `p` a program sharded data parallel trains (program.h).
 void fit_sharding(Program& p, Program::Sharding sharding) {
   std::vector<Fault> kept;
@@ -328,6 +340,9 @@ Program generate_program(uint64_t seed) {
   if (!p.step_in_backward && draw.chance(0.35)) {  // drawn last, as above
     fit_sharding(p, draw.chance(0.6) ? Program::Sharding::kZero3 : Program::Sharding::kZero2);
   }
+  for (ModelSpec& m : p.models) {  // drawn last, as above
+    if (m.recomputed && maps_rows_to_rows(m, *m.recomputed) && draw.chance(0.5)) m.recomputed->slices = draw.between(2, 3);
+  }
   return p;
 }
 
@@ -343,7 +358,8 @@ std::string describe(const Program& p) {
     }
     out << (p.models[m].affine_norms ? "" : "(norms not affine)");
     if (const auto& r = p.models[m].recomputed) {
-      out << " blocks " << r->first << ".." << r->last - 1 << " recomputed" << (r->nested ? " (nested)" : "");
+      out << " blocks " << r->first << ".." << r->last - 1 << " recomputed" << (r->nested ? " (nested)" : "")
+          << (r->slices > 1 ? " in " + std::to_string(r->slices) + " slices" : "");
     }
     out << "\n";
   }

@@ -5,7 +5,7 @@
 // read tokens through an Embedding, read a weight through a view - a
 // position table sliced, a tied embedding transposed, a weight narrowed
 // into heads - before or after its other ops, and run some of its blocks
-// under amp::recompute, possibly nested), 1-2 optimizers (SGD with or without
+// under amp::recompute, possibly nested or in slices of the batch), 1-2 optimizers (SGD with or without
 // momentum, Adam, AdamW), and per iteration 1-2 phases. A phase zeroes the
 // gradients of the optimizers it steps, runs 1-3 losses - each a chain of
 // models, possibly detached part-way (a GAN's discriminator on fake data),
@@ -50,10 +50,13 @@ enum class Zero { kOptimizer, kModel, kNever };
 enum class FaultKind { kInfGradient, kNaNGradient, kNaNLoss };
 
 // Blocks [first, last) of a model run under amp::recompute; `nested`: the
-// second half of them again inside it.
+// second half of them again inside it; `slices` > 1 (not nested, blocks
+// that map rows to rows): in that many slices of the batch
+// (amp::recompute_in_slices).
 struct RecomputedBlocks {
   size_t first = 0, last = 0;
   bool nested = false;
+  int slices = 0;
 };
 
 struct ModelSpec {

@@ -81,6 +81,9 @@ struct Coverage {
     };
     count["recomputed blocks"] += recomputes(false);
     count["nested recomputation"] += recomputes(true);
+    count["recomputation in slices"] += std::any_of(p.models.begin(), p.models.end(), [](const ModelSpec& m) {
+      return m.recomputed && m.recomputed->slices > 1;
+    });
     const auto reads_table = [&](auto pred) {
       return std::any_of(p.models.begin(), p.models.end(), [&](const ModelSpec& m) {
         const auto at = std::find(m.blocks.begin(), m.blocks.end(), Block::kTableView);

@@ -65,7 +65,12 @@ at::Tensor ScenarioModelImpl::forward(at::Tensor x) {
   if (!spec_.recomputed) return run_blocks(0, blocks_.size(), x);
   const RecomputedBlocks& r = *spec_.recomputed;
   x = run_blocks(0, r.first, x);
-  x = recompute_blocks(r.first, r.last, r.nested, x);
+  if (r.slices > 1) {
+    x = amp::recompute_in_slices(r.slices, [this, r](const at::Tensor& in) { return run_blocks(r.first, r.last, in); },
+                                 x);
+  } else {
+    x = recompute_blocks(r.first, r.last, r.nested, x);
+  }
   return run_blocks(r.last, blocks_.size(), x);
 }
 

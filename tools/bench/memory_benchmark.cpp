@@ -9,7 +9,9 @@
 // optimizer state (optimizer_state_dtype uint8), and with the step in
 // backward (step_in_backward), that also with recomputation in two levels
 // (runs of about sqrt(depth) blocks recomputed around their recomputed
-// blocks: fewer kept block inputs for a third forward); the O2, O5 and recomputed ones sharded at
+// blocks: fewer kept block inputs for a third forward), or each block in
+// slices of the batch (amp::recompute_in_slices: a slice's activations at
+// once); the O2, O5 and recomputed ones sharded at
 // world sizes 2 and 4 (ZeRO-2 over Gloo, and the recomputed ones with
 // their weights sharded too: ZeRO-3; ranks
 // started by this program, bytes per rank), each beside the same
@@ -92,6 +94,7 @@ ABSL_FLAG(std::string, result, "", "internal: where a rank writes its figures");
 namespace {
 
 constexpr int64_t kWidth = 256, kContext = 256, kBatch = 8;
+constexpr int kSlices = 8;  // "in slices": one sequence of the batch at a time
 
 struct Config {
   std::string name;
@@ -103,6 +106,7 @@ struct Config {
   bool in_backward = false;  // step_in_backward (amp's FusedAdamW)
   bool shard_weights = false;  // with shard: ZeRO-3
   bool two_levels = false;  // with recompute: runs of about sqrt(depth) blocks recomputed around the blocks
+  int slices = 0;  // with recompute, > 1: each block run in this many slices of the batch (recompute_in_slices)
 };
 
 std::vector<Config> configs() {
@@ -114,7 +118,11 @@ std::vector<Config> configs() {
                              {"amp O6 + recompute + step in backward", amp::O6, true, 1, false, false, true},
                              {"amp O6 + recompute + 8-bit state + step in backward", amp::O6, true, 1, false, true, true},
                              {"amp O6 + recompute in two levels + 8-bit state + step in backward", amp::O6, true, 1,
-                              false, true, true, false, true}};
+                              false, true, true, false, true},
+                             {"amp O5 + recompute in slices + 8-bit state", amp::O5, true, 1, false, true, false, false,
+                              false, kSlices},
+                             {"amp O6 + recompute in slices + 8-bit state + step in backward", amp::O6, true, 1, false,
+                              true, true, false, false, kSlices}};
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
       const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
@@ -152,6 +160,7 @@ class Trainer {
     shape.layers = layers;
     shape.tied_head = true;
     shape.recompute = config.recompute;
+    shape.recompute_slices = config.slices;
     if (config.two_levels) shape.recompute_run = std::lround(std::sqrt(double(layers)));
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);

@@ -157,4 +157,32 @@ auto recompute(Fn fn, Args&&... args) {
 // checkpoint_sequential. The children take and return one tensor.
 at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input);
 
+// fn(x) computed in slices: x split into `slices` pieces along dimension 0
+// (x.chunk(slices): at most that many, the last smaller when the size does
+// not divide), fn run on each piece under amp::recompute, the outputs
+// concatenated. Forward and each rerun in backward then hold one piece's
+// activations, not the whole batch's: the block's part of a step's peak
+// falls by about `slices` times, for GEMMs of fewer rows.
+//
+//   h = amp::recompute_in_slices(8, [block](const at::Tensor& x) mutable { return block->forward(x); }, h);
+//
+// For blocks that compute each row of their output from the same row of
+// their input alone - a transformer block over a batch of sequences, an
+// MLP over tokens - and not for BatchNorm in training or anything else
+// that mixes rows: the caller's duty, as fn's duties above. The autograd
+// engine sums a weight's gradients from the pieces before its accumulator
+// runs, so the weight receives one gradient a backward, as without slices
+// (step_in_backward steps it once), but that sum has slices - 1 more
+// roundings in the gradient's dtype than one GEMM over the whole batch.
+// Outputs and gradients are equal to the unsliced block's within those
+// roundings, not bit for bit. Under NoGradGuard it is a plain fn(x). With
+// sharded weights (ZeRO-3) each piece gathers the block's weights, in
+// forward and in its rerun.
+//
+// Errors (c10::Error): slices < 1; x undefined or without dimensions; fn
+// returns an undefined tensor, or one whose size along dimension 0 differs
+// from its piece's (fn does not map rows to rows) - thrown before anything
+// is concatenated, with nothing kept for backward.
+at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
+
 }  // namespace amp

@@ -18,6 +18,7 @@
 #include "step/overflow_provenance.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -389,6 +390,26 @@ at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t
             .at(0);
   }
   return run_layers((segments - 1) * n / segments, n, x);
+}
+
+at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+  TORCH_CHECK(slices >= 1, "amp::recompute_in_slices: slices must be >= 1, got ", slices, ".");
+  TORCH_CHECK(x.defined() && x.dim() >= 1, "amp::recompute_in_slices needs a tensor with a dimension 0 to "
+              "slice (a batch); got ", x.defined() ? "a tensor without dimensions" : "an undefined tensor", ".");
+  if (!at::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return fn(x);
+  std::vector<at::Tensor> outputs;
+  for (const at::Tensor& piece : x.chunk(slices)) {
+    at::Tensor out = internal::run_recomputed(
+                         [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
+                         {piece})
+                         .at(0);
+    TORCH_CHECK(out.defined() && out.dim() >= 1 && out.size(0) == piece.size(0), "amp::recompute_in_slices: "
+                "fn returned ", out.defined() ? "a tensor of sizes " + c10::str(out.sizes()) : "an undefined tensor",
+                " for a piece of ", piece.size(0), " rows; it must map each row of its input to the same row of "
+                "its output (a block that mixes rows cannot run in slices: use amp::recompute).");
+    outputs.push_back(std::move(out));
+  }
+  return at::cat(outputs);
 }
 
 }  // namespace amp
