@@ -37,6 +37,8 @@ ABSL_FLAG(int, width, 64, "model width");
 ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
 ABSL_FLAG(int, recompute_run, 0, "with --recompute, > 1: runs of this many blocks recomputed as one too (two levels; "
           "about sqrt(layers) keeps the fewest block inputs)");
+ABSL_FLAG(int, recompute_slices, 0, "with --recompute, > 1: each block run and rerun in this many slices of the batch "
+          "(amp::recompute_in_slices: a slice's activations at once)");
 ABSL_FLAG(bool, eight_bit_state, false, "keep AdamW's moments in 8 bits (optimizer_state_dtype uint8; fused optimizer)");
 ABSL_FLAG(bool, step_in_backward, false,
           "apply each update during backward and free its gradient (O4/O6, fused optimizer); no gradient clipping");
@@ -147,13 +149,14 @@ int run() {
   config.width = absl::GetFlag(FLAGS_width);
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
+  config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
   if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
   options.step_in_backward = absl::GetFlag(FLAGS_step_in_backward);
   if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||
       config.layers < 1 || config.width < config.heads || config.width % config.heads != 0 ||
-      config.recompute_run < 0) {
+      config.recompute_run < 0 || config.recompute_slices < 0) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
-                                "--width a multiple of 4, --recompute_run >= 0");
+                                "--width a multiple of 4, --recompute_run and --recompute_slices >= 0");
   }
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
   const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));

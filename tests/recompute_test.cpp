@@ -448,15 +448,18 @@ TEST_F(AmpTest, RecomputeRefusesWhatItCannotRerunFaithfully) {
 // amp::recompute_in_slices or by hand (each slice through the blocks
 // without recomputation, the outputs concatenated): the same dropout masks,
 // outputs and gradients.
-std::vector<at::Tensor> sliced_step(Options options, int64_t slices, bool recompute, int64_t rows) {
+std::vector<at::Tensor> sliced_step(Options options, int64_t slices, bool recompute, int64_t rows,
+                                    c10::Device device = c10::kCPU) {
   torch::manual_seed(0);
+  if (device.is_cuda()) torch::cuda::manual_seed_all(0);
   torch::nn::ModuleList blocks;
   for (int i = 0; i < 3; ++i) blocks->push_back(Block(16));
+  blocks->to(device);
   torch::optim::SGD optimizer(blocks->parameters(), 0.1);
   options.verbosity = 0;
   Handle handle;
   handle.initialize(blocks, optimizer, options);
-  const at::Tensor x = torch::randn({rows, 16}, torch::requires_grad());
+  const at::Tensor x = torch::randn({rows, 16}, torch::device(device).requires_grad(true));
   auto run = [blocks](const at::Tensor& in) {
     at::Tensor h = in;
     for (size_t i = 0; i < blocks->size(); ++i) h = blocks->ptr<BlockImpl>(i)->forward(h, false);
@@ -489,6 +492,17 @@ TEST_F(AmpTest, RecomputeInSlicesIsTheBlockRunOnEachSliceBitForBit) {
     SCOPED_TRACE(name);
     // 10 rows in 4 slices: 3, 3, 3 and 1.
     expect_bit_equal(sliced_step(options, 4, true, 10), sliced_step(options, 4, false, 10), "output or gradient");
+  }
+}
+
+// On the GPU: backward on autograd's device thread, dropout from the CUDA
+// generator, the slices' weight gradients added on the device.
+TEST_F(AmpTest, OnCudaRecomputeInSlicesIsTheBlockRunOnEachSliceBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  for (const auto& [name, options] : std::vector<std::pair<std::string, Options>>{{"O1", O1}, {"O2", O2}, {"O5", O5}}) {
+    SCOPED_TRACE(name);
+    expect_bit_equal(sliced_step(options, 4, true, 10, c10::kCUDA), sliced_step(options, 4, false, 10, c10::kCUDA),
+                     "output or gradient");
   }
 }
 

@@ -29,7 +29,8 @@
 //   fused.h        amp::optim::FusedAdam, FusedAdamW, FusedSGD: skip on the device
 //   state.h        save_state / load_state: amp's own state (Apex's amp.state_dict)
 //   checkpoint.h   save_checkpoint / load_checkpoint / save_fp32_weights
-//   recompute.h    recompute, recompute_sequential: activation recomputation
+//   recompute.h    recompute, recompute_sequential, recompute_in_slices:
+//                  activation recomputation
 // Beside it, each an umbrella of its own:
 //   casting.h      the cast policies and scopes (register_half_function,
 //                  disable_casts, custom_fwd, ...)

@@ -181,8 +181,10 @@ at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t
 //
 // Errors (c10::Error): slices < 1; x undefined or without dimensions; fn
 // returns an undefined tensor, or one whose size along dimension 0 differs
-// from its piece's (fn does not map rows to rows) - thrown before anything
-// is concatenated, with nothing kept for backward.
+// from its piece's (fn does not map rows to rows) - thrown at the first
+// such piece, before anything is concatenated: nothing is kept for
+// backward, though the pieces run until then drew from the random
+// generators (dropout) as any forward does.
 at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
 
 }  // namespace amp
