@@ -1033,7 +1033,9 @@ struct Zero3Run {
   };
   std::vector<Seen> seen;
 
-  explicit Zero3Run(bool shard_weights) {
+  size_t run_length = 1;  // > 1: runs of this many blocks recomputed around them (two levels)
+
+  explicit Zero3Run(bool shard_weights, size_t run_of = 1) : run_length(run_of) {
     torch::manual_seed(0);
     for (int i = 0; i < 7; ++i) model->push_back(torch::nn::Linear(8, 8));
     optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);
@@ -1051,9 +1053,8 @@ struct Zero3Run {
     }
     return out;
   }
-  at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = x;
-    for (size_t k = 0; k < 6; ++k) {
+  at::Tensor blocks(size_t begin, size_t end, at::Tensor h) {
+    for (size_t k = begin; k < end; ++k) {
       h = amp::recompute(
           [this, k, layer = model->ptr<torch::nn::LinearImpl>(k)](const at::Tensor& in) {
             at::Tensor out = layer->forward(in);
@@ -1061,6 +1062,17 @@ struct Zero3Run {
             return out;
           },
           h);
+    }
+    return h;
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    if (run_length == 1) {
+      h = blocks(0, 6, h);
+    } else {
+      for (size_t begin = 0; begin < 6; begin += run_length) {
+        h = amp::recompute([this, begin](const at::Tensor& in) { return blocks(begin, begin + run_length, in); }, h);
+      }
     }
     return model->ptr<torch::nn::LinearImpl>(6)->forward(h);
   }
@@ -1115,6 +1127,33 @@ TEST_F(AmpTest, ShardedWeightsAreWholeOnlyWhileTheirRunsNeedThem) {
   run.seen.clear();
   run.step(x);
   EXPECT_EQ(run.seen.front().whole, only({0}));
+  EXPECT_EQ(run.whole(), only({}));
+}
+
+// Two levels: runs of three blocks, each run recomputed around its
+// blocks. A run's rerun runs its blocks' forwards again, as new blocks; the
+// prefetch for the next rerun takes only a block backward will rerun, never
+// one of the earlier forward's (whose gathers would wait, unread, for the
+// guard's end).
+TEST_F(AmpTest, ShardedWeightsInRunsOfBlocksGatherOnlyWhatARunReads) {
+  Zero3Run run(/*shard_weights=*/true, /*run_of=*/3);
+  run.optimizer->zero_grad();
+  const at::Tensor loss = run.forward(torch::randn({4, 8})).to(at::kFloat).pow(2).mean();
+  {
+    scale_loss scaled(loss, *run.optimizer);
+    scaled.backward();
+    EXPECT_EQ(run.whole(), only({6})) << "when backward returns: the head alone (read outside blocks)";
+  }
+  // Forward: 7 layers' two all-gathers; backward: each block's again in its
+  // run's rerun and once more in its own.
+  EXPECT_EQ(run.group->gathers.load(), 14 + 12 + 12);
+  // Every forward inside a run's rerun, then the block's own rerun: 6 + 6 + 6.
+  ASSERT_EQ(run.seen.size(), 18u);
+  for (size_t i = 0; i < run.seen.size(); ++i) {
+    const Zero3Run::Seen& s = run.seen[i];
+    EXPECT_EQ(s.whole, i < 6 ? only({s.block}) : only({s.block, 6})) << "run " << i << ", block " << s.block;
+  }
+  run.optimizer->step();
   EXPECT_EQ(run.whole(), only({}));
 }
 

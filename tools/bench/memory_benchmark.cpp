@@ -131,11 +131,15 @@ std::vector<Config> configs() {
       out.push_back({"amp O5 + recompute" + per, amp::O5, true, world, shard});
       out.push_back({"amp O6 + recompute" + per, amp::O6, true, world, shard});
       out.push_back({"amp O6 + recompute + 8-bit state" + per, amp::O6, true, world, shard, true});
+      out.push_back({"amp O6 + recompute in slices and two levels + 8-bit state" + per, amp::O6, true, world, shard,
+                     true, false, false, true, kSlices});
     }
     const std::string zero3 = " ZeRO-3 x" + std::to_string(world);
     out.push_back({"amp O5 + recompute" + zero3, amp::O5, true, world, true, false, false, true});
     out.push_back({"amp O6 + recompute" + zero3, amp::O6, true, world, true, false, false, true});
     out.push_back({"amp O6 + recompute + 8-bit state" + zero3, amp::O6, true, world, true, true, false, true});
+    out.push_back({"amp O6 + recompute in slices and two levels + 8-bit state" + zero3, amp::O6, true, world, true,
+                   true, false, true, true, kSlices});
   }
   return out;
 }

@@ -300,7 +300,7 @@ void ShardedOptimizer::gather_whole_for_op(size_t g) {
   AMP_TRACE_RANGE("amp::all-gather of the weights");
   at::NoGradGuard no_grad;
   if (!in_flight_[g].work) launch(g);
-  if (!residency_.rerunning()) {  // forward order: the next ops' weights travel while this one computes
+  if (!residency_.in_rerun()) {  // forward order: the next ops' weights travel while this one computes
     for (size_t next = g + 1; next < std::min(gathers_.size(), g + 1 + kAhead); ++next) {
       if (!residency_.whole(next) && !in_flight_[next].work) launch(next);
     }
@@ -317,8 +317,10 @@ size_t ShardedOptimizer::begin_run(size_t rerun_of) {
   try {
     open_round();
     at::NoGradGuard no_grad;
-    // The block's gathers, then the previous block's: backward reruns it next.
+    // The block's gathers, then the previous block's where backward reruns
+    // it next (not a nested block of an earlier forward of this one's run).
     for (const size_t block : {id, id - 1}) {
+      if (block != id && !residency_.siblings(block, id)) continue;
       for (size_t g : residency_.read_by(block)) {
         if (!residency_.whole(g) && !in_flight_[g].work) launch(g);
       }

@@ -35,6 +35,7 @@ void WeightResidency::end_round() {
   wholes_ = 0;
   first_id_ += read_.size();
   read_.clear();
+  parent_.clear();
 }
 
 size_t WeightResidency::begin_run(size_t rerun_of) {
@@ -44,8 +45,21 @@ size_t WeightResidency::begin_run(size_t rerun_of) {
   }
   const size_t id = first_id_ + read_.size();
   read_.emplace_back();
+  parent_.push_back(runs_.empty() ? Run{kFreed, false} : runs_.back());
   runs_.push_back({id, false});
   return id;
+}
+
+bool WeightResidency::in_rerun() const {
+  return std::any_of(runs_.begin(), runs_.end(), [](const Run& r) { return r.rerun; });
+}
+
+bool WeightResidency::siblings(size_t a, size_t b) const {
+  auto known = [&](size_t id) { return id >= first_id_ && id - first_id_ < parent_.size(); };
+  if (!known(a) || !known(b)) return false;
+  const Run& x = parent_[a - first_id_];
+  const Run& y = parent_[b - first_id_];
+  return x.id == y.id && x.rerun == y.rerun;
 }
 
 const std::vector<size_t>& WeightResidency::read_by(size_t id) const {

@@ -15,7 +15,10 @@
 // stays with the outer one. A block's forward records the gathers it read,
 // so its rerun can start them all before its first op, and the rerun of the
 // block before it (the next one backward reaches) can start travelling
-// while it runs.
+// while it runs - where that block began inside the same run as this one:
+// nested blocks (a run of blocks recomputed around them) run their forward
+// again inside their run's rerun, as new blocks, and the earlier forward's
+// are never rerun.
 //
 // Bookkeeping only: sharded_optimizer.cpp starts, takes and frees.
 #pragma once
@@ -48,9 +51,15 @@ class WeightResidency {
   // rerun of block `rerun_of` (returns it).
   size_t begin_run(size_t rerun_of = kForward);
   bool rerunning() const { return !runs_.empty() && runs_.back().rerun; }
+  // Inside a rerun, at any depth: backward, where forward order does not
+  // say what is read next (a run's rerun runs its blocks' forwards again).
+  bool in_rerun() const;
   // The gathers block `id`'s forward read, in order (none for a block of an
   // earlier round).
   const std::vector<size_t>& read_by(size_t id) const;
+  // Whether blocks a and b of this round began inside the same run (the
+  // same forward or rerun of it), or both outside any.
+  bool siblings(size_t a, size_t b) const;
 
  private:
   static constexpr size_t kFreed = std::numeric_limits<size_t>::max();
@@ -65,6 +74,7 @@ class WeightResidency {
   size_t wholes_ = 0;
   std::vector<Run> runs_;      // running, innermost last
   std::vector<std::vector<size_t>> read_;  // per block of this round, from first_id_ on
+  std::vector<Run> parent_;                // per block of this round: the run it began in ({kFreed}: none)
   size_t first_id_ = 0;
 };
 
