@@ -570,21 +570,32 @@ TEST_F(AmpTest, RecomputeInSlicesRefusesWhatCannotRunInSlices) {
 // block's backward differ between processors (about 1 MB here, 4 MB on an
 // H100 host's CPU, where 6 blocks gave a ratio of 0.62): 12 blocks let the
 // saved activations outweigh them on both.
+// `model` at O1 with SGD, the step's bytes counted from construction on.
+template <class Model>
+struct CountedStep {
+  torch::optim::SGD optimizer;
+  Handle handle;
+  int64_t before = 0;
+  explicit CountedStep(Model& model) : optimizer(model->parameters(), 0.1) {
+    Options options = O1;
+    options.verbosity = 0;
+    handle.initialize(model, optimizer, options);
+    optimizer.zero_grad();
+    reset_peak_allocated();
+    before = allocated_bytes().current;
+  }
+  int64_t held() const { return allocated_bytes().current - before; }
+  int64_t peak() const { return allocated_bytes().peak - before; }
+};
+
 TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
   amp::track_allocations();
   auto peak_of_step = [](bool recompute) {
     torch::manual_seed(0);
     torch::nn::ModuleList blocks;
     for (int i = 0; i < 12; ++i) blocks->push_back(Block(64));
-    torch::optim::SGD optimizer(blocks->parameters(), 0.1);
-    Options options = O1;
-    options.verbosity = 0;
-    Handle handle;
-    handle.initialize(blocks, optimizer, options);
     const at::Tensor x = torch::randn({1024, 64});
-    optimizer.zero_grad();
-    reset_peak_allocated();
-    const int64_t before = allocated_bytes().current;
+    CountedStep step(blocks);
     at::Tensor h = x;
     for (size_t i = 0; i < blocks->size(); ++i) {
       const auto b = blocks->ptr<BlockImpl>(i);
@@ -592,10 +603,10 @@ TEST_F(AmpTest, RecomputationHoldsMeasurablyFewerBytesDuringBackward) {
                     : b->forward(h, false);
     }
     {
-      scale_loss scaled(h.to(at::kFloat).pow(2).mean(), optimizer);
+      scale_loss scaled(h.to(at::kFloat).pow(2).mean(), step.optimizer);
       scaled.backward();
     }
-    return allocated_bytes().peak - before;
+    return step.peak();
   };
   const int64_t plain = peak_of_step(false), recomputed = peak_of_step(true);
   std::printf("peak bytes above the step's start: %lld without recomputation, %lld with\n",
@@ -611,30 +622,23 @@ TEST_F(AmpTest, RecomputeInSlicesHoldsOneSlicesActivations) {
   struct Held {
     int64_t after_forward = 0, peak = 0;
   };
-  auto step = [](int64_t slices) {
+  auto run_step = [](int64_t slices) {
     torch::manual_seed(0);
     Block block(64);
-    torch::optim::SGD optimizer(block->parameters(), 0.1);
-    Options options = O1;
-    options.verbosity = 0;
-    Handle handle;
-    handle.initialize(block, optimizer, options);
     const at::Tensor x = torch::randn({4096, 64});
-    optimizer.zero_grad();
-    reset_peak_allocated();
-    const int64_t before = allocated_bytes().current;
+    CountedStep step(block);
     auto run = [block](const at::Tensor& in) mutable { return block->forward(in, false); };
     const at::Tensor y = slices > 1 ? amp::recompute_in_slices(slices, run, x) : amp::recompute(run, x);
     Held held;
-    held.after_forward = allocated_bytes().current - before;
+    held.after_forward = step.held();
     {
-      scale_loss scaled(y.sum(), optimizer);  // its gradient an expanded scalar: no bytes of its own
+      scale_loss scaled(y.sum(), step.optimizer);  // its gradient an expanded scalar: no bytes of its own
       scaled.backward();
     }
-    held.peak = allocated_bytes().peak - before;
+    held.peak = step.peak();
     return held;
   };
-  const Held whole = step(1), sliced = step(8);
+  const Held whole = run_step(1), sliced = run_step(8);
   const int64_t whole_rerun = whole.peak - whole.after_forward, sliced_rerun = sliced.peak - sliced.after_forward;
   std::printf("backward above forward's bytes: %lld whole, %lld in 8 slices\n", static_cast<long long>(whole_rerun),
               static_cast<long long>(sliced_rerun));
