@@ -13,7 +13,7 @@ void WeightResidency::take(size_t g) {
 void WeightResidency::read(size_t g) {
   owner_[g] = std::min(owner_[g], depth());
   if (runs_.empty() || runs_.back().rerun || runs_.back().id < first_id_) return;
-  std::vector<size_t>& read = read_[runs_.back().id - first_id_];
+  std::vector<size_t>& read = blocks_[runs_.back().id - first_id_].read;
   if (std::find(read.begin(), read.end(), g) == read.end()) read.push_back(g);
 }
 
@@ -33,9 +33,8 @@ std::vector<size_t> WeightResidency::end_run() {
 void WeightResidency::end_round() {
   std::fill(owner_.begin(), owner_.end(), kFreed);
   wholes_ = 0;
-  first_id_ += read_.size();
-  read_.clear();
-  parent_.clear();
+  first_id_ += blocks_.size();
+  blocks_.clear();
 }
 
 size_t WeightResidency::begin_run(size_t rerun_of) {
@@ -43,9 +42,8 @@ size_t WeightResidency::begin_run(size_t rerun_of) {
     runs_.push_back({rerun_of, true});
     return rerun_of;
   }
-  const size_t id = first_id_ + read_.size();
-  read_.emplace_back();
-  parent_.push_back(runs_.empty() ? Run{kFreed, false} : runs_.back());
+  const size_t id = first_id_ + blocks_.size();
+  blocks_.push_back({{}, runs_.empty() ? Run{kFreed, false} : runs_.back()});
   runs_.push_back({id, false});
   return id;
 }
@@ -54,17 +52,20 @@ bool WeightResidency::in_rerun() const {
   return std::any_of(runs_.begin(), runs_.end(), [](const Run& r) { return r.rerun; });
 }
 
+const WeightResidency::Block* WeightResidency::block(size_t id) const {
+  return id >= first_id_ && id - first_id_ < blocks_.size() ? &blocks_[id - first_id_] : nullptr;
+}
+
 bool WeightResidency::siblings(size_t a, size_t b) const {
-  auto known = [&](size_t id) { return id >= first_id_ && id - first_id_ < parent_.size(); };
-  if (!known(a) || !known(b)) return false;
-  const Run& x = parent_[a - first_id_];
-  const Run& y = parent_[b - first_id_];
-  return x.id == y.id && x.rerun == y.rerun;
+  const Block* x = block(a);
+  const Block* y = block(b);
+  return x && y && x->parent.id == y->parent.id && x->parent.rerun == y->parent.rerun;
 }
 
 const std::vector<size_t>& WeightResidency::read_by(size_t id) const {
   static const std::vector<size_t> none;
-  return id >= first_id_ && id - first_id_ < read_.size() ? read_[id - first_id_] : none;
+  const Block* b = block(id);
+  return b ? b->read : none;
 }
 
 }  // namespace amp::detail

@@ -67,14 +67,19 @@ class WeightResidency {
     size_t id;
     bool rerun;
   };
+  // A block of this round.
+  struct Block {
+    std::vector<size_t> read;  // the gathers its forward read, in order
+    Run parent;                // the run it began in ({kFreed}: none)
+  };
 
   size_t depth() const { return runs_.size(); }  // 0: outside recomputed blocks
+  const Block* block(size_t id) const;           // null: a block of an earlier round
 
   std::vector<size_t> owner_;  // per gather: kFreed, or the depth of the run holding it
   size_t wholes_ = 0;
   std::vector<Run> runs_;      // running, innermost last
-  std::vector<std::vector<size_t>> read_;  // per block of this round, from first_id_ on
-  std::vector<Run> parent_;                // per block of this round: the run it began in ({kFreed}: none)
+  std::vector<Block> blocks_;  // this round's, from id first_id_ on
   size_t first_id_ = 0;
 };
 
