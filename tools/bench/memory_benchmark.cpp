@@ -77,7 +77,8 @@ ABSL_FLAG(std::string, python, "", "Python with torch for the peer rows (empty: 
 ABSL_FLAG(std::string, peer_script, "", "memory_peer.py (default: beside this program's source)");
 ABSL_FLAG(std::vector<std::string>, budget_depths, {},
           "largest-model table: amp's rows try only these depths (comma-separated) and show the deepest that "
-          "fits, a lower bound on their largest (LibTorch float32 is still searched); empty: every row searched");
+          "fits, a lower bound on their largest, and each that does not, an upper bound (LibTorch float32 is "
+          "still searched); empty: every row searched");
 ABSL_FLAG(double, bucket_mib, 4,
           "data-parallel rows: data_parallel.bucket_bytes in MiB (DDP's 25 holds up to three such buckets "
           "of float32 gradients at once)");
@@ -445,8 +446,10 @@ void equal_batch_table(const std::vector<Row>& table, int layers) {
 // The deepest model whose step's peak fits the budget: peaks grow about
 // linearly with depth, so each guess follows the line through the last two
 // measurements, kept between the deepest that fit and the shallowest that
-// did not. Given `depths`, it measures only those.
-std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const std::vector<int>& depths) {
+// did not. Given `depths`, it measures only those, and `over` receives
+// those that did not fit (an upper bound on the largest).
+std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const std::vector<int>& depths,
+                                          std::map<int, Figures>& over) {
   std::map<int, Figures> measured;
   auto peak_at = [&](int layers) {
     if (!measured.count(layers)) measured[layers] = row.measure(layers, /*timed=*/0, /*train=*/0);
@@ -455,7 +458,11 @@ std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const s
   if (!depths.empty()) {
     int deepest = 0;
     for (int depth : depths) {
-      if (peak_at(depth) <= budget) deepest = std::max(deepest, depth);
+      if (peak_at(depth) <= budget) {
+        deepest = std::max(deepest, depth);
+      } else {
+        over[depth] = measured[depth];
+      }
     }
     return {deepest, measured[deepest]};
   }
@@ -481,7 +488,14 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
   for (const std::string& depth : absl::GetFlag(FLAGS_budget_depths)) depths.push_back(std::stoi(depth));
   int64_t fp32_parameters = 0;
   for (const Row& row : table) {
-    const auto [layers, fit] = largest_in_budget(row, budget, fp32_parameters == 0 ? std::vector<int>{} : depths);
+    std::map<int, Figures> over;
+    const auto [layers, fit] =
+        largest_in_budget(row, budget, fp32_parameters == 0 ? std::vector<int>{} : depths, over);
+    for (const auto& [depth, f] : over) {
+      std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | over the budget |\n", row.name.c_str(), depth,
+                  (long long)f.parameters, double(f.parameters) / std::max<int64_t>(fp32_parameters, 1), f.peak_mib,
+                  bytes_per_parameter(f), row.floor);
+    }
     if (layers == 0) continue;
     // Without training, the search's own step at that depth is the row.
     const Figures trained = train_steps > 0 ? row.measure(layers, /*timed=*/0, train_steps) : fit;
