@@ -446,10 +446,12 @@ void equal_batch_table(const std::vector<Row>& table, int layers) {
 // The deepest model whose step's peak fits the budget: peaks grow about
 // linearly with depth, so each guess follows the line through the last two
 // measurements, kept between the deepest that fit and the shallowest that
-// did not. Given `depths`, it measures only those, and `over` receives
-// those that did not fit (an upper bound on the largest).
-std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const std::vector<int>& depths,
-                                          std::map<int, Figures>& over) {
+// did not. Given `depths`, it measures only those.
+struct Search {
+  int fits = 0;  // the deepest that fit (0: none)
+  std::map<int, Figures> measured;  // by depth
+};
+Search largest_in_budget(const Row& row, double budget, const std::vector<int>& depths) {
   std::map<int, Figures> measured;
   auto peak_at = [&](int layers) {
     if (!measured.count(layers)) measured[layers] = row.measure(layers, /*timed=*/0, /*train=*/0);
@@ -458,13 +460,9 @@ std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const s
   if (!depths.empty()) {
     int deepest = 0;
     for (int depth : depths) {
-      if (peak_at(depth) <= budget) {
-        deepest = std::max(deepest, depth);
-      } else {
-        over[depth] = measured[depth];
-      }
+      if (peak_at(depth) <= budget) deepest = std::max(deepest, depth);
     }
-    return {deepest, measured[deepest]};
+    return {deepest, measured};
   }
   int fits = 0, too_deep = 1 << 20, previous = 2, current = 4;
   for (int layers : {previous, current}) (peak_at(layers) <= budget ? fits : too_deep) = layers;
@@ -476,7 +474,7 @@ std::pair<int, Figures> largest_in_budget(const Row& row, double budget, const s
     previous = current, current = guess;
     (peak_at(current) <= budget ? fits : too_deep) = current;
   }
-  return {fits, measured[fits]};
+  return {fits, measured};
 }
 
 void budget_table(const std::vector<Row>& table, double budget, int train_steps) {
@@ -487,23 +485,27 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
   std::vector<int> depths;  // --budget_depths, for every row but the float32 reference (the first)
   for (const std::string& depth : absl::GetFlag(FLAGS_budget_depths)) depths.push_back(std::stoi(depth));
   int64_t fp32_parameters = 0;
-  for (const Row& row : table) {
-    std::map<int, Figures> over;
-    const auto [layers, fit] =
-        largest_in_budget(row, budget, fp32_parameters == 0 ? std::vector<int>{} : depths, over);
-    for (const auto& [depth, f] : over) {
-      std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | over the budget |\n", row.name.c_str(), depth,
-                  (long long)f.parameters, double(f.parameters) / std::max<int64_t>(fp32_parameters, 1), f.peak_mib,
-                  bytes_per_parameter(f), row.floor);
-    }
-    if (layers == 0) continue;
-    // Without training, the search's own step at that depth is the row.
-    const Figures trained = train_steps > 0 ? row.measure(layers, /*timed=*/0, train_steps) : fit;
-    if (fp32_parameters == 0) fp32_parameters = trained.parameters;
-    std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | %.3f |\n", row.name.c_str(), layers,
-                (long long)trained.parameters, double(trained.parameters) / fp32_parameters, fit.peak_mib,
-                bytes_per_parameter(fit), row.floor, trained.loss);
+  auto print = [&](const Row& row, int blocks, const Figures& f, const std::string& last) {
+    std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | %s |\n", row.name.c_str(), blocks,
+                (long long)f.parameters, double(f.parameters) / fp32_parameters, f.peak_mib, bytes_per_parameter(f),
+                row.floor, last.c_str());
     std::fflush(stdout);
+  };
+  for (const Row& row : table) {
+    const std::vector<int> tried = fp32_parameters == 0 ? std::vector<int>{} : depths;
+    const Search search = largest_in_budget(row, budget, tried);
+    // A depth tried that did not fit: an upper bound on the largest.
+    for (const auto& [blocks, f] : search.measured) {
+      if (!tried.empty() && f.peak_mib > budget) print(row, blocks, f, "over the budget");
+    }
+    if (search.fits == 0) continue;
+    const Figures& fit = search.measured.at(search.fits);
+    if (fp32_parameters == 0) fp32_parameters = fit.parameters;
+    // Without training, the search's own step at that depth is the row.
+    const double loss = train_steps > 0 ? row.measure(search.fits, /*timed=*/0, train_steps).loss : fit.loss;
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3f", loss);
+    print(row, search.fits, fit, text);
   }
 }
 
