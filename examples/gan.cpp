@@ -18,7 +18,7 @@
 
 #include <iostream>
 
-ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5");
+ABSL_FLAG(std::string, opt_level, "O1", "amp opt level: O0..O5 (O6 steps only amp's fused optimizers; the GAN steps LibTorch's Adam)");
 ABSL_FLAG(std::string, dtype, "", "low-precision dtype: fp16 or bf16");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda");
 ABSL_FLAG(int, steps, 300, "training steps (one batch of real images each)");

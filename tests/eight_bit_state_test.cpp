@@ -10,8 +10,11 @@
 #include "optim/eight_bit_state.h"
 #include "optim/stochastic_rounding.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
+#include <random>
 #include <sstream>
 
 namespace amp::testing {
@@ -107,6 +110,57 @@ TEST(EightBitStateTest, StochasticPackingIsUnbiased) {
   }
 }
 
+// The code values just below and above y (a value over its block's scale).
+std::pair<double, double> neighbouring_codes(double y, bool non_negative) {
+  std::vector<double> codes = code_values(non_negative);
+  std::sort(codes.begin(), codes.end());
+  const auto above = std::lower_bound(codes.begin(), codes.end(), y);
+  return {*std::prev(std::upper_bound(codes.begin(), codes.end(), y)), *above};
+}
+
+// Random values at random places between their codes, in blocks of random
+// scales (2^-100 to 2^100) and both signs: each case's 255 x 256 draws
+// average to its value within 5 standard errors. Rounding to nearest fails
+// the same bound, so the check can tell.
+TEST(EightBitStateTest, StochasticPackingIsUnbiasedOverRandomValuesAndScales) {
+  constexpr int64_t kCases = 48, kBlocksPerCase = 256;
+  detail::StochasticRounding rounder(/*seed=*/11, /*stream=*/0);
+  std::mt19937 draw(2026);
+  for (const bool non_negative : {false, true}) {
+    std::vector<double> value(kCases), scale(kCases);
+    at::Tensor blocks = torch::empty({kCases, kBlocksPerCase, detail::kStateBlock});
+    for (int64_t c = 0; c < kCases; ++c) {
+      scale[c] = std::ldexp(1.0, std::uniform_int_distribution<int>(-100, 100)(draw));
+      // |y| from 2^-12 to 1, uniform in its exponent: every part of the code table.
+      const double magnitude = std::exp2(-12.0 * std::uniform_real_distribution<double>(0, 1)(draw));
+      const bool negative = !non_negative && std::bernoulli_distribution(0.5)(draw);
+      value[c] = static_cast<float>((negative ? -magnitude : magnitude) * scale[c]);
+      blocks[c].fill_(value[c]);
+      blocks[c].select(1, 0).fill_(scale[c]);  // each block's maximum: its scale is scale[c]
+    }
+    const at::Tensor values = blocks.view(-1);
+    const auto unpacked = [&](detail::StochasticRounding* r) {
+      const at::Tensor packed = detail::pack_state(values, non_negative, r, {r ? r->next_step() : 0, 0});
+      return detail::unpack_state(packed, blocks.sizes(), non_negative).narrow(2, 1, detail::kStateBlock - 1);
+    };
+    const at::Tensor stochastic = unpacked(&rounder).to(at::kDouble), nearest = unpacked(nullptr).to(at::kDouble);
+    int nearest_caught = 0;
+    for (int64_t c = 0; c < kCases; ++c) {
+      SCOPED_TRACE("case " + std::to_string(c) + ": " + std::to_string(value[c]) + " in blocks of scale " +
+                   std::to_string(scale[c]) + (non_negative ? ", non-negative" : ", signed"));
+      const auto [a, b] = neighbouring_codes(value[c] / scale[c], non_negative);
+      const double y = value[c] / scale[c], p = (y - a) / (b - a);
+      const at::Tensor drawn = stochastic[c] / scale[c];
+      EXPECT_TRUE(((drawn - a).abs() < 1e-7 * std::abs(a) + 1e-300).logical_or((drawn - b).abs() < 1e-7 * std::abs(b))
+                      .all().item<bool>()) << "every draw is one of the two codes around the value";
+      const double error = (b - a) * std::sqrt(std::max(p * (1 - p), 1e-12) / drawn.numel());
+      EXPECT_NEAR(drawn.mean().item<double>(), y, 5 * error);
+      nearest_caught += std::abs((nearest[c] / scale[c]).mean().item<double>() - y) > 5 * error;
+    }
+    EXPECT_GE(nearest_caught, kCases * 3 / 4) << "rounding to nearest passed most cases: the bound is too loose";
+  }
+}
+
 // Unpacked and packed again - to nearest or stochastically, with any
 // noise - a block is the same bytes: values on codes stay on them, and a
 // block whose maximum rounded down onto 0.5 is coded one exponent down.
@@ -124,6 +178,42 @@ TEST(EightBitStateTest, APackedBlockPackedAgainIsTheSameBytes) {
       EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, &rounder, {rounder.next_step(), 0}), packed))
           << non_negative;
       EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, nullptr), packed)) << non_negative;
+    }
+    // Zeros packed are packed_zeros' bytes (a fresh state's, made without float32 values).
+    EXPECT_TRUE(BitEqual(detail::packed_zeros(1000, non_negative, {}),
+                         detail::pack_state(torch::zeros({1000}), non_negative, &rounder, {rounder.next_step(), 0})));
+  }
+}
+
+// A block holding an inf or NaN has no scale: it unpacks as NaN in all
+// its values, never as finite ones, whichever rounding packed it; the
+// other blocks are as without it, and the block packs again into the same
+// bytes.
+TEST(EightBitStateTest, ANonFiniteValueKeepsItsBlockNonFinite) {
+  detail::StochasticRounding rounder(9, 0);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (const bool non_negative : {false, true}) {
+    const at::Tensor clean = wide_values(non_negative, 3);  // 1000 values: blocks 0-3
+    for (const float bad : {inf, -inf, nan}) {
+      if (non_negative && bad < 0) continue;
+      SCOPED_TRACE(std::to_string(bad) + (non_negative ? ", non-negative" : ", signed"));
+      at::Tensor values = clean.clone();
+      values[300] = bad;  // block 1
+      for (detail::StochasticRounding* r : {static_cast<detail::StochasticRounding*>(nullptr), &rounder}) {
+        const detail::RoundingKey key{r ? r->next_step() : 0, 0};
+        const at::Tensor packed = detail::pack_state(values, non_negative, r, key);
+        const at::Tensor unpacked = detail::unpack_state(packed, {1000}, non_negative);
+        EXPECT_TRUE(unpacked.narrow(0, 256, 256).isnan().all().item<bool>()) << "the block is NaN";
+        EXPECT_EQ(static_cast<int8_t>(packed[1][detail::kStateBlock].item<uint8_t>()), -128);
+        const at::Tensor others = at::cat({unpacked.narrow(0, 0, 256), unpacked.narrow(0, 512, 488)});
+        EXPECT_TRUE(others.isfinite().all().item<bool>());
+        if (r == nullptr) {
+          const at::Tensor expected = detail::unpack_state(detail::pack_state(clean, non_negative, nullptr), {1000},
+                                                           non_negative);
+          EXPECT_TRUE(BitEqual(others, at::cat({expected.narrow(0, 0, 256), expected.narrow(0, 512, 488)})));
+        }
+        EXPECT_TRUE(BitEqual(detail::pack_state(unpacked, non_negative, nullptr), packed));
+      }
     }
   }
 }
@@ -349,6 +439,79 @@ TEST_F(AmpTest, ASkippedStepLeavesEightBitStateTheSameBytes) {
     const std::vector<at::Tensor> after = state_of(optimizer, model->parameters());
     ASSERT_EQ(after.size(), before.size());
     for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(BitEqual(after[i], before[i])) << i;
+  }
+}
+
+// A tensor larger than a chunk of the widened step (2^20 values) is stepped
+// in slices of it: from a fresh state the first step's weights are ATen's
+// fused AdamW on the whole tensor bit for bit (float32 state: no slices),
+// whose moments the packed ones hold within a code step; and the step holds
+// a transient of a few slices, not float32 copies of the whole tensor
+// (unpacked moments, the noise: 60 MiB here).
+TEST_F(AmpTest, ATensorLargerThanAChunkStepsInSlicesAsAWholeTensorDoes) {
+  amp::track_allocations();
+  const int64_t n = 3 * (int64_t{1} << 20) + 1000;
+  torch::manual_seed(8);
+  const at::Tensor init = torch::randn({n}), gradient = torch::randn({n});
+  std::vector<at::Tensor> weights, exp_avgs;
+  for (const auto dtype : {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(at::kByte)}) {
+    Vector holder(init.clone());
+    const at::Tensor& w = holder->w;
+    amp::optim::FusedAdamW optimizer({w}, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    Handle handle;
+    handle.initialize(holder, optimizer, with_state(O0, dtype));
+    optimizer.zero_grad();
+    {
+      scale_loss scaled((w * gradient).sum(), optimizer);
+      scaled.backward();
+    }
+    reset_peak_allocated();
+    optimizer.step();
+    const AllocatedBytes bytes = allocated_bytes();
+    if (dtype) {
+      std::printf("8-bit AdamW step of %lld values: %.1f MiB above what it leaves\n", static_cast<long long>(n),
+                  (bytes.peak - bytes.current) / 1048576.0);
+      EXPECT_LT(bytes.peak - bytes.current, 24 << 20);
+    }
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*optimizer.state().at(w.unsafeGetTensorImpl()));
+    weights.push_back(w.detach().clone());
+    exp_avgs.push_back(detail::state_values(s.exp_avg(), w, false).clone());
+  }
+  EXPECT_TRUE(BitEqual(weights[1], weights[0]));
+  // Within a code step where the codes reach (2^-14 of a block's maximum, about 0.3 here).
+  const at::Tensor reached = exp_avgs[0].abs() > 1e-3;
+  EXPECT_LE(((exp_avgs[1] - exp_avgs[0]).abs() / exp_avgs[0].abs()).masked_select(reached).max().item<double>(),
+            std::exp2(0.125) - 1 + 1e-5);
+}
+
+// A gradient whose square overflows float32 (1e30, finite in float32) under
+// a static scale, which never skips: float32 state's second moment is inf
+// there, and 8-bit state's is not finite either - its block is NaN, where
+// it was coded as a finite value. The next step is not finite in both.
+TEST_F(AmpTest, AnOverflowingMomentIsNeverCodedAsFinite) {
+  for (const auto dtype : {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(at::kByte)}) {
+    SCOPED_TRACE(dtype ? "8-bit state" : "float32 state");
+    torch::manual_seed(5);
+    Vector holder(torch::randn({4096}));
+    const at::Tensor& w = holder->w;
+    amp::optim::FusedAdam optimizer({w}, torch::optim::AdamOptions(1e-3));
+    Handle handle;
+    handle.initialize(holder, optimizer, with_state(O0, dtype));
+    at::Tensor gradient = torch::randn({4096}) * 1e-3;
+    gradient[100] = 1e30f;
+    for (int step = 0; step < 2; ++step) {
+      optimizer.zero_grad();
+      {
+        scale_loss scaled((w * gradient).sum(), optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      EXPECT_FALSE(last_step_skipped(optimizer)) << "a static scale never skips";
+      const auto& s = static_cast<const torch::optim::AdamParamState&>(*optimizer.state().at(w.unsafeGetTensorImpl()));
+      const at::Tensor v = detail::state_values(s.exp_avg_sq(), w, /*non_negative=*/true);
+      EXPECT_FALSE(std::isfinite(v[100].item<float>())) << "step " << step;
+      EXPECT_TRUE(v.narrow(0, 256, 4096 - 256).isfinite().all().item<bool>()) << "step " << step;
+    }
   }
 }
 

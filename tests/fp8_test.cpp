@@ -7,8 +7,10 @@
 #include "fp8/fp8_scaler.h"
 #include "session/context.h"
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 
 namespace amp::testing {
 namespace {
@@ -143,11 +145,85 @@ void for_each_kernel_case(int64_t history, Fn fn) {
   }
 }
 
+// A 1100 x 1000 matrix - several passes of the kernels' grid (an H200's 132
+// SMs x 8 blocks x 256 threads cover 270k values a pass) - of values over a
+// wide range, every 997th one subnormal in `dtype` (either sign), and with
+// `non_finite` a NaN, an inf and a -inf far apart.
+at::Tensor hard_input(at::ScalarType dtype, c10::Device device, bool non_finite) {
+  at::Tensor x = torch::randn({1100, 1000}) * torch::exp(torch::randn({1100, 1000}) * 1.5);  // |x| < 65504: float16 holds them
+  const double subnormal = dtype == at::kHalf ? 3e-6 : 1e-40;  // below the dtype's smallest normal
+  x.view(-1).slice(0, 7, x.numel(), 997).fill_(subnormal);
+  x.view(-1).slice(0, 500, x.numel(), 1994).fill_(-subnormal);
+  if (non_finite) {
+    x.view(-1)[12345] = std::numeric_limits<float>::quiet_NaN();
+    x.view(-1)[600001] = std::numeric_limits<float>::infinity();
+    x.view(-1)[1099999] = -std::numeric_limits<float>::infinity();
+  }
+  return x.to(dtype).to(device);
+}
+
+// `x` quantized at `scale`, value by value: the product in float64 (exact
+// for two float32 values), saturated, rounded to float32 and converted to
+// `format` by c10's scalar conversion.
+at::Tensor quantized_by_hand(const at::Tensor& x, float scale, at::ScalarType format, double max) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = torch::empty(x.sizes(), torch::TensorOptions(format));
+  const float* in = xf.data_ptr<float>();
+  for (int64_t i = 0; i < xf.numel(); ++i) {
+    const double y = in[i] * static_cast<double>(scale);
+    const float v = static_cast<float>(std::isnan(y) ? y : std::clamp(y, -max, max));
+    if (format == at::kFloat8_e4m3fn) {
+      out.data_ptr<c10::Float8_e4m3fn>()[i] = c10::Float8_e4m3fn(v);
+    } else {
+      out.data_ptr<c10::Float8_e5m2>()[i] = c10::Float8_e5m2(v);
+    }
+  }
+  return out;
+}
+
+// The ATen path (every build's on the CPU; the reference the CUDA kernels
+// are held to) at the CUDA kernels' test sizes, with subnormal, NaN and inf
+// inputs: every value as float64 arithmetic and c10's scalar conversion
+// give it (NaN stays NaN, an inf saturates), the scale the recipe's (delayed:
+// the first iteration's amax throughout, as the NaN iteration adds nothing
+// to the history; current: each finite iteration's own, the stored 1
+// where the amax is not finite) and the inverse scale NaN where the input is
+// not finite.
+TEST(Fp8ScalerTest, TheAtenPathQuantizesLargeSubnormalAndNonFiniteInputsAsFloat64Does) {
+  for_each_kernel_case(2, [&](const Fp8Scaling& recipe, at::ScalarType format, at::ScalarType dtype,
+                              const std::string& what) {
+    const double max = format == at::kFloat8_e4m3fn ? 448.0 : kE5m2Max;
+    const bool delayed = recipe.recipe == Fp8Scaling::Recipe::kDelayed;
+    detail::Fp8Scaler scaler(recipe, format);
+    torch::manual_seed(0);
+    float first_scale = 0;
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      const bool non_finite = iteration == 1;
+      const at::Tensor x = hard_input(dtype, torch::kCPU, non_finite);
+      const float amax = x.to(at::kFloat).abs().max().item<float>();
+      const float fresh = (1.0f / amax) * static_cast<float>(max);
+      if (iteration == 0) first_scale = fresh;
+      const float scale = delayed ? first_scale : (non_finite ? 1.0f : fresh);
+      const auto [x8, inverse] = scaler.quantize(x, /*tally=*/false);
+      const std::string where = what + ", iteration " + std::to_string(iteration);
+      EXPECT_TRUE(BitEqual(x8, quantized_by_hand(x, scale, format, max))) << where;
+      if (non_finite) {
+        EXPECT_TRUE(std::isnan(inverse.item<float>())) << where;
+      } else {
+        EXPECT_EQ(inverse.item<float>(), 1.0f / scale) << where;
+      }
+      scaler.update();
+      EXPECT_TRUE(scaler.amax_history().isfinite().all().item<bool>()) << where << ": an inf or NaN stays out";
+    }
+  });
+}
+
 // The fused CUDA kernels (fp8_quantize.cu) against the ATen path they
 // replace, side by side: every output, the amax history and the scale bit
 // for bit over iterations, for both recipes, both formats, float32,
-// bfloat16 and float16 inputs, zeros, a saturating outlier, and an inf
-// (the inverse scale NaN on both).
+// bfloat16 and float16 inputs, zeros, a saturating outlier, inputs of
+// several grid passes with subnormal values and, once, NaN and infs, and an
+// inf (the inverse scale NaN on both).
 TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   const auto cuda = torch::TensorOptions(torch::kCUDA);
@@ -160,6 +236,8 @@ TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
                                         torch::randn({37}, cuda) * 1e-3};
       if (iteration == 2) inputs.push_back(torch::zeros({64}, cuda));
       if (iteration == 3) inputs.back()[5] = 3e4;  // saturates e4m3 at the delayed scale
+      // Several grid passes, subnormal values, and at iteration 4 NaN and infs.
+      inputs.push_back(hard_input(dtype, torch::kCUDA, iteration == 4));
       for (const at::Tensor& input : inputs) {
         const at::Tensor x = input.to(dtype);
         const auto [x8, inverse] = fused.quantize(x, /*tally=*/false);
@@ -213,14 +291,16 @@ TEST(Fp8ScalerTest, QuantizeTransposedIsQuantizeAndItsTranspose) {
 TEST(Fp8ScalerTest, OnCudaTheCastTransposeIsTheAtenPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   const auto cuda = torch::TensorOptions(torch::kCUDA);
-  const std::vector<std::vector<int64_t>> shapes = {{1000, 48}, {33, 70}, {1, 17}, {64, 1}, {300, 257}};
+  const std::vector<std::vector<int64_t>> shapes = {{1000, 48}, {33, 70}, {1, 17}, {64, 1}, {300, 257}, {1100, 1000}};
   for_each_kernel_case(3, [&](const Fp8Scaling& recipe, at::ScalarType format, at::ScalarType dtype,
                               const std::string& what) {
     detail::Fp8Scaler fused(recipe, format), reference(recipe, format);
     torch::manual_seed(0);
     for (int iteration = 0; iteration < 3; ++iteration) {
       for (const auto& shape : shapes) {
-        const at::Tensor x = (torch::randn(shape, cuda) * (iteration + 1)).to(dtype);
+        // The largest: several grid passes, subnormal values, NaN and infs at iteration 2.
+        const at::Tensor x = shape[0] == 1100 ? hard_input(dtype, torch::kCUDA, iteration == 2)
+                                              : (torch::randn(shape, cuda) * (iteration + 1)).to(dtype);
         const auto [x8, inverse, x8_t] = fused.quantize_transposed(x, /*tally=*/false);
         const auto [r8, r_inverse] = reference.quantize_reference(x, /*tally=*/false);
         const std::string where = what + ", " + std::to_string(shape[0]) + " x " + std::to_string(shape[1]);

@@ -5,6 +5,10 @@
 // resumes bit for bit; LibTorch's own optimizers are refused.
 #include "test_util.h"
 
+#include "optim/stochastic_rounding.h"
+
+#include <c10/util/bit_cast.h>
+
 #include <cmath>
 #include <optional>
 #include <random>
@@ -72,10 +76,13 @@ std::pair<at::Tensor, double> one_sgd_step(double start, double gradient, float 
 // A rounding with fewer random bits than the 16 below bfloat16's cut: it
 // cannot tell apart values closer than 2^-bits of an ulp, a bias of up to
 // that much. The check above must see it.
-at::Tensor round_with_random_bits(float exact, int64_t n, int bits) {
-  const at::Tensor pattern = torch::full({n}, exact).view(at::kInt);
-  const at::Tensor noise = torch::randint(0, 1 << bits, {n}, at::kInt) * (1 << (16 - bits));
+at::Tensor round_with_random_bits_of(const at::Tensor& values, int bits) {
+  const at::Tensor pattern = values.contiguous().view(at::kInt);
+  const at::Tensor noise = torch::randint(0, 1 << bits, values.sizes(), at::kInt) * (1 << (16 - bits));
   return (pattern + noise).bitwise_and(static_cast<int32_t>(0xFFFF0000u)).view(at::kFloat).to(at::kDouble);
+}
+at::Tensor round_with_random_bits(float exact, int64_t n, int bits) {
+  return round_with_random_bits_of(torch::full({n}, exact), bits);
 }
 
 // Fractions of an ulp drawn at random (not on a grid that a rounding with
@@ -105,6 +112,75 @@ TEST_F(AmpTest, StochasticRoundingIsUnbiasedAgainstFloat64) {
   const auto [nearest, exact] =
       one_sgd_step(1.5, -kUlp, 0.375f, 1024, o6([](Options& o) { o.stochastic_rounding = false; }));
   EXPECT_TRUE((nearest == 1.5).all().item<bool>()) << exact;
+}
+
+// Random float32 values of both signs over the exponents bfloat16 shares
+// with float32 (2^-133, subnormal, to 2^120), rounded 2^16 times each:
+// every result one of the value's two bfloat16 neighbours, their mean the
+// value within 5 standard errors. Rounding with 8 random bits (a bias of
+// up to 2^-8 ulp) fails the same bound for some values, so the check can
+// tell.
+TEST(StochasticRoundingTest, UnbiasedOverRandomValuesAndScalesOfBothSigns) {
+  constexpr int64_t kValues = 64, kDraws = 1 << 16;
+  std::mt19937 draw(7);
+  std::vector<float> values(kValues);
+  for (float& v : values) {
+    // A float32 with random low bits (not on bfloat16's grid, nor on a
+    // coarser grid a few random bits could round without bias).
+    const int exponent = std::uniform_int_distribution<int>(-133, 120)(draw);
+    const float mantissa = std::uniform_real_distribution<float>(1.0f, 2.0f)(draw);
+    v = std::ldexp(mantissa, exponent) * (std::bernoulli_distribution(0.5)(draw) ? -1.0f : 1.0f);
+  }
+  const at::Tensor src = torch::tensor(values).repeat_interleave(kDraws);
+  at::Tensor dst = torch::empty_like(src, at::kBFloat16);
+  detail::StochasticRounding rounder(/*seed=*/3, /*stream=*/0);
+  rounder.round_into(src, dst, {rounder.next_step(), 0});
+  const at::Tensor drawn = dst.to(at::kDouble).view({kValues, kDraws});
+  const at::Tensor weakened = round_with_random_bits_of(src, 8).view({kValues, kDraws});
+  int weakened_caught = 0;
+  for (int64_t i = 0; i < kValues; ++i) {
+    const double exact = values[i];
+    SCOPED_TRACE("value " + std::to_string(exact));
+    // The neighbours: the value's bfloat16 truncation (towards zero) and the next one away from zero.
+    const double toward = c10::BFloat16(static_cast<uint16_t>(c10::bit_cast<uint32_t>(values[i]) >> 16),
+                                        c10::BFloat16::from_bits());
+    const double away = c10::BFloat16(static_cast<uint16_t>((c10::bit_cast<uint32_t>(values[i]) >> 16) + 1),
+                                      c10::BFloat16::from_bits());
+    const at::Tensor row = drawn[i];
+    EXPECT_TRUE(torch::logical_or(row == toward, row == away).all().item<bool>());
+    const double ulp = std::abs(away - toward), p = std::abs(exact - toward) / ulp;
+    const double error = ulp * std::sqrt(p * (1 - p) / kDraws);
+    EXPECT_NEAR(row.mean().item<double>(), exact, 5 * error);
+    weakened_caught += std::abs(weakened[i].mean().item<double>() - exact) > 5 * error;
+  }
+  EXPECT_GT(weakened_caught, 0) << "a rounding with 8 random bits passed every value";
+}
+
+// O6's step widens bfloat16 weights, gradients and state to float32 a chunk
+// at a time, and a tensor larger than a chunk in slices of it: stepping
+// GPT-2's 50257 x 768 embedding (38.6M values) holds a few slices' float32
+// copies above what the step leaves, not the whole tensor's (its weights,
+// gradient, both moments and the noise: 770 MB), and the weights move.
+TEST_F(AmpTest, TheWidenedStepOfALargeEmbeddingHoldsAFewSlices) {
+  amp::track_allocations();
+  torch::manual_seed(2);
+  VectorModel model(torch::randn({50257, 768}) * 0.02);
+  amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  Handle handle;
+  handle.initialize(model, optimizer, o6());
+  const at::Tensor before = model->w.detach().clone();
+  optimizer.zero_grad();
+  {
+    scale_loss scaled(model->w.sum(), optimizer);  // a gradient of ones, in bfloat16
+    scaled.backward();
+  }
+  reset_peak_allocated();
+  optimizer.step();
+  const AllocatedBytes bytes = allocated_bytes();
+  std::printf("O6 AdamW step of a 50257 x 768 embedding: %.1f MiB above what it leaves\n",
+              (bytes.peak - bytes.current) / 1048576.0);
+  EXPECT_LT(bytes.peak - bytes.current, 32 << 20);
+  EXPECT_TRUE((model->w < before).all().item<bool>()) << "Adam's first step moves every weight by about lr";
 }
 
 // The bf16 neighbour of float32 `exact` on the other side of `nearest`

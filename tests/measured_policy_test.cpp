@@ -8,6 +8,7 @@
 #include "interception/measured_policy.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <cstdio>
@@ -73,22 +74,21 @@ TEST_F(MeasuredPolicyTest, TheChoiceFollowsTheTimings) {
       {1.0, 1.0, at::kBFloat16, "a tie"},
       {1.0, 2.0, at::kBFloat16, "float32 twice as slow"},
   };
-  struct Timings {
-    ~Timings() { detail::set_measured_timings_for_testing(nullptr); }
-  } reset;
-  Handle handle;
-  handle.initialize(std::vector<ModulePtr>{}, {}, measured());
   const at::Tensor a = torch::randn({32, 48}), b = torch::randn({48, 16});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.why);
     clear_measured_policy();
     int measured_times = 0;
-    detail::set_measured_timings_for_testing([&](const std::string& op, const std::string& shapes) {
+    Options options = measured();
+    options.measured_policy_timer = [&](const std::string& op, const std::string& shapes,
+                                        const std::function<void()>&, const std::function<void()>&) {
       ++measured_times;
       EXPECT_EQ(op, "aten::mm");
       EXPECT_EQ(shapes, "[32, 48] Float, [48, 16] Float");
       return std::make_pair(c.low_ms, c.fp32_ms);
-    });
+    };
+    Handle handle;
+    handle.initialize(std::vector<ModulePtr>{}, {}, options);
     EXPECT_EQ(at::mm(a, b).scalar_type(), c.runs_in);
     EXPECT_EQ(at::mm(a, b).scalar_type(), c.runs_in);
     EXPECT_EQ(measured_times, 1);
@@ -98,6 +98,57 @@ TEST_F(MeasuredPolicyTest, TheChoiceFollowsTheTimings) {
     EXPECT_EQ(choice.fp32_ms, c.fp32_ms);
     EXPECT_EQ(choice.keeps_fp32, c.runs_in == at::kFloat);
   }
+}
+
+// The dtypes of the aten::mm calls a timer's runs make (recorded while
+// `timer_running`; RecordFunction takes plain function pointers).
+std::vector<at::ScalarType> timer_run_dtypes;
+bool timer_running = false;
+std::unique_ptr<at::ObserverContext> record_timed_mm(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  if (timer_running && std::string(fn.name()) == "aten::mm" && !inputs.empty() && inputs[0].isTensor()) {
+    timer_run_dtypes.push_back(inputs[0].toTensor().scalar_type());
+  }
+  return nullptr;
+}
+
+// A timer of the program's own is handed the two runs: each runs the op
+// once in its dtype, and what the timer returns decides. A timer without
+// the measured policy is refused, and nothing is initialized.
+TEST_F(MeasuredPolicyTest, AProgramsOwnTimerRunsBothCandidatesAndDecides) {
+  std::vector<at::ScalarType>& seen = timer_run_dtypes;
+  seen.clear();
+  Options options = measured();
+  options.measured_policy_timer = [&](const std::string&, const std::string&, const std::function<void()>& run_low,
+                                      const std::function<void()>& run_fp32) {
+    timer_running = true;
+    run_low();
+    seen.push_back(at::kByte);  // a separator: low's calls, then float32's
+    run_fp32();
+    timer_running = false;
+    return std::make_pair(2.0, 1.0);  // float32 "faster"
+  };
+  const at::CallbackHandle callback =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(record_timed_mm).needsInputs(true));
+  Handle handle;
+  handle.initialize(std::vector<ModulePtr>{}, {}, options);
+  const at::ScalarType result = at::mm(torch::randn({16, 8}), torch::randn({8, 4})).scalar_type();
+  at::removeCallback(callback);
+  EXPECT_EQ(result, at::kFloat) << "the timer found float32 faster";
+  const auto separator = std::find(seen.begin(), seen.end(), at::kByte);
+  ASSERT_NE(separator, seen.end()) << "the timer ran";
+  EXPECT_NE(std::find(seen.begin(), separator, at::kBFloat16), separator) << "run_low ran the GEMM in bfloat16";
+  EXPECT_EQ(std::find(seen.begin(), separator, at::kFloat), separator) << "run_low ran no float32 GEMM";
+  EXPECT_NE(std::find(separator, seen.end(), at::kFloat), seen.end()) << "run_fp32 ran the GEMM in float32";
+  EXPECT_EQ(std::find(separator, seen.end(), at::kBFloat16), seen.end()) << "run_fp32 ran no bfloat16 GEMM";
+  handle.deinitialize();
+
+  Options inert = quiet(O1);
+  inert.measured_policy_timer = options.measured_policy_timer;
+  EXPECT_THAT([&] { amp::initialize(std::vector<ModulePtr>{}, {}, inert); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  ::testing::HasSubstr("measured_policy_timer is set but measured_policy is false")));
+  EXPECT_FALSE(amp::is_initialized());
 }
 
 // Where float32 is kept, the op gives O0's values bit for bit and

@@ -4,6 +4,9 @@
 //   resume_helper <O0..O5> full   <out>               8 steps straight through
 //   resume_helper <O0..O5> save   <checkpoint>        steps 0-3, then save
 //   resume_helper <O0..O5> resume <checkpoint> <out>  load, then steps 4-7
+//
+// (LibTorch's Adam steps: every level but O6, which steps only amp's fused
+// optimizers.)
 #include <amp/amp.h>
 #include <amp/casting.h>
 #include <amp/diagnostics.h>

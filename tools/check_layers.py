@@ -8,9 +8,15 @@ it, and the public headers (amp/include). Checked:
 - includes, in either form (`#include "step/guard.h"`, `#include <step/guard.h>`:
   amp/src is on the include path, so both reach a private header); a public
   header includes no private one;
-- with --objects DIR (the build's objects of amp/src, e.g.
-  build/CMakeFiles/amp.dir/amp/src): calls, at link time - a symbol an object
-  of one layer needs that only objects of layers above it define;
+- with --objects DIR (repeatable: the build's object folders of the library,
+  e.g. build/CMakeFiles/amp.dir): calls, at link time - a symbol an object
+  of one layer needs that only objects of layers above it define. An object
+  belongs to the layer of the sources it compiles: its own path
+  (.../amp/src/<layer>/x.cpp.o), or for a unity object the sources its
+  generated .cxx includes. The check refuses what it cannot read: an object
+  whose sources span layers (its calls cannot be told apart: the build must
+  group unity sources by layer), and a source of amp/src that no object
+  compiles;
 - the README's layer line: it is the one this table prints.
 
 Run from the repository root or with the root as the first argument; prints
@@ -101,24 +107,79 @@ def symbols(path):
     return defined, needed
 
 
-def check_links(objects):
+SOURCE_LAYER = re.compile(r"^(?:.*/)?amp/src/([^/]+)/(.+)$")  # the last amp/src/ of a path
+
+
+def source_layer(path):
+    """(layer, path under amp/src) of a source path, or None outside amp/src."""
+    m = SOURCE_LAYER.match(path.replace(os.sep, "/"))
+    return (m.group(1), f"{m.group(1)}/{m.group(2)}") if m else None
+
+
+def compiled_sources(obj):
+    """The amp/src sources object `obj` compiles: those its unity file
+    (the object's name less .o, beside it) includes, else its own."""
+    unity = obj[:-2]
+    if os.path.basename(unity).startswith("unity_") and os.path.exists(unity):
+        with open(unity, encoding="utf-8") as f:
+            sources = [m.group(2) for m in (INCLUDE.match(line) for line in f) if m]
+    else:
+        sources = [unity]
+    return [layer for layer in map(source_layer, sources) if layer]
+
+
+def library_sources(root):
+    """Every source file of amp/src, as 'layer/path'."""
+    src = os.path.join(root, "amp", "src")
+    found = set()
+    for directory, _, files in os.walk(src):
+        for name in files:
+            if name.endswith((".cpp", ".cu")):
+                found.add(os.path.relpath(os.path.join(directory, name), src).replace(os.sep, "/"))
+    return found
+
+
+def object_files(places):
+    """The .o files of `places`: files, folders (searched), or ';'-separated
+    lists of either (as CMake's $<TARGET_OBJECTS> gives them)."""
+    for place in (p for entry in places for p in entry.split(";") if p):
+        if os.path.isdir(place):
+            for directory, _, files in sorted(os.walk(place)):
+                yield from (os.path.join(directory, n) for n in sorted(files) if n.endswith(".o"))
+        elif place.endswith(".o"):
+            yield place
+
+
+def shown_object(path):
+    """An object's path from its target's folder on (x.dir/...)."""
+    parts = path.replace(os.sep, "/").split("/")
+    tops = [i for i, part in enumerate(parts) if part.endswith(".dir")]
+    return "/".join(parts[tops[-1]:]) if tops else path
+
+
+def check_links(root, places):
     definers = defaultdict(set)
-    needs = []
-    for folder in sorted(os.listdir(objects)):
-        if folder not in RANK:
+    needs, problems, compiled = [], [], set()
+    for path in object_files(places):
+        shown = shown_object(path)
+        sources = compiled_sources(path)
+        layers = sorted({layer for layer, _ in sources}, key=lambda layer: RANK.get(layer, -1))
+        compiled.update(source for _, source in sources)
+        if not layers:
+            continue  # not the library's (a precompiled header's object)
+        if len(layers) > 1 or layers[0] not in RANK:
+            problems.append(f"{shown}: compiles sources of {', '.join(layers)}: an object must hold one "
+                            "layer's code (CMakeLists.txt groups the unity build by layer)")
             continue
-        for directory, _, files in os.walk(os.path.join(objects, folder)):
-            for name in sorted(files):
-                if not name.endswith(".o"):
-                    continue
-                path = os.path.join(directory, name)
-                defined, needed = symbols(path)
-                for symbol in defined:
-                    definers[symbol].add(folder)
-                needs.append((folder, os.path.relpath(path, objects), needed))
+        defined, needed = symbols(path)
+        for symbol in defined:
+            definers[symbol].add(layers[0])
+        needs.append((layers[0], shown, needed))
     if not needs:
-        return [f"{objects}: no object files of amp/src's layers (build the library first)"]
-    problems = []
+        return ["--objects: no object files of amp/src's layers (build the library first)"]
+    # .cu sources are compiled only where CUDA kernels are built.
+    missing = sorted(s for s in library_sources(root) - compiled if s.endswith(".cpp"))
+    problems += [f"amp/src/{source}: no object given compiles it, so its calls go unchecked" for source in missing]
     for folder, shown, needed in needs:
         for symbol in sorted(needed):
             layers = definers.get(symbol)
@@ -142,11 +203,12 @@ def check_readme(root):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default=".")
-    parser.add_argument("--objects", help="the build's object files of amp/src, one folder per layer")
+    parser.add_argument("--objects", action="append", default=[],
+                        help="a folder of the build's objects of the library (repeatable)")
     args = parser.parse_args()
     problems = check_includes(args.root) + check_readme(args.root)
     if args.objects:
-        problems += check_links(args.objects)
+        problems += check_links(args.root, args.objects)
     if problems:
         print("\n".join(problems))
         print(f"check_layers: {len(problems)} problem(s) against the layer order", file=sys.stderr)

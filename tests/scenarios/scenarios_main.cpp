@@ -25,7 +25,7 @@
 ABSL_FLAG(int64_t, seed, -1, "run this one seed (else --first_seed .. --first_seed + --seeds - 1)");
 ABSL_FLAG(int64_t, first_seed, 1, "first seed of the range");
 ABSL_FLAG(int64_t, seeds, 100, "number of seeds");
-ABSL_FLAG(std::string, opt_level, "", "one level (O0..O5); empty: all");
+ABSL_FLAG(std::string, opt_level, "", "one level (O0..O6); empty: all");
 ABSL_FLAG(bool, verbose, false, "print every program and the worst error per level");
 ABSL_FLAG(std::string, resume_from, "", "internal: finish the program from this checkpoint in this process");
 ABSL_FLAG(std::string, trace_out, "", "internal: where --resume_from writes its trace");

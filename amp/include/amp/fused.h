@@ -34,6 +34,9 @@
 // of parameters of 4096 elements or more is kept in 8 bits (blockwise,
 // docs/guide.md "8-bit optimizer state"): each step unpacks it into
 // float32 a chunk at a time, runs the kernel and packs the results again.
+// A block of 256 values holding an inf or NaN (a moment that overflowed, a
+// NaN gradient under a static loss scale) is kept as NaN, never as finite
+// values: the next step is not finite, as it would be with float32 state.
 //
 // With Properties::step_in_backward each parameter is stepped during the
 // guard's backward, alone, as soon as its gradient is final, and the

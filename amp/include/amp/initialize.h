@@ -67,7 +67,8 @@
 //     gradients are supported at O0, O1 and O4);
 //   - Options::data_parallel's errors (data_parallel.h);
 //   - Options::fp8_scaling out of range (options.h); fp8 with a model on a
-//     CUDA device without float8 GEMM kernels (compute capability < 8.9).
+//     CUDA device without float8 GEMM kernels (compute capability < 8.9);
+//   - Options::measured_policy_timer set without measured_policy.
 // With Options::data_parallel.group, initialize is a collective: every rank
 // calls it, and every rank's models take rank 0's weights.
 // Compile errors: an argument that is no model or optimizer, or more than

@@ -31,10 +31,24 @@
 
 #include <c10/core/DeviceType.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace amp {
+
+// Options::measured_policy_timer: how a measurement times one shape's two
+// candidates. `op` and `shapes` are MeasuredChoice's; `run_low()` and
+// `run_fp32()` each run the op once in that dtype (forward and, where an
+// argument requires a gradient, backward, casts included) and wait for the
+// device. Returns (low-precision ms, float32 ms). Unset (the default): the
+// fastest of 5 interleaved runs of each, after one untimed run of each. A
+// timer of one's own times with other clocks (CUDA events, a profiler), or
+// decides from a table measured elsewhere without running anything.
+using MeasuredPolicyTimer = std::function<std::pair<double, double>(
+    const std::string& op, const std::string& shapes, const std::function<void()>& run_low,
+    const std::function<void()>& run_fp32)>;
 
 struct MeasuredChoice {
   std::string op;      // "aten::addmm"

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <amp/data_parallel.h>
+#include <amp/measured_policy.h>
 #include <amp/opt_levels.h>
 
 #include <functional>
@@ -76,6 +77,9 @@ struct Options : PropertyOverrides {
   // measured slower at that shape on this device (measured_policy.h): O1
   // that never costs more than it gives. Off: op for op native autocast.
   bool measured_policy = false;
+  // How the measured policy times a shape (measured_policy.h); unset: the
+  // fastest of a few wall-clock runs. Set only with measured_policy.
+  MeasuredPolicyTimer measured_policy_timer;
   // A CPU session's steps reuse the memory the step before freed. glibc's
   // malloc gives large freed blocks back to the kernel, and the next step
   // faults every page in again, zeroed: on the character transformer at O1

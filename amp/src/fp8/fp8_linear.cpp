@@ -19,6 +19,19 @@ using torch::autograd::variable_list;
 // as its transpose is.
 at::Tensor column_major(const at::Tensor& t) { return fp8_transposed(t).t(); }
 
+// a8 [m, k] . b8 [k, n] times the inverse scales, in `dtype`: the device's
+// float8 GEMM. The CPU has none: ATen's _scaled_mm there runs oneDNN's
+// reference matmul, a scalar loop (41 s for two iterations of the example
+// transformer in tools/precision_report). Emulated instead as a float32
+// GEMM of the float8 values (each exact in float32, as are their
+// products), accumulated in float32 as that loop accumulates, then scaled:
+// within float32 rounding of it, and 0.8 s for the same two iterations.
+at::Tensor scaled_mm(const at::Tensor& a8, const at::Tensor& b8, const at::Tensor& a_inv, const at::Tensor& b_inv,
+                     at::ScalarType dtype) {
+  if (!a8.is_cpu()) return at::_scaled_mm(a8, b8, a_inv, b_inv, std::nullopt, std::nullopt, dtype);
+  return at::mm(a8.to(at::kFloat), b8.to(at::kFloat)).mul_(a_inv * b_inv).to(dtype);
+}
+
 struct Fp8LinearBackward final : Node {
   std::shared_ptr<Fp8Site> site;
   at::Tensor input8, input_inv, weight8, weight_inv;
@@ -46,13 +59,10 @@ struct Fp8LinearBackward final : Node {
       std::tie(grad8, grad_inv) = site->grad_output.quantize(grad2);
     }
     if (task_should_compute_output(0)) {  // [N, out] . [out, in]
-      out[0] = at::_scaled_mm(grad8, column_major(weight8), grad_inv, weight_inv, std::nullopt, std::nullopt,
-                              input_dtype)
-                   .reshape(input_sizes);
+      out[0] = scaled_mm(grad8, column_major(weight8), grad_inv, weight_inv, input_dtype).reshape(input_sizes);
     }
     if (task_should_compute_output(1)) {  // [out, N] . [N, in]
-      out[1] = at::_scaled_mm(grad8_t, column_major(input8), grad_inv, input_inv, std::nullopt, std::nullopt,
-                              weight_dtype);
+      out[1] = scaled_mm(grad8_t, column_major(input8), grad_inv, input_inv, weight_dtype);
     }
     if (task_should_compute_output(2)) out[2] = at::sum_to(grad2, bias_sizes).to(bias_dtype);
     return out;
@@ -69,8 +79,7 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
   at::Tensor output;
   {
     at::NoGradGuard no_grad;
-    output = at::_scaled_mm(input8, weight8.t(), input_inv, weight_inv, std::nullopt, std::nullopt,
-                            input.scalar_type());
+    output = scaled_mm(input8, weight8.t(), input_inv, weight_inv, input.scalar_type());
     if (bias && bias->defined()) output.add_(*bias);
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes.back() = weight.size(0);

@@ -1,5 +1,6 @@
 // Private: a linear layer's GEMMs in float8 - the forward and both
-// gradients through at::_scaled_mm, with a scaler per operand (input and
+// gradients through at::_scaled_mm (emulated on the CPU as a float32 GEMM of
+// the float8 values), with a scaler per operand (input and
 // weight in the forward format, the incoming gradient in the backward
 // one). The sites, one per weight, live in Fp8Gemms (fp8_gemms.h).
 #pragma once

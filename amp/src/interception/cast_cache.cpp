@@ -68,7 +68,7 @@ class CountRegistry {
   CastCounts retired_;
 };
 
-CountRegistry& registry() {
+CountRegistry& count_registry() {
   static auto* r = new CountRegistry();  // leaked: threads may end during static destruction
   return *r;
 }
@@ -83,13 +83,13 @@ struct RetireAtThreadExit {
   ~RetireAtThreadExit() {
     t_exited = true;
     t_counts = nullptr;
-    registry().retire(counts);
+    count_registry().retire(counts);
   }
 };
 
 // Out of line, so the hot path stays a load, a test and an add.
 C10_NOINLINE ThreadCounts* enlist_this_thread() {
-  t_counts = registry().enlist();
+  t_counts = count_registry().enlist();
   // A cast made by another thread_local's destructor after ours ran keeps
   // its slot for good rather than revive a destroyed object.
   if (!t_exited) {
@@ -275,7 +275,7 @@ ServeCopies::~ServeCopies() {
 
 }  // namespace detail
 
-CastCounts cast_counts() { return detail::registry().sum(); }
+CastCounts cast_counts() { return detail::count_registry().sum(); }
 
 void clear_cast_cache() {
   detail::cache().clear();

@@ -25,11 +25,11 @@ namespace amp {
 namespace detail {
 namespace {
 
-using Key = std::tuple<std::string, int, std::string, std::string>;  // op, device, shapes, low
+using ChoiceKey = std::tuple<std::string, int, std::string, std::string>;  // op, device, shapes, low
 
 struct Table {
   std::mutex mutex;
-  std::map<Key, MeasuredChoice> choices;
+  std::map<ChoiceKey, MeasuredChoice> choices;
   // Bumped where choices are cleared or replaced; a memo of an older
   // generation is emptied before it answers.
   std::atomic<uint64_t> generation{0};
@@ -64,10 +64,9 @@ void synchronize(c10::Device device) {
   if (!device.is_cpu()) c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
 }
 
-double elapsed_ms(c10::Device device, const std::function<void()>& run) {
+double elapsed_ms(const std::function<void()>& run) {
   const auto start = std::chrono::steady_clock::now();
   run();
-  synchronize(device);
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -75,14 +74,13 @@ double elapsed_ms(c10::Device device, const std::function<void()>& run) {
 // fills caches: the weights' casts, cuDNN's algorithms, oneDNN's
 // primitives), the two interleaved so that a busy moment of a shared
 // machine slows both alike.
-std::pair<double, double> fastest_ms(c10::Device device, const std::function<void()>& low,
-                                     const std::function<void()>& fp32) {
+std::pair<double, double> fastest_ms(const std::function<void()>& low, const std::function<void()>& fp32) {
   constexpr int kRuns = 5;
-  elapsed_ms(device, low);
-  elapsed_ms(device, fp32);
+  elapsed_ms(low);
+  elapsed_ms(fp32);
   double best_low = 0, best_fp32 = 0;
   for (int i = 0; i < kRuns; ++i) {
-    const double l = elapsed_ms(device, low), f = elapsed_ms(device, fp32);
+    const double l = elapsed_ms(low), f = elapsed_ms(fp32);
     best_low = i == 0 ? l : std::min(best_low, l);
     best_fp32 = i == 0 ? f : std::min(best_fp32, f);
   }
@@ -92,14 +90,9 @@ std::pair<double, double> fastest_ms(c10::Device device, const std::function<voi
 // float32 must win by this much: under timing noise, autocast's choice stands.
 constexpr double kMargin = 0.95;
 
-MeasuredTimings& timings_for_testing() {
-  static MeasuredTimings timings;
-  return timings;
-}
-
 at::ScalarType decide(const std::string& op, c10::Device device, const std::string& shapes, at::ScalarType low,
-                      c10::function_ref<void(at::ScalarType)> run) {
-  const Key key{op, static_cast<int>(device.type()), shapes, c10::toString(low)};
+                      c10::function_ref<void(at::ScalarType)> run, const MeasuredPolicyTimer* timer) {
+  const ChoiceKey key{op, static_cast<int>(device.type()), shapes, c10::toString(low)};
   Table& t = table();
   {
     std::lock_guard<std::mutex> lock(t.mutex);
@@ -111,9 +104,10 @@ at::ScalarType decide(const std::string& op, c10::Device device, const std::stri
     // (attention's dropout): the generator's state is put back after them.
     at::Generator generator = at::globalContext().defaultGenerator(device);
     const at::Tensor rng_state = generator.get_state();
+    const std::function<void()> run_low = [&] { run(low); synchronize(device); };
+    const std::function<void()> run_fp32 = [&] { run(at::kFloat); synchronize(device); };
     std::tie(choice.low_ms, choice.fp32_ms) =
-        timings_for_testing() ? timings_for_testing()(op, shapes)
-                              : fastest_ms(device, [&] { run(low); }, [&] { run(at::kFloat); });
+        timer && *timer ? (*timer)(op, shapes, run_low, run_fp32) : fastest_ms(run_low, run_fp32);
     generator.set_state(rng_state);
   }
   choice.keeps_fp32 = choice.fp32_ms < kMargin * choice.low_ms;
@@ -124,8 +118,6 @@ at::ScalarType decide(const std::string& op, c10::Device device, const std::stri
 }
 
 }  // namespace
-
-void set_measured_timings_for_testing(MeasuredTimings timings) { timings_for_testing() = std::move(timings); }
 
 bool is_measured_op(const std::string& op) {
   static const std::set<std::string> ops = {
@@ -139,8 +131,8 @@ bool is_measured_op(const std::string& op) {
 
 at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
                               c10::function_ref<std::string()> describe_shapes,
-                              c10::function_ref<void(at::ScalarType)> run) {
-  if (C10_UNLIKELY(t_memo_gone)) return decide(op, device, describe_shapes(), low, run);
+                              c10::function_ref<void(at::ScalarType)> run, const MeasuredPolicyTimer* timer) {
+  if (C10_UNLIKELY(t_memo_gone)) return decide(op, device, describe_shapes(), low, run, timer);
   thread_local Memo memo;
   const uint64_t generation = table().generation.load(std::memory_order_acquire);
   if (memo.generation != generation) {
@@ -152,7 +144,7 @@ at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKe
   auto& decided = memo.by_op[op];
   if (auto it = decided.find(shapes); it != decided.end()) return it->second;
   // A table cleared or loaded from here on empties this memo at its next call.
-  const at::ScalarType dtype = decide(op, device, describe_shapes(), low, run);
+  const at::ScalarType dtype = decide(op, device, describe_shapes(), low, run, timer);
   decided.emplace(std::move(shapes), dtype);
   return dtype;
 }
@@ -200,7 +192,7 @@ void save_measured_policy(const std::string& path) {
 void load_measured_policy(const std::string& path) {
   std::ifstream file(path);
   TORCH_CHECK(file, "amp::load_measured_policy: cannot read ", path, ".");
-  std::map<detail::Key, MeasuredChoice> loaded;
+  std::map<detail::ChoiceKey, MeasuredChoice> loaded;
   std::string line;
   for (int number = 1; std::getline(file, line); ++number) {
     std::istringstream fields(line);

@@ -2,6 +2,8 @@
 // an intercepted GEMM or convolution asks for on its observed path.
 #pragma once
 
+#include <amp/measured_policy.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/FunctionRef.h>
 #include <c10/util/SmallVector.h>
@@ -36,14 +38,10 @@ ShapeKey shape_key(const View& view) {
 // string built, no lock. Otherwise the table decides, keyed by
 // `describe_shapes()` (MeasuredChoice::shapes), and measures on the key's
 // first call: `run(dtype)` runs the op with its arguments cast to dtype,
-// without autograd. Clearing or loading the table empties every memo.
+// timed by `timer` (Options::measured_policy_timer; null or empty: the
+// default). Clearing or loading the table empties every memo.
 at::ScalarType measured_dtype(const std::string& op, c10::Device device, ShapeKey shapes, at::ScalarType low,
                               c10::function_ref<std::string()> describe_shapes,
-                              c10::function_ref<void(at::ScalarType)> run);
-
-// Tests: the milliseconds a measurement finds for (low dtype, float32),
-// given what it would time, in place of the timing runs; null: time them.
-using MeasuredTimings = std::function<std::pair<double, double>(const std::string& op, const std::string& shapes)>;
-void set_measured_timings_for_testing(MeasuredTimings timings);
+                              c10::function_ref<void(at::ScalarType)> run, const MeasuredPolicyTimer* timer);
 
 }  // namespace amp::detail

@@ -7,6 +7,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -19,6 +20,8 @@ namespace {
 constexpr int64_t kSignedSteps = 8, kNonNegativeSteps = 4;
 constexpr int64_t kSignedZero = 127;  // the signed table's index of 0
 constexpr int kMinExponent = -126, kMaxExponent = 127;  // 2^e a normal float32
+// The exponent byte of a block holding an inf or NaN (below every scale's).
+constexpr int kNonFiniteBlock = -128;
 
 // The code values in ascending order (float32): signed -1 .. 0 .. 1 (255
 // values), non-negative 0 .. 1 (256).
@@ -70,6 +73,7 @@ constexpr int64_t kSliceBlocks = 256;
 // Codes `x` ([blocks, 256] float32) into `packed`'s rows; `noise`: uniform
 // [0, 1) of x's shape (undefined: to nearest).
 void code_blocks(const at::Tensor& x, const at::Tensor& noise, const at::Tensor& packed, bool non_negative) {
+  const at::Tensor non_finite = x.isfinite().logical_not_().any(1, /*keepdim=*/true);
   // Each block's scale: the smallest power of two holding its maximum.
   const auto [mantissa, exponent] = at::frexp(x.abs().amax(1, /*keepdim=*/true));
   at::Tensor e = exponent.sub(mantissa.eq(0.5).to(at::kInt)).clamp_(kMinExponent, kMaxExponent);
@@ -93,8 +97,8 @@ void code_blocks(const at::Tensor& x, const at::Tensor& noise, const at::Tensor&
       at::where(up, b, a).abs_().amax(1, /*keepdim=*/true).eq(0.5).logical_and_(e.gt(kMinExponent));
   const at::Tensor doubled = non_negative ? code.add(code.gt(0).to(at::kInt).mul_(kNonNegativeSteps))
                                           : code.add(code.sub(kSignedZero).sign_().mul_(kSignedSteps));
-  code = at::where(halve, doubled, code);
-  e = e.sub(halve.to(at::kInt));
+  code = at::where(halve, doubled, code).masked_fill_(non_finite, 0);
+  e = e.sub(halve.to(at::kInt)).masked_fill_(non_finite, kNonFiniteBlock);
 
   packed.narrow(1, 0, kStateBlock).copy_(code);
   packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
@@ -114,7 +118,7 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
     x.narrow(0, 0, numel).copy_(values.reshape(-1));
     x = x.view({blocks, kStateBlock});
   }
-  // The noise is drawn for the whole tensor at once, so slicing changes nothing.
+  // The noise is drawn for all of `values` at once, so coding it in slices changes nothing.
   const at::Tensor noise = rounder ? rounder->uniform(x.sizes(), x.device(), key) : at::Tensor();
   for (int64_t first = 0; first < blocks; first += kSliceBlocks) {
     const int64_t count = std::min(kSliceBlocks, blocks - first);
@@ -130,12 +134,20 @@ at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRou
   return packed;
 }
 
+at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOptions& options) {
+  at::Tensor packed = at::zeros({packed_blocks(numel), kPackedRow}, options.dtype(at::kByte));  // exponent 0
+  packed.narrow(1, 0, kStateBlock).fill_(non_negative ? 0 : kSignedZero);
+  return packed;
+}
+
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
   TORCH_INTERNAL_ASSERT(is_packed_state(packed));
   const int64_t blocks = packed.size(0);
   const at::Tensor& table = code_values(non_negative, packed.device());
   const at::Tensor codes = packed.narrow(1, 0, kStateBlock).reshape(-1).to(at::kInt);
-  const at::Tensor scale = power_of_two(packed.narrow(1, kStateBlock, 1).view(at::kChar).to(at::kInt));
+  const at::Tensor exponent = packed.narrow(1, kStateBlock, 1).view(at::kChar).to(at::kInt);
+  const at::Tensor scale = power_of_two(exponent.clamp_min(kMinExponent))
+                               .masked_fill_(exponent.eq(kNonFiniteBlock), std::numeric_limits<float>::quiet_NaN());
   const at::Tensor values = table.index_select(0, codes).view({blocks, kStateBlock}).mul_(scale);
   return values.view(-1).narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
 }

@@ -23,6 +23,14 @@
 //     the signed code's precision and twice its range, so a small
 //     gradient's second moment beside a large one is not coded as 0).
 //
+// A block holding an inf or NaN (a moment that overflowed float32, a NaN
+// gradient under a static loss scale, which never skips) has no scale: its
+// exponent byte is -128 (below every scale's) and its codes 0, and it
+// unpacks as NaN in all 256 values - never as finite values, so the step
+// that reads it is not finite either, as with float32 state (where only
+// the value itself would be). A dynamic scale skips the steps whose
+// gradients are not finite before any moment is updated.
+//
 // Packing rounds each value to one of its two neighbouring codes with
 // probabilities that make the expected code value the value itself
 // (stochastic rounding): Adam's second moment moves 0.1% a step with
@@ -58,6 +66,9 @@ at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRou
 // Packs `values` (float32, numel of the state's values) into `packed`.
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
                      StochasticRounding* rounder, RoundingKey key = {});
+// The packed form of `numel` zeros (pack_state's bytes), made without
+// float32 values of that size.
+at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOptions& options);
 // The float32 values of `packed`, shaped `sizes`.
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative);
 

@@ -87,7 +87,7 @@ class AdamKernel final : public FusedKernel {
     if (!widened.params.empty()) {
       step_widened({{&widened.params, true}, {&widened.grads}, {&widened.exp_avgs, true},
                     {&widened.exp_avg_sqs, true, /*non_negative=*/true}, {&widened.max_exp_avg_sqs, true, true},
-                    {&widened.steps}},
+                    {&widened.steps, false, false, /*whole=*/true}},
                    widened.keys, *g.precision,
                    [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
     }

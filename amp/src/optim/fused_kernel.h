@@ -87,15 +87,18 @@ struct WideColumn {
   const std::vector<at::Tensor>* tensors;
   bool written = false;       // the kernel writes it: its results go back
   bool non_negative = false;  // packed 8-bit state: the code it is kept in
+  bool whole = false;         // one tensor per parameter, passed whole with each slice of it (step counts)
 };
 
 // Steps `columns` (column 0 the parameters, `keys` their rounding keys)
-// through `kernel` in float32, a chunk at a time: bfloat16 tensors are
-// widened and packed 8-bit state unpacked, float32 ones passed as they
-// are; afterwards the written columns' bfloat16 tensors take the kernel's
-// results rounded stochastically, and their packed state the results
-// packed again, each tensor from its own stream of `precision`'s step.
-// Empty columns stay empty.
+// through `kernel` in float32, a chunk of at most 2^20 values at a time
+// (a larger tensor in slices of its flattened values, each slice a tensor
+// of the kernel's lists): bfloat16 tensors are widened and packed 8-bit
+// state unpacked, float32 ones passed as they are; afterwards the written
+// columns' bfloat16 tensors take the kernel's results rounded
+// stochastically, and their packed state the results packed again, each
+// slice from its own stream of `precision`'s step. Empty columns stay
+// empty.
 void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint64_t>& keys,
                   const UpdatePrecision& precision,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel);

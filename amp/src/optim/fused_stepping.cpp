@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <numeric>
 #include <optional>
 
@@ -22,8 +23,46 @@ bool kernel_ready(const at::Tensor& t, const at::Tensor& param, c10::ScalarType 
 
 // At most this many elements of parameters are widened to float32 at once
 // (step_widened): 4 MiB per widened list, a few per step - a transient
-// that stays small beside the bytes O6 and 8-bit state save.
+// that stays small beside the bytes O6 and 8-bit state save, however large
+// a tensor (a larger one is stepped in slices of this many). A multiple of
+// the 8-bit state's blocks, so a slice's packed rows are whole blocks.
 constexpr int64_t kChunkElements = int64_t{1} << 20;
+static_assert(kChunkElements % detail::kStateBlock == 0);
+
+// Elements [offset, offset + length) of parameter `index`: the `part`th
+// slice of it.
+struct Slice {
+  size_t index;
+  int64_t offset, length;
+  uint64_t part;
+};
+
+// Each parameter in slices of at most kChunkElements (one slice, the whole
+// tensor, below that).
+std::vector<Slice> slices_of(const std::vector<at::Tensor>& params) {
+  std::vector<Slice> slices;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t numel = params[i].numel();
+    uint64_t part = 0;
+    int64_t offset = 0;
+    do {
+      slices.push_back({i, offset, std::min(kChunkElements, numel - offset), part++});
+      offset += kChunkElements;
+    } while (offset < numel);
+  }
+  return slices;
+}
+
+// `t` (a column's tensor of the slice's parameter, `numel` values) for
+// `slice`: the tensor itself where the slice is the whole of it, else its
+// flattened values' slice, or a packed state's rows of them.
+at::Tensor slice_of(const at::Tensor& t, const Slice& slice, int64_t numel) {
+  if (slice.offset == 0 && slice.length == numel) return t;
+  if (detail::is_packed_state(t)) {
+    return t.narrow(0, slice.offset / detail::kStateBlock, detail::packed_blocks(slice.length));
+  }
+  return t.view(-1).narrow(0, slice.offset, slice.length);
+}
 
 }  // namespace
 
@@ -32,33 +71,44 @@ void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel) {
   detail::StochasticRounding& rounder = *precision.rounder;
   const std::vector<at::Tensor>& params = *columns[0].tensors;
-  for (size_t begin = 0; begin < params.size();) {
+  const std::vector<Slice> slices = slices_of(params);
+  for (size_t begin = 0; begin < slices.size();) {
     size_t end = begin;
-    for (int64_t elements = 0; end < params.size() && (end == begin || elements + params[end].numel() <= kChunkElements);
-         ++end) {
-      elements += params[end].numel();
+    for (int64_t elements = 0;
+         end < slices.size() && (end == begin || elements + slices[end].length <= kChunkElements); ++end) {
+      elements += slices[end].length;
     }
-    std::vector<std::vector<at::Tensor>> wide(columns.size());
+    std::vector<std::vector<at::Tensor>> parts(columns.size()), wide(columns.size());
     for (size_t c = 0; c < columns.size(); ++c) {
-      for (size_t i = begin; i < end && !columns[c].tensors->empty(); ++i) {
-        const at::Tensor& t = (*columns[c].tensors)[i];
-        if (t.scalar_type() == at::kBFloat16) {
-          wide[c].push_back(t.to(at::kFloat));
-        } else if (detail::is_packed_state(t)) {
-          wide[c].push_back(detail::unpack_state(t, params[i].sizes(), columns[c].non_negative));
+      for (size_t s = begin; s < end && !columns[c].tensors->empty(); ++s) {
+        const Slice& slice = slices[s];
+        const at::Tensor& t = (*columns[c].tensors)[slice.index];
+        const int64_t numel = params[slice.index].numel();
+        const at::Tensor part = columns[c].whole ? t : slice_of(t, slice, numel);
+        parts[c].push_back(part);
+        if (columns[c].whole) {
+          wide[c].push_back(part);
+        } else if (part.scalar_type() == at::kBFloat16) {
+          wide[c].push_back(part.to(at::kFloat));
+        } else if (detail::is_packed_state(part)) {
+          const bool whole = slice.length == numel;
+          wide[c].push_back(detail::unpack_state(part, whole ? params[slice.index].sizes() : at::IntArrayRef(slice.length),
+                                                 columns[c].non_negative));
         } else {
-          wide[c].push_back(t);
+          wide[c].push_back(part);
         }
       }
     }
     kernel(wide);
     for (size_t c = 0; c < columns.size(); ++c) {
       if (!columns[c].written) continue;
-      for (size_t i = begin; i < end && !columns[c].tensors->empty(); ++i) {
-        const at::Tensor& t = (*columns[c].tensors)[i];
-        const detail::RoundingKey key{precision.step, keys[i] * columns.size() + c};
-        if (t.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][i - begin], t, key);
-        if (detail::is_packed_state(t)) detail::pack_state_into(wide[c][i - begin], t, columns[c].non_negative, &rounder, key);
+      for (size_t s = begin; s < end && !columns[c].tensors->empty(); ++s) {
+        const at::Tensor& part = parts[c][s - begin];
+        const detail::RoundingKey key{precision.step, keys[slices[s].index] * columns.size() + c, slices[s].part};
+        if (part.scalar_type() == at::kBFloat16) rounder.round_into(wide[c][s - begin], part, key);
+        if (detail::is_packed_state(part)) {
+          detail::pack_state_into(wide[c][s - begin], part, columns[c].non_negative, &rounder, key);
+        }
       }
     }
     begin = end;
@@ -78,7 +128,7 @@ bool steps_widened(const at::Tensor& p, const UpdatePrecision* precision) {
 
 at::Tensor zero_state(const at::Tensor& p, const UpdatePrecision* precision, bool non_negative) {
   const c10::ScalarType dtype = state_dtype_of(p, precision);
-  if (dtype == at::kByte) return detail::pack_state(at::zeros({p.numel()}, p.options().dtype(at::kFloat)), non_negative, nullptr);
+  if (dtype == at::kByte) return detail::packed_zeros(p.numel(), non_negative, p.options());
   return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve);
 }
 

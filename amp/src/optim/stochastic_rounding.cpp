@@ -42,7 +42,9 @@ at::Generator StochasticRounding::seeded(c10::Device device, RoundingKey key) {
   }
   at::Generator& g = it->second;
   std::lock_guard<std::mutex> g_lock(g.mutex());
-  g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(key.step) ^ mix(key.tensor)))));
+  // A first slice draws what the whole tensor drew before tensors were sliced.
+  const uint64_t tensor = key.part == 0 ? mix(key.tensor) : mix(key.tensor ^ mix(key.part));
+  g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(key.step) ^ tensor))));
   if (!device.is_cpu()) g.set_offset(0);
   return g;
 }

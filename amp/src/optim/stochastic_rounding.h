@@ -9,7 +9,8 @@
 //
 // The noise comes from streams counted by optimizer step: each tensor a
 // step rounds draws from a generator seeded anew from (seed, stream, step,
-// the tensor's key), so the whole rounding state is two numbers, and what a
+// the tensor's key and, for a tensor stepped in slices, the slice's), so
+// the whole rounding state is two numbers, and what a
 // tensor draws does not depend on which tensors were rounded before it (a
 // step applied parameter by parameter during backward rounds bit for bit
 // as the whole step). The seed is the CPU default
@@ -40,6 +41,7 @@ namespace amp::detail {
 struct RoundingKey {
   int64_t step = 0;
   uint64_t tensor = 0;
+  uint64_t part = 0;  // the slice of a tensor stepped in slices (0: the first, or the whole tensor)
 };
 
 class StochasticRounding {

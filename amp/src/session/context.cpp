@@ -31,6 +31,7 @@ void publish(const std::shared_ptr<Context>& context) {
   live_recompute_slot().set(context);
 }
 
+// `o`: the context's own options, which the casting points into.
 std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, ModelWeights* weights,
                                        ForwardLog* forward_log, Fp8Gemms* fp8) {
   if (!p.intercepts_ops()) return {};
@@ -39,9 +40,10 @@ std::vector<DeviceCasting> casting_for(const Properties& p, const Options& o, Mo
   ModelWeights* lowered = weights->mode() == ModelWeights::Mode::kNone ? nullptr : weights;
   return {
       {c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU, p.cpu_dtype, weights_decide, fp32_ops,
-       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered, forward_log, fp8},
+       o.allow_banned, cpu_precision().onednn_supports(p.cpu_dtype), lowered, forward_log, fp8,
+       &o.measured_policy_timer},
       {c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA, p.cuda_dtype, weights_decide,
-       fp32_ops, o.allow_banned, true, lowered, forward_log, fp8},
+       fp32_ops, o.allow_banned, true, lowered, forward_log, fp8, &o.measured_policy_timer},
   };
 }
 
@@ -57,7 +59,7 @@ Context::Context(const Properties& properties, const Options& options, const Reg
       forward_log_(options.overflow_provenance && properties.intercepts_ops() ? std::make_unique<ForwardLog>()
                                                                               : nullptr),
       fp8_(properties.fp8 ? std::make_unique<Fp8Gemms>(options.fp8_scaling, options.precision_telemetry) : nullptr),
-      casting_(casting_for(properties, options, weights.get(), forward_log_.get(), fp8_.get())),
+      casting_(casting_for(properties, options_, weights.get(), forward_log_.get(), fp8_.get())),
       owner_(std::this_thread::get_id()),
       sharded_(std::move(sharded)),
       weights_(std::move(weights)) {

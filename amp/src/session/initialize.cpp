@@ -445,6 +445,9 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
   check_no_sparse_gradients(models, properties);
   check_data_parallel(options, models);
   check_fp8_scaling(options.fp8_scaling);
+  TORCH_CHECK(!options.measured_policy_timer || options.measured_policy, "amp: Options::measured_policy_timer "
+              "is set but measured_policy is false, so nothing would be timed. Set measured_policy = true, or "
+              "leave the timer unset.");
   if (properties.fp8) check_fp8_kernels(device);
   if (options.enabled) check_sharding(options, properties, optimizers);
   check_rounding_optimizers(optimizers, properties);

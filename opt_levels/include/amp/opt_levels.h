@@ -1,4 +1,4 @@
-// amp's optimization levels O0-O5, as data, and the validation of overrides.
+// amp's optimization levels O0-O6, as data, and the validation of overrides.
 //
 // An opt level is a named set of properties (Apex's table). A user picks a level
 // and may override single properties; resolve_properties() applies the
@@ -84,7 +84,7 @@ inline constexpr OptLevel O4 = OptLevel::O4;  // O1 in bfloat16.
 inline constexpr OptLevel O5 = OptLevel::O5;  // O2 in bfloat16.
 inline constexpr OptLevel O6 = OptLevel::O6;  // bfloat16 weights, no masters, stochastic rounding.
 
-// "O0".."O5". Anything else is an error listing the valid names.
+// "O0".."O6". Anything else is an error listing the valid names.
 OptLevel parse_opt_level(std::string_view name);
 const char* to_string(OptLevel level);
 

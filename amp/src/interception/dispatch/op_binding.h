@@ -2,6 +2,7 @@
 #pragma once
 
 #include <amp/cast_policy.h>
+#include <amp/measured_policy.h>
 
 #include <ATen/core/operator_name.h>
 #include <c10/core/DispatchKey.h>
@@ -38,6 +39,9 @@ struct DeviceCasting {
   // The fp8 property: linear layers' GEMMs in float8 (fp8/fp8_gemms.h);
   // null without it.
   Fp8Gemms* fp8 = nullptr;
+  // Options::measured_policy_timer, the session's (null or empty: the
+  // default timing runs).
+  const MeasuredPolicyTimer* measured_timer = nullptr;
 };
 
 // One intercepted (operator, device) pair. Its address is stable for the

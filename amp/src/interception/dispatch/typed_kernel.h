@@ -119,7 +119,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
     if (measuring() && binding_->measured && decision.action == CastDecision::Action::kCastTo &&
         decision.to != at::kFloat && view.first_tensor() != nullptr && !in_backward()) {
       decision.to = measured_dtype(binding_->display_name, view.first_tensor()->device(), shape_key(view), decision.to,
-                                   [&] { return describe_shapes(view); }, [&](at::ScalarType to) { timing_run(to, args...); });
+                                   [&] { return describe_shapes(view); }, [&](at::ScalarType to) { timing_run(to, args...); },
+                                   binding_->casting->measured_timer);
     }
     Ret result = apply(decision, args...);
     if (record) record->finish(describe_result(result));
