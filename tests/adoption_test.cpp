@@ -64,15 +64,6 @@ std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-::testing::AssertionResult AllBitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
-  for (size_t i = 0; i < a.size(); ++i) {
-    auto result = BitEqual(a[i], b[i]);
-    if (!result) return result << " (tensor " << i << ")";
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // ---- References: the same training, mixed precision written by hand -------
 
 // What amp's level means for the reference: the model's compute dtype

@@ -248,7 +248,7 @@ struct StudentImpl : torch::nn::Module {
 };
 TORCH_MODULE(Student);
 
-std::pair<at::Tensor, at::Tensor> batch(int step) {
+std::pair<at::Tensor, at::Tensor> student_batch(int step) {
   torch::manual_seed(1000 + step);
   const at::Tensor x = torch::randn({64, 16});
   torch::manual_seed(99);
@@ -310,7 +310,7 @@ TrainedRun train(const Options& options, int steps, Kind kind = Kind::kAdamW, in
       load_checkpoint(path, {*model}, {*optimizer});
       std::remove(path.c_str());
     }
-    const auto [x, y] = batch(step);
+    const auto [x, y] = student_batch(step);
     optimizer->zero_grad();
     const at::Tensor loss = torch::cross_entropy_loss((*model)->forward(x), y);
     {
@@ -425,7 +425,7 @@ TEST_F(AmpTest, ASkippedStepLeavesEightBitStateTheSameBytes) {
   Handle handle;
   handle.initialize(model, optimizer, with_state(O2, at::kByte));
   for (int step = 0; step < 2; ++step) {
-    const auto [x, y] = batch(step);
+    const auto [x, y] = student_batch(step);
     std::vector<at::Tensor> before = clones(state_of(optimizer, model->parameters()));
     optimizer.zero_grad();
     const at::Tensor logits = model->forward(x);
@@ -563,7 +563,7 @@ TEST_F(AmpTest, EightBitStateLoadsIntoEitherStateDtype) {
 // 8-bit run is packed as it is first stepped.
 TEST_F(AmpTest, EightBitStateTravelsThroughTheProgramsOwnSaveAndLoad) {
   auto one_step = [](Student& model, torch::optim::Optimizer& optimizer, int step) {
-    const auto [x, y] = batch(step);
+    const auto [x, y] = student_batch(step);
     optimizer.zero_grad();
     const at::Tensor loss = torch::cross_entropy_loss(model->forward(x), y);
     if (is_initialized()) {
@@ -645,7 +645,7 @@ TEST_F(AmpTest, OnCudaEightBitStateIsTheCpusAndStaysOnTheDevice) {
     handle.initialize(model, optimizer, with_state(level, at::kByte));
     std::vector<double> losses;
     for (int step = 0; step < 20; ++step) {
-      const auto [x, y] = batch(step);
+      const auto [x, y] = student_batch(step);
       optimizer.zero_grad();
       const at::Tensor loss = torch::cross_entropy_loss(model->forward(x.cuda()).to(at::kFloat), y.cuda());
       {

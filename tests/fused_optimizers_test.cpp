@@ -55,14 +55,6 @@ const std::vector<OptimizerCase>& optimizer_cases() {
   return AllClose(a, b, /*rtol=*/1e-6, /*atol=*/1e-7);
 }
 
-::testing::AssertionResult AllBitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (auto r = BitEqual(a[i], b[i]); !r) return r << " (tensor " << i << ")";
-  }
-  return ::testing::AssertionSuccess();
-}
-
 struct StepRecord {
   std::vector<at::Tensor> stepped;  // master_params after the step
   std::vector<at::Tensor> model;    // the model's parameters after the step
@@ -71,7 +63,7 @@ struct StepRecord {
   int64_t host_syncs;
 };
 
-struct Loop {
+struct FusedLoop {
   OptLevel level = O1;
   bool fused = true;
   std::set<int> overflow_at;  // steps whose gradients get an inf
@@ -80,7 +72,7 @@ struct Loop {
 
 // A regression loop with a learning rate changed every step (as a scheduler
 // would), recording everything after each step.
-std::vector<StepRecord> train(const OptimizerCase& opt, const Loop& loop) {
+std::vector<StepRecord> train(const OptimizerCase& opt, const FusedLoop& loop) {
   torch::manual_seed(0);
   TinyNet model;
   OptimizerPtr optimizer = opt.make(model->parameters(), loop.fused);
@@ -125,7 +117,7 @@ class FusedStepEquivalence : public AmpTest,
 TEST_P(FusedStepEquivalence, MatchesLibTorchsOwnStepAndSkipsBitIdentically) {
   const auto [index, level] = GetParam();
   const OptimizerCase& opt = optimizer_cases()[index];
-  const Loop fused{level, true, {0, 2}}, own{level, false, {0, 2}};
+  const FusedLoop fused{level, true, {0, 2}}, own{level, false, {0, 2}};
   const auto a = train(opt, fused), b = train(opt, own);
   for (int step = 0; step < kFusedSteps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));

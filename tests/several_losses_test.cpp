@@ -66,7 +66,7 @@ const char* to_string(Zero z) {
   return z == Zero::kOptimizer ? "ZeroOptimizer" : z == Zero::kModel ? "ZeroModel" : "NeverZero";
 }
 
-struct Case {
+struct LossesCase {
   int scenario;
   OptLevel level;
   Zero zero;
@@ -106,14 +106,14 @@ std::vector<at::Tensor> grads_of(const torch::optim::Optimizer& optimizer) {
 // Which optimizers' gradients the injected loss's guard discards at
 // `iteration`: those it covers. LibTorch's SGD steps whatever gradients it
 // holds, so one that a later loss's guard covers too steps on those.
-std::vector<bool> discarded_at(const Scenario& s, const Case& c, int iteration, size_t after_loss) {
+std::vector<bool> discarded_at(const Scenario& s, const LossesCase& c, int iteration, size_t after_loss) {
   std::vector<bool> discard(s.optimizers.size(), false);
   if (c.inject_in_loss == static_cast<int>(after_loss) && iteration == kInjectAt) {
     for (int o : s.losses[after_loss].optimizers) discard[o] = true;
   }
   return discard;
 }
-std::vector<bool> skipped_at(const Scenario& s, const Case& c, int iteration) {
+std::vector<bool> skipped_at(const Scenario& s, const LossesCase& c, int iteration) {
   std::vector<bool> skip(s.optimizers.size(), false);
   for (size_t l = 0; l < s.losses.size(); ++l) {
     const auto discard = discarded_at(s, c, iteration, l);
@@ -129,7 +129,7 @@ struct LossesTrace {
 
 // Plain LibTorch in float64: the same losses, zeroing as the user's loop
 // does; gradients an overflow discards dropped, skipped steps not taken.
-LossesTrace reference_run(const Scenario& s, const Case& c) {
+LossesTrace reference_run(const Scenario& s, const LossesCase& c) {
   std::vector<ApexModel> models;
   for (double u : s.u) models.emplace_back(u, torch::kDouble);
   auto optimizers = make_optimizers(s, models);
@@ -162,10 +162,10 @@ LossesTrace reference_run(const Scenario& s, const Case& c) {
   return trace;
 }
 
-class ApexScenarioTest : public AmpTest, public ::testing::WithParamInterface<Case> {};
+class ApexScenarioTest : public AmpTest, public ::testing::WithParamInterface<LossesCase> {};
 
 TEST_P(ApexScenarioTest, GradientsAndParametersEqualFloat64) {
-  const Case c = GetParam();
+  const LossesCase c = GetParam();
   const Scenario& s = scenarios()[c.scenario];
   const LossesTrace expected = reference_run(s, c);
 
@@ -223,8 +223,8 @@ TEST_P(ApexScenarioTest, GradientsAndParametersEqualFloat64) {
   }
 }
 
-std::vector<Case> apex_cases() {
-  std::vector<Case> out;
+std::vector<LossesCase> apex_cases() {
+  std::vector<LossesCase> out;
   for (int s = 0; s < static_cast<int>(scenarios().size()); ++s) {
     for (OptLevel level : {O0, O1, O2, O3}) {
       for (Zero zero : {Zero::kOptimizer, Zero::kModel, Zero::kNever}) {
@@ -241,8 +241,8 @@ std::vector<Case> apex_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Apex, ApexScenarioTest, ::testing::ValuesIn(apex_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           const Case& c = info.param;
+                         [](const ::testing::TestParamInfo<LossesCase>& info) {
+                           const LossesCase& c = info.param;
                            std::string name = scenarios()[c.scenario].name + "_" + to_string(c.level) + "_" +
                                               to_string(c.zero) + (c.separate_scalers ? "_TwoScalers" : "_OneScaler");
                            if (c.inject_in_loss >= 0) name += "_InfInLoss" + std::to_string(c.inject_in_loss);

@@ -66,6 +66,15 @@ inline void expect_bit_equal(const std::vector<at::Tensor>& a, const std::vector
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(BitEqual(a[i], b[i])) << what << " " << i;
 }
 
+// Each tensor bit for bit its partner (BitEqual), the same count.
+inline ::testing::AssertionResult AllBitEqual(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " tensors";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (auto r = BitEqual(a[i], b[i]); !r) return r << " (tensor " << i << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // Each tensor within rtol/atol of its partner (compared in float64 on the
 // CPU), with the same shape and dtype.
 inline ::testing::AssertionResult AllClose(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,

@@ -5,7 +5,7 @@
 set -euo pipefail
 build=${1:-build}
 command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 1; }
-[[ -x "$build/tools/dispatch_instructions" ]] || { echo "no $build/tools/dispatch_instructions: build it first" >&2; exit 1; }
+[[ -x "$build/tools/dispatch_instructions" ]] || { echo "no $build/tools/dispatch_instructions: build it first (cmake --build $build --target benchmarks)" >&2; exit 1; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 valgrind --tool=callgrind --collect-atstart=yes --callgrind-out-file="$out/cg.%p" \

@@ -23,7 +23,9 @@ counted, as gpu_benchmarks counts amp's and LibTorch's - and the final loss.
 
 --smoke runs each mode for one step of a tiny transformer on the CPU (bfloat16
 only), to show the script and its peers (torch.compile, torchao) work where
-no GPU is; its numbers are not figures.
+no GPU is; its numbers are not figures. There torch.compile traces the models
+with Dynamo and runs the graphs eagerly (backend "eager"): code generation is
+the GPU's (Triton), and Inductor's C++ build on the CPU took a minute.
 """
 import os
 import sys
@@ -148,7 +150,9 @@ def measure(make, loss_of, mode, low, device, warmup, timed):
         convert_to_float8_training(model)
     forward = model
     if compiled:
-        forward = torch.compile(model, mode=compiled) if isinstance(compiled, str) else torch.compile(model)
+        backend = "eager" if device.type == "cpu" else "inductor"  # --smoke: see the docstring
+        forward = (torch.compile(model, mode=compiled, backend=backend) if isinstance(compiled, str)
+                   else torch.compile(model, backend=backend))
     fp32 = mode.startswith("fp32")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "fp32_tf32"
