@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -56,52 +57,83 @@ struct PeerModelImpl : torch::nn::Module {
 };
 TORCH_MODULE(PeerModel);
 
+const std::vector<std::string>& peer_optimizers() {
+  static const std::vector<std::string> names = {"sgd", "adam", "sgd_fused", "adam_fused", "adamw_fused"};
+  return names;
+}
+
+// The start and the data every optimizer's run shares.
+struct PeerInputs {
+  std::vector<at::Tensor> init;
+  at::Tensor x, t;
+};
+PeerInputs peer_inputs() {
+  torch::manual_seed(7);
+  PeerInputs in;
+  in.init = {torch::randn({16, 8}) * 0.3, torch::randn({16}) * 0.1, torch::randn({4, 16}) * 0.3,
+             torch::randn({4}) * 0.1};
+  in.x = torch::randn({kPeerSteps, 32, 8});
+  in.t = torch::randn({kPeerSteps, 32, 4});
+  return in;
+}
+
+// The peer runs once for the suite, every optimizer in one Python process
+// (importing torch is most of a run); each test compares with its own.
 class GradScalerPeerTest : public AmpTest, public ::testing::WithParamInterface<std::string> {
  protected:
-  void SetUp() override {
+  static void SetUpTestSuite() {
     if (std::system((std::string(AMP_PEER_PYTHON) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
-      GTEST_SKIP() << "no Python with torch at " << AMP_PEER_PYTHON
-                   << " (tools/setup.sh installs it into .venv); the peer comparison needs it";
+      skip_why_ = std::string("no Python with torch at ") + AMP_PEER_PYTHON +
+                  " (tools/setup.sh installs it into .venv); the peer comparison needs it";
+      return;
     }
-    threads_ = at::get_num_threads();
-    at::set_num_threads(1);  // the peer runs single-threaded too: same reduction order
     char dir[] = "/tmp/amp_peer_XXXXXX";
     ASSERT_NE(mkdtemp(dir), nullptr);
     dir_ = dir;
+    const PeerInputs in = peer_inputs();
+    for (auto [name, tensor] : {std::pair{"w1", in.init[0]}, {"b1", in.init[1]}, {"w2", in.init[2]},
+                                {"b2", in.init[3]}, {"x", in.x}, {"t", in.t}}) {
+      write_raw(dir_ + "/" + name, tensor);
+    }
+    std::ostringstream fault_list, names;
+    for (const auto& [step, value] : faults()) {
+      fault_list << (fault_list.tellp() > 0 ? "," : "") << step << ":" << value;
+    }
+    for (const std::string& name : peer_optimizers()) names << (names.tellp() > 0 ? "," : "") << name;
+    std::ostringstream command;
+    command << AMP_PEER_PYTHON << " -W ignore " << AMP_PEER_SCRIPT << " " << dir_ << " " << names.str() << " "
+            << kPeerSteps << " " << kInitScale << " " << kGrowthInterval << " " << fault_list.str();
+    peer_status_ = std::system(command.str().c_str());
+    peer_command_ = command.str();
+  }
+  static void TearDownTestSuite() {
+    if (dir_.empty()) return;
+    std::filesystem::remove_all(dir_);
+    dir_.clear();
+  }
+  void SetUp() override {
+    if (!skip_why_.empty()) GTEST_SKIP() << skip_why_;
+    ASSERT_EQ(peer_status_, 0) << peer_command_;
+    threads_ = at::get_num_threads();
+    at::set_num_threads(1);  // the peer runs single-threaded too: same reduction order
   }
   void TearDown() override {
-    if (!dir_.empty()) {
-      for (const char* name : {"w1", "b1", "w2", "b2", "x", "t", "peer_scales", "peer_skipped", "peer_params"}) {
-        std::remove((dir_ + "/" + name).c_str());
-      }
-      rmdir(dir_.c_str());
-      at::set_num_threads(threads_);
-    }
+    at::set_num_threads(threads_);
     AmpTest::TearDown();
   }
-  std::string dir_;
+  // The peer's output `what` ("peer_scales") for this test's optimizer.
+  static at::Tensor peer(const std::string& what, int64_t n) { return read_raw(dir_ + "/" + what + "_" + GetParam(), n); }
+
+  static inline std::string dir_, skip_why_, peer_command_;
+  static inline int peer_status_ = -1;
   int threads_ = 1;
 };
 
 TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
   const std::string optimizer_name = GetParam();
-  torch::manual_seed(7);
-  const std::vector<at::Tensor> init = {torch::randn({16, 8}) * 0.3, torch::randn({16}) * 0.1,
-                                        torch::randn({4, 16}) * 0.3, torch::randn({4}) * 0.1};
-  const auto x = torch::randn({kPeerSteps, 32, 8});
-  const auto t = torch::randn({kPeerSteps, 32, 4});
-  for (auto [name, tensor] : {std::pair{"w1", init[0]}, {"b1", init[1]}, {"w2", init[2]}, {"b2", init[3]},
-                              {"x", x}, {"t", t}}) {
-    write_raw(dir_ + "/" + name, tensor);
-  }
-  std::ostringstream fault_list;
-  for (const auto& [step, value] : faults()) {
-    fault_list << (fault_list.tellp() > 0 ? "," : "") << step << ":" << value;
-  }
-  std::ostringstream command;
-  command << AMP_PEER_PYTHON << " -W ignore " << AMP_PEER_SCRIPT << " " << dir_ << " " << optimizer_name << " " << kPeerSteps
-          << " " << kInitScale << " " << kGrowthInterval << " " << fault_list.str();
-  ASSERT_EQ(std::system(command.str().c_str()), 0) << command.str();
+  const PeerInputs in = peer_inputs();
+  const std::vector<at::Tensor>& init = in.init;
+  const at::Tensor &x = in.x, &t = in.t;
 
   PeerModel model(init);
   OptimizerPtr optimizer;
@@ -140,18 +172,17 @@ TEST_P(GradScalerPeerTest, ScalesSkipsAndParametersEqualTorchAmpBitForBit) {
     skipped.push_back(last_step_skipped(*optimizer) ? 1.0f : 0.0f);
   }
 
-  EXPECT_TRUE(BitEqual(torch::tensor(scales), read_raw(dir_ + "/peer_scales", kPeerSteps)))
-      << "amp's scales " << torch::tensor(scales) << "\ntorch.amp's " << read_raw(dir_ + "/peer_scales", kPeerSteps);
-  EXPECT_TRUE(BitEqual(torch::tensor(skipped), read_raw(dir_ + "/peer_skipped", kPeerSteps)));
+  EXPECT_TRUE(BitEqual(torch::tensor(scales), peer("peer_scales", kPeerSteps)))
+      << "amp's scales " << torch::tensor(scales) << "\ntorch.amp's " << peer("peer_scales", kPeerSteps);
+  EXPECT_TRUE(BitEqual(torch::tensor(skipped), peer("peer_skipped", kPeerSteps)));
   EXPECT_EQ(torch::tensor(skipped).sum().item<float>(), 4.0f) << "every injected fault skips its step";
   std::vector<at::Tensor> flat;
   for (const auto& p : model->parameters()) flat.push_back(p.detach().flatten());
   const auto params = torch::cat(flat);
-  EXPECT_TRUE(BitEqual(params, read_raw(dir_ + "/peer_params", params.numel())));
+  EXPECT_TRUE(BitEqual(params, peer("peer_params", params.numel())));
 }
 
-INSTANTIATE_TEST_SUITE_P(Optimizers, GradScalerPeerTest,
-                         ::testing::Values("sgd", "adam", "sgd_fused", "adam_fused", "adamw_fused"));
+INSTANTIATE_TEST_SUITE_P(Optimizers, GradScalerPeerTest, ::testing::ValuesIn(peer_optimizers()));
 
 }  // namespace
 }  // namespace amp::testing

@@ -5,10 +5,13 @@ test wrote, with the same injected inf/NaN gradients, and writes what the
 test compares bit for bit: the loss scale and skip decision after every step
 and the final parameters.
 
-    python grad_scaler_peer.py DIR sgd|adam STEPS INIT_SCALE GROWTH_INTERVAL FAULTS
+    python grad_scaler_peer.py DIR OPTIMIZERS STEPS INIT_SCALE GROWTH_INTERVAL FAULTS
 
-FAULTS is "step:inf,step:nan,..." ("-" for none). DIR holds the raw float32
-files the test wrote (w1 b1 w2 b2 x t); results go to DIR/peer_*.
+OPTIMIZERS is a comma-separated list of sgd, adam, sgd_fused, adam_fused,
+adamw_fused, each trained from the same start (one process: torch's import
+is most of a run). FAULTS is "step:inf,step:nan,..." ("-" for none). DIR
+holds the raw float32 files the test wrote (w1 b1 w2 b2 x t); results go to
+DIR/peer_*_<optimizer>.
 """
 import math
 import struct
@@ -59,15 +62,7 @@ class LibTorchAdam(torch.optim.Optimizer):
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias_correction1)
 
 
-def main():
-    directory, optimizer_name, steps, init_scale, growth_interval, faults = sys.argv[1:7]
-    steps, init_scale, growth_interval = int(steps), float(init_scale), int(growth_interval)
-    plan = {}
-    if faults != "-":
-        for item in faults.split(","):
-            step, kind = item.split(":")
-            plan[int(step)] = float(kind)
-    torch.set_num_threads(1)
+def train(directory, optimizer_name, steps, init_scale, growth_interval, plan):
     w1 = read(directory, "w1", (16, 8)).requires_grad_()
     b1 = read(directory, "b1", (16,)).requires_grad_()
     w2 = read(directory, "w2", (4, 16)).requires_grad_()
@@ -103,9 +98,22 @@ def main():
         scaler.update()
         scales.append(scaler.get_scale())
         skipped.append(1.0 if found_inf else 0.0)
-    write(directory, "peer_scales", torch.tensor(scales))
-    write(directory, "peer_skipped", torch.tensor(skipped))
-    write(directory, "peer_params", torch.cat([p.detach().flatten() for p in params]))
+    write(directory, f"peer_scales_{optimizer_name}", torch.tensor(scales))
+    write(directory, f"peer_skipped_{optimizer_name}", torch.tensor(skipped))
+    write(directory, f"peer_params_{optimizer_name}", torch.cat([p.detach().flatten() for p in params]))
+
+
+def main():
+    directory, optimizers, steps, init_scale, growth_interval, faults = sys.argv[1:7]
+    steps, init_scale, growth_interval = int(steps), float(init_scale), int(growth_interval)
+    plan = {}
+    if faults != "-":
+        for item in faults.split(","):
+            step, kind = item.split(":")
+            plan[int(step)] = float(kind)
+    torch.set_num_threads(1)
+    for optimizer_name in optimizers.split(","):
+        train(directory, optimizer_name, steps, init_scale, growth_interval, plan)
 
 
 if __name__ == "__main__":
