@@ -7,6 +7,7 @@
 
 #include <ATen/cpu/Utils.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -83,6 +84,26 @@ TEST_F(HardwareTest, DecidesFromTheCapabilitiesOfKnownCpus) {
     EXPECT_TRUE(cpu.runs_natively(at::kFloat));
     EXPECT_EQ(describe(cpu, at::kBFloat16).empty(), row.bf16) << row.cpu;
   }
+  // oneDNN capped by ONEDNN_MAX_CPU_ISA: a Sapphire Rapids uses only the
+  // instructions below the cap (names in any case; an unknown one caps nothing).
+  const std::set<std::string> sapphire_rapids = with({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"});
+  struct Cap {
+    const char* isa;
+    bool bf16, fp16, onednn_bf16, onednn_fp16;
+  };
+  for (const Cap& cap : std::vector<Cap>{{"AVX2", false, false, false, false},
+                                         {"avx512_core", false, false, true, false},
+                                         {"AVX512_CORE_BF16", true, false, true, false},
+                                         {"AVX512_CORE_FP16", true, true, true, true},
+                                         {"AVX512_CORE_AMX", true, true, true, true},
+                                         {"ALL", true, true, true, true},
+                                         {"NO_SUCH_ISA", true, true, true, true}}) {
+    const CpuPrecision cpu = cpu_precision_from("Sapphire Rapids", sapphire_rapids, cap.isa);
+    EXPECT_EQ(cpu.bf16_arithmetic, cap.bf16) << cap.isa;
+    EXPECT_EQ(cpu.fp16_arithmetic, cap.fp16) << cap.isa;
+    EXPECT_EQ(cpu.onednn_bf16, cap.onednn_bf16) << cap.isa;
+    EXPECT_EQ(cpu.onednn_fp16, cap.onednn_fp16) << cap.isa;
+  }
 }
 
 // The kernel's own account of this CPU: the flags of its first processor in
@@ -105,6 +126,15 @@ TEST_F(HardwareTest, ReportsThisMachineAsItsKernelDoes) {
   EXPECT_TRUE(describe(cpu, at::kFloat).empty());
   const std::set<std::string> flags = proc_cpuinfo_flags();
   if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this machine to compare with";
+  if (const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA"); cap && std::string(cap) != "ALL") {
+    const std::string isa = cap;
+    if (isa != "SSE41" && isa != "AVX" && isa != "AVX2") {
+      GTEST_SKIP() << "ONEDNN_MAX_CPU_ISA=" << isa << " caps oneDNN below this CPU; DecidesFromTheCapabilitiesOfKnownCpus covers caps";
+    }
+    EXPECT_FALSE(cpu.bf16_arithmetic || cpu.fp16_arithmetic || cpu.onednn_bf16 || cpu.onednn_fp16)
+        << "ONEDNN_MAX_CPU_ISA=" << isa << ": oneDNN has no low-precision arithmetic or primitives";
+    return;
+  }
   auto has = [&](const char* flag) { return flags.count(flag) != 0; };
   EXPECT_EQ(cpu.bf16_arithmetic, has("avx512_bf16") || has("amx_bf16"));
   EXPECT_EQ(cpu.fp16_arithmetic, has("avx512_fp16") || has("amx_fp16"));

@@ -42,13 +42,20 @@ struct CpuPrecision {
   bool onednn_supports(c10::ScalarType dtype) const;
 };
 
-// This machine's CPU, as ATen detects it (at::cpu::get_cpu_capabilities).
+// This machine's CPU, as ATen detects it (at::cpu::get_cpu_capabilities),
+// with the instructions oneDNN is told not to use left out: an
+// ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16 leaves
+// oneDNN's GEMMs no bfloat16 arithmetic, below AVX512_CORE no low-precision
+// primitives at all (LSTM then runs in float32, as on an AVX2-only CPU).
 CpuPrecision cpu_precision();
 
 // The decision cpu_precision() makes for a CPU named `name` whose ATen
 // capability flags ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16",
-// "avx512_bw", "avx512_vl", "avx512_dq", "avx_ne_convert", ...) are `flags`.
-CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags);
+// "avx512_bw", "avx512_vl", "avx512_dq", "avx_ne_convert", ...) are `flags`,
+// with oneDNN capped at `onednn_max_isa` (ONEDNN_MAX_CPU_ISA's value, e.g.
+// "AVX2"; empty, "ALL" or a name oneDNN does not know: no cap).
+CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags,
+                                const std::string& onednn_max_isa = "");
 
 // One paragraph for users of a CPU that emulates `dtype`: what it costs and
 // the choices. Empty when the CPU computes `dtype` natively.

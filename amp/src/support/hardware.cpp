@@ -3,6 +3,11 @@
 
 #include <ATen/cpu/Utils.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <limits>
+#include <map>
 #include <mutex>
 
 namespace amp {
@@ -11,6 +16,25 @@ namespace {
 std::mutex g_override_mutex;
 std::optional<CpuPrecision> g_override;
 
+// oneDNN's ISA names (ONEDNN_MAX_CPU_ISA), in order, with their aliases.
+int isa_rank(std::string isa) {
+  std::transform(isa.begin(), isa.end(), isa.begin(), [](unsigned char c) { return std::toupper(c); });
+  static const std::map<std::string, int> ranks = {
+      {"SSE41", 0}, {"AVX", 1}, {"AVX2", 2}, {"AVX2_VNNI", 3}, {"AVX2_VNNI_2", 4}, {"AVX512_CORE", 5},
+      {"AVX512_CORE_VNNI", 6}, {"AVX512_CORE_BF16", 7}, {"AVX512_CORE_FP16", 8}, {"AVX10_1_512", 8},
+      {"AVX512_CORE_AMX", 9}, {"AVX10_1_512_AMX", 9}, {"AVX512_CORE_AMX_FP16", 10}, {"AVX10_1_512_AMX_FP16", 10}};
+  const auto it = ranks.find(isa);
+  return it == ranks.end() ? std::numeric_limits<int>::max() : it->second;
+}
+
+// The least oneDNN ISA that uses each flag amp reads.
+const std::map<std::string, int>& flag_isa() {
+  static const std::map<std::string, int> ranks = {
+      {"avx_ne_convert", 4}, {"avx512_bw", 5}, {"avx512_vl", 5}, {"avx512_dq", 5}, {"avx512_bf16", 7},
+      {"avx512_fp16", 8}, {"amx_bf16", 9}, {"amx_tile", 9}, {"amx_fp16", 10}};
+  return ranks;
+}
+
 CpuPrecision detect() {
   std::string name;
   std::set<std::string> flags;
@@ -18,13 +42,20 @@ CpuPrecision detect() {
     if (key == "cpu_name" && value.isString()) name = value.toStringRef();
     if (value.isBool() && value.toBool()) flags.insert(key);
   }
-  return cpu_precision_from(name, flags);
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr) cap = std::getenv("DNNL_MAX_CPU_ISA");
+  return cpu_precision_from(name, flags, cap ? cap : "");
 }
 
 }  // namespace
 
-CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags) {
-  auto has = [&](const char* flag) { return flags.count(flag) != 0; };
+CpuPrecision cpu_precision_from(const std::string& name, const std::set<std::string>& flags,
+                                const std::string& onednn_max_isa) {
+  const int cap = isa_rank(onednn_max_isa);
+  auto has = [&](const char* flag) {
+    const auto needs = flag_isa().find(flag);
+    return flags.count(flag) != 0 && (needs == flag_isa().end() || needs->second <= cap);
+  };
   CpuPrecision cpu;
   cpu.name = name;
   cpu.bf16_arithmetic = has("avx512_bf16") || has("amx_bf16");
