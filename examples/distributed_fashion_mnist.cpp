@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Data-parallel training of the Fashion-MNIST CNN with amp on several
 // processes over LibTorch's c10d (ProcessGroupGloo on loopback). One command
 // starts every rank:

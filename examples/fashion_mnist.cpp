@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Trains a small CNN on Fashion-MNIST with amp.
 //
 //   fashion_mnist --opt_level=O2 --epochs=2

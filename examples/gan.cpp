@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A DCGAN on Fashion-MNIST: Apex's multi-model example. Two models, two
 // optimizers and three losses, each loss with its own loss scaler
 // (num_losses=3, loss_id 0..2).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A character-level transformer language model trained with amp on the
 // license texts of Debian's base-files package (/usr/share/common-licenses),
 // then sampled.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The opt-level table: each level's properties, as Apex defines them (with
 // Apex-ROCm's bf16 levels O4/O5).
 #include "levels.h"

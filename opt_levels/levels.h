@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the opt-level table - the single source of each level's name,
 // properties and hints, shared by levels.cpp and validate.cpp. Adding a level
 // is one enum value in opt_levels.h and one row in levels.cpp.

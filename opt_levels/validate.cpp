@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // resolve_properties: a level's defaults plus the user's overrides, validated
 // the way Apex's Properties setters validate them, plus range checks on the
 // loss-scaling knobs.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Adopting amp in LibTorch programs written the way LibTorch teaches: the
 // module and the optimizer held by value (LibTorch's MNIST example), holders
 // and shared pointers, functions taking torch::optim::Optimizer&, the

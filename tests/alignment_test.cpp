@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The shapes check (amp/alignment.h): layers whose GEMM dimensions miss the
 // hardware's preferred multiple are named with the padding that fixes
 // them; aligned ones are not.

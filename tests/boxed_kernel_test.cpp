@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The boxed kernel (any schema: users' own ops) applies every policy exactly
 // as the typed kernel of a built-in op does. Each test runs an ATen op and
 // its twin - a user op with the same schema, implemented by the ATen op -

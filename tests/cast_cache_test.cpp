@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The per-iteration cast cache: one cast per weight per iteration, never
 // stale, never across grad modes, cleared by scale_loss.
 #include "test_util.h"

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: BSD-3-Clause
 """tools/check_layers.py passes a tree whose includes point down and fails,
 naming the file and both layers, one with an include pointing up; against
 the real build's objects it passes, and fails on an upward call planted in

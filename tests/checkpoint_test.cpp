@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Saving and restoring: amp's state (loss scalers, level), checkpoints
 // written by amp::save_checkpoint, resuming in a fresh process, and loading
 // untrusted files all-or-nothing - refusing values that cannot train (loss

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 # Runs GENERATOR and fails unless its output equals the file EXPECTED.
 execute_process(COMMAND ${GENERATOR} OUTPUT_VARIABLE actual RESULT_VARIABLE rc)
 file(READ ${EXPECTED} expected)

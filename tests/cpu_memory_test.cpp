@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Options::keep_cpu_memory: a CPU session's steps reuse the memory the step
 // before freed, instead of glibc handing it back to the kernel and faulting
 // it in again. Each test runs in a fresh process (a re-executed death

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // CUDA behaviour: representative ops of every CUDA policy against native
 // autocast on the GPU, the banned op, O1/O2 training steps on CUDA, and the
 // fused optimizer step deciding on the device.

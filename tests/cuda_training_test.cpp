@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What a GPU user meets when training with amp on CUDA: conv + BatchNorm
 // nets at O2, the fused optimizers' other variants, recurrent nets at the
 // float16 and bfloat16 levels, checkpoints of CUDA state, a side stream, a

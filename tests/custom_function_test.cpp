@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // custom_fwd / custom_bwd: a user's autograd function declares the precision
 // of its forward, and its backward runs with the casting state of forward.
 #include "test_util.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // One rank of distributed_test: data-parallel training over ProcessGroupGloo
 // on loopback (or ProcessGroupNCCL), a global batch of 24 rows split evenly across the ranks, with
 // one rank alone seeing an overflow at step 2.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Data-parallel training over ProcessGroupGloo on loopback, ranks started as
 // processes (dist_helper). Every run trains 5 steps on a global batch of 24
 // rows split across the ranks; the last rank alone overflows at step 2.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // 8-bit optimizer state (Options::optimizer_state_dtype = uint8): Adam's
 // moments and SGD's momentum packed blockwise in amp's fused optimizers.
 // The packing against a float64 reference, its rounding unbiased, a block

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The fp8 property beside the rest of amp: overflows that reach a float8
 // GEMM are skipped and named, several losses roll each operand's history
 // once per use, the weight is quantized once an iteration, the precision

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The fp8 property: per-operand scaling as the recipe states it (exact
 // scale sequences), saturation, a linear layer's forward and gradients
 // against float64, and training a plain model with no edit beside O5.

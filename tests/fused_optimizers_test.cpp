@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's fused optimizers (fused.h): Adam, AdamW and SGD stepped by ATen's
 // fused kernels, which skip overflowed steps on the device. Checked against
 // LibTorch's own Adam, AdamW and SGD on the same loop: values within the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's loss scaling against a real peer: PyTorch's own torch.amp (autocast
 // + GradScaler), run by the project's .venv Python (tests/peer/
 // grad_scaler_peer.py) on the same model, data and injected inf/NaN

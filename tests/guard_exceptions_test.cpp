@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Exceptions inside scale_loss guards, errors a guard ends with, and what
 // an overflow verdict applies to.
 #include "test_util.h"

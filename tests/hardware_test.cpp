@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The CPU's low-precision arithmetic: what amp reports, what initialize says
 // on a CPU that emulates the low dtype, and nn::LSTM at O1 running in float32
 // where oneDNN has no low-precision RNN instead of failing. Both kinds of CPU

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // O1 interception: ops are cast per policy while amp lives, native LibTorch
 // behaviour returns after it, backward never casts.
 #include "test_util.h"

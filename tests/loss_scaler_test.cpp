@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Loss scale sequences: scripted clean/overflow steps against values derived
 // independently from the rules (Apex/GradScaler, Megatron hysteresis).
 #include "test_util.h"

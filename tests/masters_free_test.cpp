@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // O6: bfloat16 weights without float32 masters, updates computed in float32
 // by amp's fused optimizers and rounded into the weights stochastically.
 // The rounding is unbiased (against float64), brackets the exact update,

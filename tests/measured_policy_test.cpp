@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Options::measured_policy (amp/measured_policy.h): GEMMs and convolutions
 // run in float32 where that was measured faster at their shape, with O0's
 // values; the choice is kept, saved and loaded; off, nothing is measured.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // initialize at O2/O3: model conversion, fp32 inputs, fp32 losses, master
 // weights, saving and resuming, and initialize's own errors.
 #include "test_util.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The precision report's table for a known tiny model, asserted exactly.
 #include "test_util.h"
 

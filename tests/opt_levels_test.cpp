@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The opt-level table: every level's defaults, every override valid or not,
 // the resolved properties and the error text.
 #include "test_util.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Overflow provenance (overflow.h): after a skipped step amp names the
 // forward op and the backward node that produced the first inf/NaN and the
 // gradients that held one; healthy steps report nothing and cost no host

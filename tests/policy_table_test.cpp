@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The default policy tables against LibTorch's native autocast.
 //
 // Coverage: the ops amp intercepts per device are exactly the ops LibTorch

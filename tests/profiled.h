@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Runs code under LibTorch's profiler (the CPU, with input shapes) and
 // returns the events it recorded: what a user's trace would show.
 #pragma once

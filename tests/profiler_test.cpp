@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp in LibTorch's profiler: a traced step shows amp's own work under its
 // names (amp/src/trace_range.h), nested in the ops it serves, with shapes.
 #include "test_util.h"

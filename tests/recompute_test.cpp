@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::recompute: the same training loop with and without recomputation,
 // bit for bit at every level (bf16 and fp16), with dropout, BatchNorm,
 // nesting, several outputs, accumulation and two losses; the errors; and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Reliability: randomized fault injection against a reference that skips
 // exactly the faulty steps, exceptions in forward, concurrency, and a table of
 // bad inputs that must each be refused without changing anything.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Helper process for checkpoint_process_test: trains, saves or resumes in a
 // process of its own, so resuming starts from nothing but the file.
 //

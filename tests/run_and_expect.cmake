@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 cmake_policy(SET CMP0007 NEW)  # keep the empty fields of a figure check
 # Runs COMMAND (its arguments separated by |) and fails unless its exit status is
 # EXIT (a number, or "nonzero" for any failure), its output (stdout and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The scale_loss guard: skipped steps, logs, several losses and optimizers,
 // accumulation, clipping, gradient penalty, misuse.
 #include "test_util.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // LR schedulers on the program's optimizer, made before or after
 // amp::initialize, advanced after real steps only; parameter groups added
 // after initialize.

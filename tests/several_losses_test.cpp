@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Several models, losses and optimizers in the loops users write, checked by
 // value against plain LibTorch in float64: Apex's L0 multi-model scenarios
 // (zeroing through the model, the optimizer or not at all; one scaler or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Sparse gradients (nn::Embedding with sparse=true): unscaled and checked for
 // overflow like dense ones at O0/O1; refused clearly at the levels that cast
 // the model.

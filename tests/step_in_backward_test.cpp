@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Properties::step_in_backward: the loop users write, run with and without
 // it, ends bit for bit the same (weights and optimizer state) at the levels
 // that allow it, with recomputation (whole blocks, or in slices of the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The guard as one transaction: participants join it through hooks, in a
 // fixed order, without the guard knowing them; each optimizer's state
 // machine gets one outcome; a refusal or failure leaves nothing changed.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Exits 0 when the Chrome trace FILE holds every range named after it."""
 import json
 import sys

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Users register ops by name, in any namespace, as half, float or promote,
 // before or after initialize.
 #include "test_util.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // O2/O5 weights read through views and indices: a forward sees the weights
 // in the level's dtype whatever op reads them first, and results never
 // depend on the order of ops or on forwards that came before.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A c10d process group of one rank, in one process: a broadcast or a sum
 // over one rank leaves the tensors, a gather or reduce-scatter copies. It
 // counts the all-reduces and reduce-scatters started. For tests of the

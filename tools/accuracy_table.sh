@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Trains the Fashion-MNIST example at O0-O6 for each seed (same epochs, data
 # and seed at every level) and prints a markdown table of test accuracy,
 # time per epoch and skipped steps, on all 60,000 training images unless a

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: BSD-3-Clause
 """Fails when code in amp/src reaches a layer above its own.
 
 The library's private code lives in one folder per layer, lowest first

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Downloads, here, the Debian packages the GPU machine lacks into the
 # git-ignored third_party_debs/ (about 34 MB), for tools/gpu_run.sh to unpack
 # there: Abseil (the examples' and tools' flags), GoogleTest's sources, gloo's

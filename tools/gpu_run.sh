@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # The one command that proves amp on a GPU machine: builds amp there against
 # the machine's LibTorch (its python3 holds torch 2.11.0+cu130), runs the
 # whole test suite with CUDA present, compute-sanitizer over the CUDA tests,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The gradient underflow figure (Micikevicius et al. 2018, Fig. 3) for the
 // Fashion-MNIST CNN: a histogram of log2|g| of activation and weight
 // gradients of one iteration, with fp16's limits, and the fraction of values

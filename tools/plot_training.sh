@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Trains the Fashion-MNIST example at O0, O1, O2 and O3 (same seed and data),
 # writes each run's per-step CSV and summary, and plots loss and loss scale
 # of all four on one chart (gnuplot PNG).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Prints amp's default cast policy tables as Markdown: docs/cast_policies.md
 // is this program's output (the test suite checks they agree).
 #include <amp/cast_policy.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Precision report: runs one training iteration of an example model under
 // amp and prints every intercepted op - operator, input dtypes, output dtype,
 // policy applied, calls, casts, cache hits, bytes cast - and amp's gradient

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: BSD-3-Clause
 """Lists the names a program gets from one of amp's public headers.
 
 Follows the header's <amp/...> includes, and lists every type, function,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Runs the test suite against amp built with sanitizers:
 #
 #   tools/run_sanitized_tests.sh [address] [thread]   (default: both)

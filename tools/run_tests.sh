@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Sets up and builds amp (tools/setup.sh), then runs the whole test suite,
 # printing each part's time.
 #

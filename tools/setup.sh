@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Installs what amp's build needs, then configures and builds it.
 #
 # Idempotent and quick when everything is present: Debian packages are

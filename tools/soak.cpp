@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Soak: the transformer example's model trained for many steps at one opt
 // level with random faults - inf gradients, NaN losses, exceptions inside the
 // guard before and after unscale() - while memory is sampled. Resident

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A small character-level transformer language model (GPT-style): token and
 // position embeddings, pre-norm blocks of causal multi-head attention
 // (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // DCGAN-style generator and discriminator for 28x28 grayscale images.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "common/diagnostics.h"
 
 #include <amp/diagnostics.h>

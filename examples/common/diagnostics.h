@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What the examples show of amp's overflow diagnostics: --inject_non_finite,
 // which makes one named module's weights non-finite for one step, and
 // printing amp's overflow report (overflow.h) and precision telemetry

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Fashion-MNIST from Debian's dataset-fashion-mnist package: the four idx
 // files, gzip-compressed, in /usr/share/datasets/fashion-mnist.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "fashion_mnist_net.h"
 
 #include <ATen/ATen.h>

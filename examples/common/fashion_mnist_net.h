@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The Fashion-MNIST CNN shared by the example, the precision report and the
 // benchmarks: conv-BN-ReLU-pool twice, then two linear layers.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Checks the gradients amp hands an optimizer against float64: the same loss,
 // computed in plain LibTorch at the same weights. Examples run it each step
 // when asked (--check_gradients); their tests do.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What every example shares: turning --opt_level/--dtype/--device flags into
 // amp::Options and a device, with clear errors, and a progress line.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "common/step_trace.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>

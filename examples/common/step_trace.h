@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // --trace=FILE: a Chrome trace (chrome://tracing, ui.perfetto.dev) of a few
 // training steps from LibTorch's profiler, with input shapes, where amp's
 // own work shows under amp's names (docs/guide.md, "amp in a profiler

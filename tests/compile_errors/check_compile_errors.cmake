@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 # Compiles SOURCE (syntax only) and expects exactly its functions' errors, in
 # order: one static_assert each, with a message that names what to pass,
 # and no other error (one compile: LibTorch's headers are parsed once).

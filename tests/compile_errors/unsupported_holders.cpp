@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Programs that hand amp something it cannot take: each function below must
 // fail to compile with one static_assert that says what to pass, and nothing
 // else (check_compile_errors.cmake compiles them together).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Trains two steps through an installed amp: proves headers, library and
 // find_package(amp) work from outside the source tree.
 #include <amp/amp.h>

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Installs amp from the build tree into a scratch prefix, then configures,
 # builds and runs tests/consumer against it.
 set -euo pipefail

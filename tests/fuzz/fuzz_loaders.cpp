@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A bounded mutation fuzzer for amp's loaders of untrusted bytes: amp's state
 // (amp::load_state) and checkpoints (amp::load_checkpoint, which loads the
 // optimizers' state as a transaction). The program's own

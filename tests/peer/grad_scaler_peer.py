@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """Peer for amp's loss scaling: PyTorch's own torch.amp (autocast + GradScaler).
 
 Trains the two-layer model of tests/grad_scaler_peer_test.cpp on the data the

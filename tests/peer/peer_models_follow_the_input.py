@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The Python peers' models run on the device their inputs are on. Each runs
 on PyTorch's 'meta' device (shapes, no data) under a dispatch mode that
 refuses any CPU tensor, so a tensor a forward builds on the default device

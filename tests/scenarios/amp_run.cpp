@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A program under amp, written as a user writes the loop: zero_grad, forward,
 // scale_loss around backward, unscale() before clipping, step().
 #include "runs.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What amp's run of a program must match: the expected outcomes and scales,
 // and the float64 values within a tolerance derived from the low dtype.
 //

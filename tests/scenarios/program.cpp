@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Draws random training programs (program.h) from a seed.
 #include "program.h"
 

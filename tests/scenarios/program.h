@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // A random training program: the loop a user writes around amp, as data.
 //
 // generate_program(seed) draws one, reproducibly from its seed: 1-3 small

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The oracle: a program in plain LibTorch, float64 (or float32), no amp. It differs from
 // a plain loop only where amp's contract says a step behaves differently:
 // skipped steps are not taken and their gradients are discarded (with

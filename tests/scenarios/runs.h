@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Running a program: under amp at one opt level, and as the oracle - the
 // same program in plain LibTorch float64, taking the same skipped steps -
 // and what the two must agree on.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Random training programs under amp at every opt level, each checked
 // against the same program in float64 (see program.h, runs.h):
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "workload.h"
 
 #include <amp/recompute.h>

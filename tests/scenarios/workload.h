@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What a program trains on, built the same way for amp and for the float64
 // oracle: its models, its optimizers, its batches, and each loss's forward.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Small timing and counting helpers for amp's benchmark programs.
 #pragma once
 

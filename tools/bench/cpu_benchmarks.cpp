@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's CPU benchmarks, each a table of figures measured side by side in one
 // run (medians of repeated measurements, interleaved so drift hits every
 // column alike):

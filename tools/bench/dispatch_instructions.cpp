@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Instructions per call of the dispatch cases of cpu_benchmarks' section 1,
 // counted by valgrind's callgrind: plain LibTorch, native autocast and amp O1
 // on the same calls, amp O1 with overflow provenance on (gradients

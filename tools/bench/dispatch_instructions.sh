@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # Instructions per call: plain LibTorch, native autocast, amp O1, amp O1 with
 # overflow provenance, amp O1 with the measured policy (callgrind).
 # Usage: tools/bench/dispatch_instructions.sh [build dir]   (after tools/setup.sh)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's GPU benchmark: training-step time and peak memory, measured side by
 // side in one run, of
 //   resnet      ResNet-18, batch 256, 3x224x224

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """What a Python user runs instead of amp on the GPU, on the models and sizes
 of tools/bench/gpu_benchmarks.cpp (ResNet-18 at batch 256 on 3x224x224; the
 GPT-2-small-shaped transformer, 12 x 768, 12 heads, sequence 1024, batch 8,

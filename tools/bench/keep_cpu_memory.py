@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """amp's Options::keep_cpu_memory, measured: the examples with it on and off
 beside Python's torch.amp (with glibc's defaults, and with the same malloc
 settings given by environment), in interleaved rounds; prints a Markdown

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Memory benchmark: how large a model amp lets a program train.
 //
 // A GPT-shaped decoder (examples/common/char_transformer.h: byte tokens,

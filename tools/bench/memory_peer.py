@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The memory benchmark's Python peer (tools/bench/memory_benchmark.cpp).
 
 The same GPT-shaped decoder as examples/common/char_transformer.cpp (byte

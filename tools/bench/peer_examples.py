@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: BSD-3-Clause
 """The examples' models and loops in Python with torch.amp: the peer amp is
 compared with in BENCHMARKS.md (tools/bench/peer_table.sh runs both).
 

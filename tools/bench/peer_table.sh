@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
 # amp side by side with Python's torch.amp on this machine, in one run: the
 # Fashion-MNIST CNN and the character transformer at amp O0/O1/O2/O5 and O1
 # with Options::measured_policy, and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Layers whose matrix-multiply dimensions miss the sizes the hardware
 // computes fastest: the tutorials' "keep dimensions multiples of 8 so
 // tensor cores are used; pad if necessary", as a check over a model.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp: Apex-style automatic mixed precision for LibTorch.
 //
 // Three edits to an existing training loop, which keeps holding its objects

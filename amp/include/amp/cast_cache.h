@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The cast cache: an fp32 weight is cast to low precision at most once per
 // iteration.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Cast policies: what amp does to an operator's floating-point arguments.
 //
 // While amp intercepts ops (O1/O4, and O2/O3/O5 to meet a low-precision

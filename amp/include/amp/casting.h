@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's casting controls, Apex's amp.register_*_function and
 // amp.disable_casts and torch.amp's custom_fwd:
 //   cast_policy.h      the op tables, and registering a policy for an op

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // RAII scopes that change amp's per-op casting on one thread, and a helper
 // that carries a thread's casting state to another thread.
 //

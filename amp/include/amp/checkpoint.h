@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // One-file checkpoints of a mixed-precision run (models, optimizers, amp),
 // and float32 weights for inference without amp.
 //

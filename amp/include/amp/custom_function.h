@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Mixed precision inside a custom autograd function
 // (torch::autograd::Function<T>), as torch.amp's custom_fwd / custom_bwd.
 //

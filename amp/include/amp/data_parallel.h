@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // DataParallel (Options::data_parallel): train data-parallel over a c10d
 // process group with the single-process loop as written - amp averages each
 // guard's gradients across the ranks while backward runs, and with `shard`

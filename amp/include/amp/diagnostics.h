@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What amp can tell about a run, for when it does not train as expected or
 // to see what mixed precision bought:
 //   op_stats.h          which ops ran in which dtype, and the casts they cost

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // For programs that average gradients themselves (their own DDP loop):
 // amp's part is to make every rank skip the same steps. amp's built-in data
 // parallel is Options::data_parallel (data_parallel.h).

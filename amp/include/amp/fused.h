@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::optim::FusedAdam, FusedAdamW and FusedSGD: LibTorch's Adam, AdamW and
 // SGD stepped by ATen's fused multi-tensor kernels (_fused_adam_,
 // _fused_adamw_, _fused_sgd_), as torch.optim's fused=True - Apex's

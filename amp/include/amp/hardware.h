@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What this machine's CPU does with amp's low-precision dtypes.
 //
 // Mixed precision pays on a CPU only where the CPU has low-precision

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::initialize: the front door (Apex's amp.initialize).
 //
 //   Net model;                                              // as the program holds it

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's log: what amp tells the program - the resolved level, skipped
 // steps, warnings and notes - as structured events.
 //

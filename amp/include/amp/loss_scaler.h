@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // LossScaler: one loss's scale, dynamic or static, kept on the gradients'
 // device.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Options::measured_policy: O1 that never costs more than it gives. A GEMM,
 // convolution or attention call whose low-precision kernel is measured
 // slower than its float32 one at that shape on this device runs in float32,

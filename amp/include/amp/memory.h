@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // How many bytes LibTorch's allocator holds for tensors, now and at its
 // peak: what mixed precision and recomputation save, measured.
 //

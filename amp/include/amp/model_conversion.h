@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Model conversion for O2/O3/O5: parameters and buffers to low precision,
 // except the modules that must stay float32.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Per-op statistics of amp's interception: which ops ran, in which dtypes,
 // under which policy, and what was cast. The precision report
 // (tools/precision_report) prints them; tests assert them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // What amp knows about an optimizer passed to amp::initialize: its skipped
 // steps, and the tensors it steps.
 //

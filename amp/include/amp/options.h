@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Options: the opt level, its overrides, and amp's own knobs.
 //
 //   amp::Options options = amp::O2;         // an OptLevel or "O2" converts implicitly

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Why was that step skipped: which op first produced an inf/NaN - in
 // forward and in backward - and which gradients held one.
 //

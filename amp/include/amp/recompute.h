@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Activation recomputation (activation checkpointing, Python's
 // torch.utils.checkpoint) that keeps amp's precision exact.
 //

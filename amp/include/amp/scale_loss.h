@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // scale_loss: the RAII guard around backward (Apex's `with amp.scale_loss`).
 //
 //   optimizer.zero_grad();

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Saving and restoring amp's own state with LibTorch serialization.
 //
 // amp's state is every loss scaler (scale, growth tracker, hysteresis

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Precision telemetry: how much of each gradient the low-precision dtype
 // loses at the loss scale it ran with, the gradients' largest magnitudes,
 // and the history of the loss scale. Recorded on the device by every

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Measurement and test hooks: what benchmarks and tests read or set. A
 // training program needs none of them.
 //

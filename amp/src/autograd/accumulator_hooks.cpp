@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "autograd/accumulator_hooks.h"
 
 #include <torch/csrc/autograd/function.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: hooks that run after a leaf's gradient accumulator, removed
 // together - how data-parallel reduction learns a gradient is final, and
 // how the step in backward applies it.

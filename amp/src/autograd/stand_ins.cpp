@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "autograd/stand_ins.h"
 
 #include <torch/csrc/autograd/function.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the nodes through which one run of a recomputed block
 // (recompute.cpp) reaches tensors from outside it - its arguments and the
 // cast cache's copies.

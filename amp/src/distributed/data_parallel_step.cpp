@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/data_parallel_step.h"
 
 #include "step/guard.h"

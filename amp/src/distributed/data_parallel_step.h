@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: data parallel as a step participant (step/step_participant.h).
 // Each guard averages its gradients across ranks (GradientReducer): over
 // whole gradients (replicated) or, with sharding, into each rank's pieces

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/gather_rendezvous.h"
 
 #ifdef AMP_WITH_GLOO

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the ranks meet before a forward starts the weights' all-gather.
 //
 // After LibTorch's own step the sharded weights are all-gathered in the next

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/gradient_reducer.h"
 
 #include "support/host_read.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: data-parallel gradient averaging (Options::data_parallel), the
 // bucketed reduction a scale_loss guard runs over its parameters.
 //

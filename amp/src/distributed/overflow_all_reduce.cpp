@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/distributed.h>
 
 #include <c10/util/Exception.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/replicas.h"
 
 #include <ATen/ATen.h>

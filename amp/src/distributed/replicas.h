@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: making every rank's models the same replica at initialize
 // (Options::data_parallel), as DDP does when it wraps a module.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/sharded_optimizer.h"
 
 #include "support/log.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: sharded masters and optimizer state (DataParallel::shard, ZeRO
 // stage 2, or 1 with shard_gradients=false), one ShardedOptimizer per
 // optimizer passed to initialize.

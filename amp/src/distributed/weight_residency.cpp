@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "distributed/weight_residency.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: which of a sharded optimizer's gathers hold whole weights, and
 // until when (DataParallel::shard_weights, ZeRO stage 3).
 //

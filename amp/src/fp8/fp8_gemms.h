@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the fp8 property's state - one Fp8Site per linear layer (by its
 // weight), created by the layer's first forward, and their update once an
 // iteration (the step participant in step/fp8_step.h calls it when a guard

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "fp8/fp8_linear.h"
 
 #include <ATen/ATen.h>

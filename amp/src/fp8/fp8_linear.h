@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: a linear layer's GEMMs in float8 - the forward and both
 // gradients through at::_scaled_mm (emulated on the CPU as a float32 GEMM of
 // the float8 values), with a scaler per operand (input and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The fused float8 quantization (fp8_quantize.h): two kernels on the
 // current stream, and a memset; the second writes a matrix's transpose too
 // where asked. And a float8 matrix's transpose.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one operand's float8 quantization fused into two CUDA kernels
 // (fp8_quantize.cu; compiled where the build has a CUDA compiler, which
 // defines AMP_WITH_FP8_KERNELS): a reduction for the amax, then one pass

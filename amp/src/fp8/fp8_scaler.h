@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one operand's float8 scaling at one GEMM site - Transformer
 // Engine's FP8 meta (a scale and an amax history), kept on the device.
 // The recipe and its formula: Options::Fp8Scaling (options.h).

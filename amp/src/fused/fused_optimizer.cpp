@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::optim::Fused (fused.h): a fused optimizer's step() asks the live
 // step whether and how to step, runs the kernels, and tells the step's
 // participants it stepped.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the process-wide cache of low-precision copies of fp32 weights.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The public face of the policy tables: reading them and user registrations.
 #include <amp/cast_policy.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: turning amp's casting on for one thread, restoring it exactly.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the live initialization as the interception layer sees it - how
 // it casts per device, the thread that owns that state, the scopes other
 // threads open, and the user registrations it applies. The session

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/custom_function.h>
 
 #include "interception/dispatch/cast.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/measured_policy.h>
 
 #include "interception/measured_policy.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: Options::measured_policy's choices (amp/measured_policy.h), which
 // an intercepted GEMM or convolution asks for on its observed path.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The OpStatsRecorder: the rows kernels report while one records, and their
 // table.
 #include <amp/op_stats.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the user's registrations (register_half_function & co.) and how
 // they reach the live context.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/alignment.h>
 
 #include <torch/nn/modules/conv.h>

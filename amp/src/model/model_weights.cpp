@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "model/model_weights.h"
 #include <amp/internal/level_rules.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the models' weights at the levels that lower them (O2, O3, O5).
 //
 // Masters (O2/O5 with optimizers). Each lowered parameter and buffer keeps

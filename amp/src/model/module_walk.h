@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: visiting a model's modules, including a model held by value.
 // torch::nn::Module::named_modules(include_self=true) needs the model in a
 // std::shared_ptr; programs that follow LibTorch's MNIST example hold it on

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/eight_bit_state.h"
 
 #include "optim/stochastic_rounding.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: optimizer state kept in 8 bits a value
 // (Properties::optimizer_state_dtype = uint8), as bitsandbytes' and
 // torchao's 8-bit optimizers keep it: blockwise, each block of 256 values

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The kernels of amp::optim::FusedAdam and FusedAdamW: LibTorch's Adam /
 // AdamW step (torch/optim/adam.cpp, adamw.cpp) with the state it would
 // create, as one ATen _fused_adam_ / _fused_adamw_ call per group and dtype

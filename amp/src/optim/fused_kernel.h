@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one fused optimizer's kernel calls - what differs between
 // amp::optim::FusedAdam, FusedAdamW, FusedSGD (fused.h). FusedStepping
 // (fused_stepping.h) does the rest for all of them: checking that the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The kernel of amp::optim::FusedSGD: LibTorch's SGD step
 // (torch/optim/sgd.cpp) as ATen's _fused_sgd_, one call per dtype, rounding
 // and first step. Parameters without a momentum buffer yet take their first

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/fused_stepping.h"
 
 #include "optim/eight_bit_state.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: what amp::optim::FusedAdam, FusedAdamW and FusedSGD (fused.h)
 // share around their kernels (fused_kernel.h): whether the kernels apply,
 // settling a step, and the per-parameter step counts kept on the device.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/held_gradients.h"
 
 namespace amp::detail {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: gradients amp keeps off their parameters for a while, then gives
 // back or sums in. Every place the step holds a gradient away from its
 // optimizer:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/non_finite_check.h"
 
 #include "support/host_read.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the fused inf/NaN check and unscale of a set of gradients, one
 // at::_amp_foreach_non_finite_check_and_unscale_ per (device, dtype).
 #pragma once

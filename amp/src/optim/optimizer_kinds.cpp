@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/optimizer_kinds.h"
 
 #include <torch/optim/adagrad.h>

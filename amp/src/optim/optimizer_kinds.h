@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: what amp knows about LibTorch's optimizer classes (SGD, Adam,
 // AdamW, Adagrad, RMSprop) and amp's fused ones - the one place that names
 // them. A new optimizer kind is a row in each function here.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/optimizer_state_load.h"
 
 #include "optim/eight_bit_state.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: loading an optimizer's state as a transaction. LibTorch's
 // Optimizer::load changes state as it reads and accepts state tensors that
 // do not fit their parameters (the first step() then fails far from the

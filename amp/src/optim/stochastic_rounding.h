@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: rounding float32 values into bfloat16 stochastically (O6).
 //
 // A float32 value lies between two bfloat16 values a and b (a < b); it

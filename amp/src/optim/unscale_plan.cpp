@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "optim/unscale_plan.h"
 
 #include <ATen/ATen.h>

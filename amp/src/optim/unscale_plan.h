@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the fused multi-tensor work of one scale_loss guard's unscale,
 // over every parameter of every optimizer the guard covers.
 //

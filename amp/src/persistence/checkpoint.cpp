@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/checkpoint.h>
 #include <amp/internal/level_rules.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "recompute/block_boundary.h"
 
 #include <ATen/record_function.h>

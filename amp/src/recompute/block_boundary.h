@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: where the graph one run of a recomputed block recorded meets the
 // rest of the graph (recompute.h).
 //

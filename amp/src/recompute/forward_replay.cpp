@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "recompute/forward_replay.h"
 
 #include "interception/dispatch/cast.h"

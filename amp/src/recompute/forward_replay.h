@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: what a recomputed block's forward ran with, taken when it ran and
 // given back to the rerun in backward (recompute.h).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::recompute (recompute.h): the block's forward runs as it would without
 // recomputation - with gradients on, so amp's kernels, the cast cache and
 // the models' weights behave exactly as in any forward - and the graph it

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the live initialization as recomputation sees it - the models'
 // weights a block's forward reads, the buffers a rerun restores, and where
 // provenance keeps forward records. The session (session/context.h)

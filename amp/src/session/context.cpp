@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "session/context.h"
 
 #include <amp/cast_cache.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one live initialization of amp - its properties, loss scalers,
 // dispatcher interception and the initializing thread's casting state. The
 // top of the layers: it builds every layer's part and serves each layer

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp::training_bytes (distributed.h): what an optimizer's training holds,
 // read across the layers - masters, lowered or sharded weights, state,
 // gradients.

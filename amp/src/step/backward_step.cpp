@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/backward_step.h"
 
 #include "autograd/accumulator_hooks.h"

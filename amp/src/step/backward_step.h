@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: Properties::step_in_backward - the step applied during backward.
 //
 // While a guard is open, each parameter of its optimizers is stepped as

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the fp8 property as a step participant - when a guard that ends
 // an iteration (not delay_unscale) commits, every float8 GEMM site takes its
 // next scales from its amax history (fp8/fp8_gemms.h). An unwound guard

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one scale_loss guard's transaction (scale_loss.h) - what it
 // covers, what it set aside, how far it got - as its participants
 // (step_participant.h) see it. Every transition is in scale_loss.cpp:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/internal/loss_scaling.h>
 #include <amp/internal/level_rules.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/optimizer.h>
 
 #include "step/step_session.h"

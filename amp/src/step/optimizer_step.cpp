@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/optimizer_step.h"
 
 #include "optim/fused_stepping.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: one optimizer's side of the training step - the state machine
 // that scale_loss guards and amp's fused step() drive. Every transition is
 // in optimizer_step.cpp; errors name the state.

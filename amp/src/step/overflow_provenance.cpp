@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/overflow_provenance.h"
 
 #include "step/guard.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: what one scale_loss guard records, on the device, to say where an
 // overflow came from (amp/overflow.h), and the report built from it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/overflow_verdict.h"
 
 #include <amp/loss_scaler.h>

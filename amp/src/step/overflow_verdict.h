@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the overflow verdict of one scale_loss guard, and how the host
 // learns it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/precision_telemetry.h"
 
 #include "step/guard.h"

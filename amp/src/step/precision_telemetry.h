@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the device-side records behind amp/telemetry.h, one recorder per
 // live context, joining each guard as a step participant. Recording enqueues kernels and keeps their results; only
 // the public readers copy them to the host.

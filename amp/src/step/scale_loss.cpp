@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/scale_loss.h>
 
 #include <amp/cast_cache.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: what joins the training step without the guard knowing it -
 // data-parallel reduction and sharding, precision telemetry, overflow
 // provenance. The guard (step/guard.h) runs one transaction:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "step/step_session.h"
 
 #include "optim/optimizer_state_load.h"

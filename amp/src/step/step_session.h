@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the live initialization as the training step sees it - the loss
 // scalers, one state machine per optimizer, and the participants that join
 // each guard. The session (session/context.h) implements it; the step and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "support/cpu_heap.h"
 
 #if defined(__GLIBC__)

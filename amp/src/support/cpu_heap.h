@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: CPU training reuses its freed memory (Options::keep_cpu_memory).
 #pragma once
 

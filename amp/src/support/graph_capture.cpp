@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "support/graph_capture.h"
 
 #ifdef AMP_WITH_CUDA

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: whether work queued now on a device is being captured into a CUDA
 // graph rather than run. A captured step runs again on every replay without
 // the host, so amp must not read or wait for the device then (a query or a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/hardware.h>
 #include <amp/testing.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "support/host_read.h"
 
 #include <ATen/ATen.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: reading records that stayed on the device, when the host needs
 // them (an overflow report, telemetry asked for).
 #pragma once

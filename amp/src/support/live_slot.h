@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: where a layer finds the live initialization.
 //
 // The session layer (session/context.cpp) builds the live context and

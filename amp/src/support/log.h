@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: emitting amp's log events (amp/log.h) to the program's sink, or
 // to stderr.
 #pragma once

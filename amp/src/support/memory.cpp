@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include <amp/memory.h>
 
 #include <c10/core/CPUAllocator.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "support/trace_range.h"
 
 namespace amp::detail {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: amp's own work as named ranges in LibTorch's profiler
 // (torch::autograd::profiler, torch.profiler in Python), so a trace shows
 // it under amp's names - "amp::cast" nested in the op it serves, the

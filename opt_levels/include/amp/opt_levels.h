@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's optimization levels O0-O6, as data, and the validation of overrides.
 //
 // An opt level is a named set of properties (Apex's table). A user picks a level

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Internal: the loss scaler as the scale_loss guard drives it - the scale on
 // the loss's device, unscaling with the overflow check, the update, and the
 // undo an exception needs. Not part of the API: programs read and tune a

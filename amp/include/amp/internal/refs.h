@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Internal: how amp takes the program's models and optimizers - the way the
 // program already holds them. Programs never name these types: they pass
 // their objects, and these adapters convert implicitly.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the boxed arguments of one call (the top entries of a dispatcher
 // stack), as cast_decision.h and model_weights.h view a call's tensors.
 #pragma once

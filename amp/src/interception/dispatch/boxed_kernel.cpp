@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The generic interception kernel: works on the boxed argument stack, so it
 // serves any operator schema (users' own ops, e.g. "mylib::fused_norm").
 // Policies are decided in cast_decision.h, as for the typed kernel; this

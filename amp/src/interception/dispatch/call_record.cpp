@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "interception/dispatch/call_record.h"
 
 #include "interception/dispatch/op_binding.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: how a kernel reports one call to the live OpStatsRecorder
 // (op_stats.cpp holds the recorder and its rows).
 #pragma once

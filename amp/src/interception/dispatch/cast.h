@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the argument side of the interception kernels - which tensors
 // are cast, the cast itself, and a uniform walk over the tensors of a call.
 // Mirrors the helpers of ATen's autocast_mode.h (is_eligible, cached_cast),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: every cast policy, written once.
 //
 // A policy reads the tensors among an op's arguments and decides what the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // aten::_cudnn_rnn (nn::LSTM, GRU and RNN on CUDA) in amp's dtype.
 //
 // LibTorch's autocast kernel for it packs the weights into a float16 copy of

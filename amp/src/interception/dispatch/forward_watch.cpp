@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "interception/dispatch/forward_watch.h"
 
 #include "interception/dispatch/boxed_args.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the forward half of overflow provenance (Options::overflow_provenance).
 //
 // While it is on, every op that runs under amp's keys with gradients enabled

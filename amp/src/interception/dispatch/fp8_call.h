@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the fp8 property at the interception kernel - which GEMM calls
 // run in float8. A call qualifies when one operand is a layer's weight (a
 // parameter, or a transposed view of one: LibTorch's nn::Linear calls

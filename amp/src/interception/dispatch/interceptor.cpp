@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "interception/dispatch/interceptor.h"
 
 #include "interception/dispatch/forward_watch.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the dispatcher registrations of one live amp context.
 //
 // Constructing an Interceptor registers amp's kernel for every op of the

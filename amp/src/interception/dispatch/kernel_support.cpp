@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Out-of-line decisions of the interception kernels: backward detection and
 // the banned-op error.
 #include "interception/dispatch/cast.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the run-time state an interception kernel reads on every call.
 #pragma once
 

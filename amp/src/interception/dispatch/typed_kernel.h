@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the unboxed interception kernel for a built-in ATen op.
 //
 // One instantiation per operator signature (at::_ops::<op>), registered at a

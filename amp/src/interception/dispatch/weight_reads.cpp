@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 #include "interception/dispatch/weight_reads.h"
 
 #include "interception/dispatch/interceptor.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: views and indexed reads of a model's weights.
 //
 // At O2/O5 a model's weights rest in float32 between iterations and enter

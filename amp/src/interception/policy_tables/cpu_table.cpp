@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's default cast policies for CPU tensors (the AutocastCPU key).
 //
 // The same lists as LibTorch 2.11's native CPU autocast, so O1 on CPU behaves

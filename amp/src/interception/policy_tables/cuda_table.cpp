@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // amp's default cast policies for CUDA tensors (the AutocastCUDA key).
 //
 // The same lists as LibTorch 2.11's native CUDA autocast (the AT_FORALL_*

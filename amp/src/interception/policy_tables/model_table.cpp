@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Ops that take module parameters and require their floating inputs to
 // match them: normalization layers, recurrent layers, embeddings, bilinear
 // layers. Intercepting them also lets O2/O5 lower a model's weights before

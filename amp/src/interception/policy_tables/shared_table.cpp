@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // The rows every device's default table holds, as ATen's autocast_mode.h
 // keeps one list per policy (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32)
 // and each device adds its own: cpu_table.cpp and cuda_table.cpp are these

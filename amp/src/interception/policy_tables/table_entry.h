@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Private: the form of a policy-table row, and the macros the tables use.
 //
 // A row names an ATen operator through its generated at::_ops struct, so the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: BSD-3-Clause
 // Internal: the rules behind the opt-level table (opt_levels.h) - resolving
 // a level with its overrides, checking the scaler's knobs, the dtypes amp
 // computes in. amp::initialize applies them; programs see the result in
