@@ -1,64 +1,67 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// Activation recomputation (activation checkpointing, Python's
-// torch.utils.checkpoint) that keeps amp's precision exact.
-//
-// amp::recompute(fn, args...) runs fn(args...) and keeps none of the
-// activations inside it - only its tensor arguments. When backward reaches
-// the block it runs fn again and backpropagates through that run. The rerun
-// happens in exactly the precision state of the forward: the same casts
-// (O1's lists, disable_casts, cast_dtype and custom_fwd regions), the cast
-// cache's copies of this iteration, the weights in the dtype forward used
-// (O2, O3, O5, sharded: the models' weights enter the low dtype, or are
-// gathered, before the block's forward runs, so both runs read them alike
-// whatever op reads them first), the same random numbers (dropout draws the same
-// masks: the CPU generator and those of the CUDA devices of the arguments),
-// and BatchNorm running statistics updated once, by forward. Outputs and
-// gradients are bit-identical to the same model without recomputation.
-//
-//   struct GptImpl : torch::nn::Module {
-//     at::Tensor forward(const at::Tensor& x) {
-//       at::Tensor h = embed(x);
-//       for (const auto& block : blocks)  // holders copied into the lambda: it runs again in backward
-//         h = amp::recompute([block](const at::Tensor& in) mutable { return block->forward(in); }, h);
-//       return head(h);
-//     }
-//   };
-//
-//   at::Tensor y = amp::recompute_sequential(layers, /*segments=*/4, x);  // instead of layers->forward(x)
-//
-// fn returns an at::Tensor, a std::vector<at::Tensor> or a std::tuple of
-// tensors. at::Tensor arguments are the block's inputs (they need not
-// require grad; integer ones, such as token ids, are fine); other arguments
-// are copied and passed again at the rerun. Under torch::NoGradGuard (or
-// InferenceMode) recompute is a plain call. It does not need amp to be
-// initialized, but only with it does it know the models' buffers (see
-// below). Nested recompute calls, gradient accumulation, several losses
-// (retain_graph), create_graph (gradient penalties) and
-// Options::data_parallel all work; backward nodes and forward ops inside a
-// block appear in overflow reports (overflow.h) as without recomputation.
-//
-// Caller's duties: fn must compute the same thing when called again - a
-// function of its arguments, the models' parameters and buffers, and the
-// random generators; everything fn captures must live until backward
-// (capture module holders by value, in a `mutable` lambda: a holder's
-// forward is not const). Tensors read by fn that carry autograd
-// history must be passed as arguments (an error says so otherwise).
-// In-place changes fn makes to tensors other than the buffers of the models
-// passed to amp::initialize (or of the Sequential given to
-// recompute_sequential) happen again at the rerun. When the block's
-// several outputs feed separate branches, gradients are equal but may
-// differ in the last bit (backward orders the branches' additions
-// differently; as with Python's checkpoint).
-//
-// Errors (c10::Error), each leaving nothing changed:
-//   - fn changes one of its tensor arguments in place (recompute would not
-//     see the values forward saw; clone it inside fn first);
-//   - fn reads a tensor with autograd history that is not among its
-//     arguments (pass it as an argument);
-//   - in backward: an argument was changed in place after forward (its
-//     version counter moved); backward through the block a second time
-//     without retain_graph; a rerun whose outputs differ from forward's;
-//   - recompute_sequential with segments < 1, or an empty Sequential.
+/// \file
+/// Activation recomputation (activation checkpointing, Python's
+/// torch.utils.checkpoint) that keeps amp's precision exact.
+///
+/// amp::recompute(fn, args...) runs fn(args...) and keeps none of the
+/// activations inside it - only its tensor arguments. When backward reaches
+/// the block it runs fn again and backpropagates through that run. The rerun
+/// happens in exactly the precision state of the forward: the same casts
+/// (O1's lists, disable_casts, cast_dtype and custom_fwd regions), the cast
+/// cache's copies of this iteration, the weights in the dtype forward used
+/// (O2, O3, O5, sharded: the models' weights enter the low dtype, or are
+/// gathered, before the block's forward runs, so both runs read them alike
+/// whatever op reads them first), the same random numbers (dropout draws the same
+/// masks: the CPU generator and those of the CUDA devices of the arguments),
+/// and BatchNorm running statistics updated once, by forward. Outputs and
+/// gradients are bit-identical to the same model without recomputation.
+///
+/// ```
+///   struct GptImpl : torch::nn::Module {
+///     at::Tensor forward(const at::Tensor& x) {
+///       at::Tensor h = embed(x);
+///       for (const auto& block : blocks)  // holders copied into the lambda: it runs again in backward
+///         h = amp::recompute([block](const at::Tensor& in) mutable { return block->forward(in); }, h);
+///       return head(h);
+///     }
+///   };
+///
+///   at::Tensor y = amp::recompute_sequential(layers, /*segments=*/4, x);  // instead of layers->forward(x)
+/// ```
+///
+/// fn returns an at::Tensor, a std::vector<at::Tensor> or a std::tuple of
+/// tensors. at::Tensor arguments are the block's inputs (they need not
+/// require grad; integer ones, such as token ids, are fine); other arguments
+/// are copied and passed again at the rerun. Under torch::NoGradGuard (or
+/// InferenceMode) recompute is a plain call. It does not need amp to be
+/// initialized, but only with it does it know the models' buffers (see
+/// below). Nested recompute calls, gradient accumulation, several losses
+/// (retain_graph), create_graph (gradient penalties) and
+/// Options::data_parallel all work; backward nodes and forward ops inside a
+/// block appear in overflow reports (overflow.h) as without recomputation.
+///
+/// Caller's duties: fn must compute the same thing when called again - a
+/// function of its arguments, the models' parameters and buffers, and the
+/// random generators; everything fn captures must live until backward
+/// (capture module holders by value, in a `mutable` lambda: a holder's
+/// forward is not const). Tensors read by fn that carry autograd
+/// history must be passed as arguments (an error says so otherwise).
+/// In-place changes fn makes to tensors other than the buffers of the models
+/// passed to amp::initialize (or of the Sequential given to
+/// recompute_sequential) happen again at the rerun. When the block's
+/// several outputs feed separate branches, gradients are equal but may
+/// differ in the last bit (backward orders the branches' additions
+/// differently; as with Python's checkpoint).
+///
+/// Errors (c10::Error), each leaving nothing changed:
+///   - fn changes one of its tensor arguments in place (recompute would not
+///     see the values forward saw; clone it inside fn first);
+///   - fn reads a tensor with autograd history that is not among its
+///     arguments (pass it as an argument);
+///   - in backward: an argument was changed in place after forward (its
+///     version counter moved); backward through the block a second time
+///     without retain_graph; a rerun whose outputs differ from forward's;
+///   - recompute_sequential with segments < 1, or an empty Sequential.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -121,6 +124,9 @@ constexpr bool kIsTensor = std::is_same_v<std::decay_t<T>, at::Tensor>;
 
 }  // namespace internal
 
+/// Runs fn(args...) keeping none of the activations inside it, and runs it
+/// again when backward reaches the block, in the precision state of the
+/// forward; returns fn's result (see recompute.h).
 template <class Fn, class... Args>
 auto recompute(Fn fn, Args&&... args) {
   using Result = std::decay_t<std::invoke_result_t<Fn&, std::decay_t<Args>&...>>;
@@ -152,40 +158,42 @@ auto recompute(Fn fn, Args&&... args) {
   return internal::BlockOutputs<Result>::unflatten(internal::run_recomputed(std::move(block), inputs));
 }
 
-// sequential->forward(input) with its children split into `segments`
-// consecutive runs of (nearly) equal length, each recomputed but the last
-// (its activations are needed first in backward anyway), as Python's
-// checkpoint_sequential. The children take and return one tensor.
+/// sequential->forward(input) with its children split into `segments`
+/// consecutive runs of (nearly) equal length, each recomputed but the last
+/// (its activations are needed first in backward anyway), as Python's
+/// checkpoint_sequential. The children take and return one tensor.
 at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input);
 
-// fn(x) computed in slices: x split into `slices` pieces along dimension 0
-// (x.chunk(slices): at most that many, the last smaller when the size does
-// not divide), fn run on each piece under amp::recompute, the outputs
-// concatenated. Forward and each rerun in backward then hold one piece's
-// activations, not the whole batch's: the block's part of a step's peak
-// falls by about `slices` times, for GEMMs of fewer rows.
-//
-//   h = amp::recompute_in_slices(8, [block](const at::Tensor& x) mutable { return block->forward(x); }, h);
-//
-// For blocks that compute each row of their output from the same row of
-// their input alone - a transformer block over a batch of sequences, an
-// MLP over tokens - and not for BatchNorm in training or anything else
-// that mixes rows: the caller's duty, as fn's duties above. The autograd
-// engine sums a weight's gradients from the pieces before its accumulator
-// runs, so the weight receives one gradient a backward, as without slices
-// (step_in_backward steps it once), but that sum has slices - 1 more
-// roundings in the gradient's dtype than one GEMM over the whole batch.
-// Outputs and gradients are equal to the unsliced block's within those
-// roundings, not bit for bit. Under NoGradGuard it is a plain fn(x). With
-// sharded weights (ZeRO-3) each piece gathers the block's weights, in
-// forward and in its rerun.
-//
-// Errors (c10::Error): slices < 1; x undefined or without dimensions; fn
-// returns an undefined tensor, or one whose size along dimension 0 differs
-// from its piece's (fn does not map rows to rows) - thrown at the first
-// such piece, before anything is concatenated: nothing is kept for
-// backward, though the pieces run until then drew from the random
-// generators (dropout) as any forward does.
+/// fn(x) computed in slices: x split into `slices` pieces along dimension 0
+/// (x.chunk(slices): at most that many, the last smaller when the size does
+/// not divide), fn run on each piece under amp::recompute, the outputs
+/// concatenated. Forward and each rerun in backward then hold one piece's
+/// activations, not the whole batch's: the block's part of a step's peak
+/// falls by about `slices` times, for GEMMs of fewer rows.
+///
+/// ```
+///   h = amp::recompute_in_slices(8, [block](const at::Tensor& x) mutable { return block->forward(x); }, h);
+/// ```
+///
+/// For blocks that compute each row of their output from the same row of
+/// their input alone - a transformer block over a batch of sequences, an
+/// MLP over tokens - and not for BatchNorm in training or anything else
+/// that mixes rows: the caller's duty, as fn's duties above. The autograd
+/// engine sums a weight's gradients from the pieces before its accumulator
+/// runs, so the weight receives one gradient a backward, as without slices
+/// (step_in_backward steps it once), but that sum has slices - 1 more
+/// roundings in the gradient's dtype than one GEMM over the whole batch.
+/// Outputs and gradients are equal to the unsliced block's within those
+/// roundings, not bit for bit. Under NoGradGuard it is a plain fn(x). With
+/// sharded weights (ZeRO-3) each piece gathers the block's weights, in
+/// forward and in its rerun.
+///
+/// Errors (c10::Error): slices < 1; x undefined or without dimensions; fn
+/// returns an undefined tensor, or one whose size along dimension 0 differs
+/// from its piece's (fn does not map rows to rows) - thrown at the first
+/// such piece, before anything is concatenated: nothing is kept for
+/// backward, though the pieces run until then drew from the random
+/// generators (dropout) as any forward does.
 at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
 
 }  // namespace amp
