@@ -5,6 +5,7 @@
 #include "test_util.h"
 
 #include "fp8/fp8_linear.h"
+#include "fp8/fp8_quantize.h"
 #include "fp8/fp8_scaler.h"
 #include "session/context.h"
 
@@ -263,6 +264,23 @@ TEST(Fp8ScalerTest, OnCudaTheFusedKernelsAreTheAtenPathBitForBit) {
   });
 }
 
+// Which code quantizes float8 operands: the CPU says it emulates; a CUDA
+// device takes amp's kernels wherever the build has them (every CUDA build
+// with a float8 architecture: AMP_TEST_FP8_KERNELS).
+TEST(Fp8PathTest, TheCpuSaysFloat8IsEmulated) {
+  EXPECT_THAT(fp8_quantization_path(torch::kCPU), ::testing::HasSubstr("emulated on the CPU"));
+}
+
+TEST(Fp8PathTest, OnCudaTheBuildsKernelsQuantize) {
+  if (const std::string why = no_cuda_float8(); !why.empty()) GTEST_SKIP() << why;
+#ifdef AMP_TEST_FP8_KERNELS
+  EXPECT_THAT(fp8_quantization_path(torch::kCUDA), ::testing::HasSubstr("amp's fused CUDA kernels"));
+  EXPECT_TRUE(detail::fused_fp8_quantize_applies(torch::ones({4}, torch::kCUDA)));
+#else
+  EXPECT_THAT(fp8_quantization_path(torch::kCUDA), ::testing::HasSubstr("has no float8 kernels"));
+#endif
+}
+
 // A matrix's quantization with its transpose (what the backward GEMMs take):
 // the values and inverse scale quantize() gives, and their transpose.
 TEST(Fp8ScalerTest, QuantizeTransposedIsQuantizeAndItsTranspose) {
@@ -451,6 +469,23 @@ class Fp8TrainingTest : public AmpTest {
   }
   int64_t sites_ = 0;
 };
+
+// On a CPU, initialize says once that float8 is emulated (at verbosity 1).
+TEST_F(Fp8TrainingTest, InitializeSaysOnceThatTheCpuEmulatesFloat8) {
+  for (const bool fp8 : {true, false}) {
+    for (const int verbosity : {0, 1}) {
+      LogRecorder log;
+      Mlp model;
+      amp::optim::FusedAdam optimizer(model->parameters());
+      Options options = fp8 ? fp8_options() : O5;
+      options.verbosity = verbosity;
+      initialize(model, optimizer, options);
+      deinitialize();
+      EXPECT_EQ(log.count(LogEvent::Kind::kNote, "fp8_emulated"), fp8 && verbosity == 1 ? 1 : 0)
+          << "fp8 " << fp8 << ", verbosity " << verbosity;
+    }
+  }
+}
 
 TEST_F(Fp8TrainingTest, APlainModelTrainsInFloat8BesideO5WithNoEdit) {
   const double o5 = train(O5, 150);

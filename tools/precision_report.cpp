@@ -142,6 +142,7 @@ int run() {
   std::cout << "\nProcess totals: " << counts.casts << " casts, " << counts.cache_hits << " cache hits\n\n";
   if (telemetry) examples::print_telemetry(std::cout, *telemetry);
   if (amp::properties().fp8) {
+    std::cout << "\nfloat8 quantization on " << device << ": " << amp::fp8_quantization_path(device) << "\n";
     examples::print_fp8_choices(std::cout << "\n", amp::fp8_choices());
     examples::print_fp8_telemetry(std::cout << "\n", amp::fp8_telemetry());
   }

@@ -15,8 +15,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${AMP_BUILD_DIR:-$root/build}
 torch_version=2.11.0
 
-packages=(cmake g++ ninja-build python3-venv libabsl-dev googletest libgtest-dev
-          libbenchmark-dev libgloo-dev zlib1g-dev dataset-fashion-mnist gnuplot-nox)
+packages=(cmake g++ ninja-build python3-venv libabsl-dev googletest libgtest-dev doxygen
+          libgloo-dev zlib1g-dev dataset-fashion-mnist gnuplot-nox)
 missing=()
 for package in "${packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

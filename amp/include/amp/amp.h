@@ -36,6 +36,7 @@
 ///   checkpoint.h   save_checkpoint / load_checkpoint / save_fp32_weights
 ///   recompute.h    recompute, recompute_sequential, recompute_in_slices:
 ///                  activation recomputation
+///   version.h      AMP_VERSION_MAJOR/MINOR/PATCH, AMP_VERSION_STRING, amp::version()
 /// ```
 /// Beside it, each an umbrella of its own:
 /// ```
@@ -61,6 +62,7 @@
 #include <amp/recompute.h>
 #include <amp/scale_loss.h>
 #include <amp/state.h>
+#include <amp/version.h>
 
 /// \namespace amp
 /// Apex-style automatic mixed precision for LibTorch: every name a program

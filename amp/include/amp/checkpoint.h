@@ -31,7 +31,9 @@
 ///
 /// Errors (c10::Error): amp is not initialized (save_fp32_weights works
 /// without amp); a null model or optimizer; the file is missing, truncated or
-/// corrupt; an entry is missing or has another shape or kind of dtype; a
+/// corrupt; a checkpoint in a newer format than this amp reads (written by a
+/// newer amp; the checkpoint and its amp state carry their format, as state.h
+/// says); an entry is missing or has another shape or kind of dtype; a
 /// different number of models or optimizers; any error of load_state
 /// (state.h) or of an optimizer's load (a state tensor that does not fit its
 /// parameter, a numeric option that is not a finite float32 value). Loading

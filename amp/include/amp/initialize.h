@@ -64,6 +64,9 @@
 /// itself before main returns (data_parallel.h).
 ///
 /// Errors (c10::Error; nothing is changed when initialize throws):
+///   - the LibTorch the program runs with is of another minor version than
+///     the one amp was compiled against (a libtorch swapped on the library
+///     path: rebuild against the one it runs with);
 ///   - amp is already initialized (deinitialize first);
 ///   - an invalid opt level or override (see opt_levels.h), num_losses < 1,
 ///     verbosity outside 0..2;

@@ -25,8 +25,13 @@
 ///   amp::load_state(in);
 /// ```
 ///
-/// Errors (c10::Error; on error nothing is changed): amp is not initialized; a
-/// missing or mistyped entry; a different num_losses or opt level than the
+/// The state carries its format version (entry `amp_format`): every older
+/// format loads (state saved by amp 0.1.0 has none: format 1), and state
+/// saved by a newer amp, in a format this one does not know, is refused.
+///
+/// Errors (c10::Error; on error nothing is changed): amp is not initialized;
+/// state in a newer format ("written by a newer amp"); a missing or
+/// mistyped entry; a different num_losses or opt level than the
 /// live initialization; static/dynamic scaling mismatch; O6's rounding entry
 /// when amp runs without stochastic rounding, or one that is not a seed and
 /// a step count >= 0; fp8 scales when amp runs without fp8, for a weight

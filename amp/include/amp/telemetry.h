@@ -57,6 +57,7 @@
 
 #include <amp/internal/refs.h>
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -142,5 +143,12 @@ std::vector<Fp8TensorTelemetry> fp8_telemetry();
 /// ran in float8, and why. Needs the fp8 property (else an error), not
 /// precision_telemetry.
 std::vector<Fp8LayerChoice> fp8_choices();
+
+/// Which code quantizes float8 operands on `device`, in words: amp's fused
+/// CUDA kernels (where this build has them for the device's architecture:
+/// AMP_CUDA_ARCHITECTURES), or ATen ops and why; on a CPU, that float8 GEMMs
+/// are emulated (float32 GEMMs of the float8 values: float8's rounding, not
+/// its speed). Needs no live amp; the precision report prints it.
+std::string fp8_quantization_path(c10::Device device);
 
 }  // namespace amp

@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace amp::detail {
 namespace {
@@ -211,10 +213,24 @@ at::Tensor quantize_into(const at::Tensor& x, const Fp8QuantizeState& state, at:
 
 }  // namespace
 
+bool fp8_kernels_run_on(c10::DeviceIndex index) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, bool> runs;  // per device: asked once
+  if (index < 0) index = c10::cuda::current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = runs.find(index);
+  if (found != runs.end()) return found->second;
+  const c10::cuda::CUDAGuard device(index);
+  cudaFuncAttributes attributes;
+  const bool image = cudaFuncGetAttributes(&attributes, transpose_bytes_kernel) == cudaSuccess;
+  if (!image) (void)cudaGetLastError();  // the lookup's error is an answer, not a fault to report later
+  return runs.emplace(index, image).first->second;
+}
+
 bool fused_fp8_quantize_applies(const at::Tensor& x) {
   const at::ScalarType t = x.scalar_type();
   return x.is_cuda() && x.is_contiguous() && x.numel() > 0 &&
-         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && fp8_kernels_run_on(x.device().index());
 }
 
 std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const Fp8QuantizeState& state) {
@@ -234,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_quantize_transposed(con
 
 bool fused_fp8_transpose_applies(const at::Tensor& m) {
   return m.is_cuda() && m.dim() == 2 && m.is_contiguous() && m.numel() > 0 &&
-         (m.scalar_type() == at::kFloat8_e4m3fn || m.scalar_type() == at::kFloat8_e5m2);
+         (m.scalar_type() == at::kFloat8_e4m3fn || m.scalar_type() == at::kFloat8_e5m2) &&
+         fp8_kernels_run_on(m.device().index());
 }
 
 at::Tensor fused_fp8_transpose(const at::Tensor& m) {

@@ -29,8 +29,13 @@ struct Fp8QuantizeState {
   at::ScalarType format = at::kFloat8_e4m3fn;
 };
 
+// Whether the kernels were built for device `index`'s architecture (SASS
+// for it, or PTX it compiles; AMP_CUDA_ARCHITECTURES chooses them): asked of
+// the CUDA runtime once per device. -1: the current device.
+bool fp8_kernels_run_on(c10::DeviceIndex index);
+
 // Whether `x` can take the fused path: a contiguous, non-empty float32,
-// bfloat16 or float16 CUDA tensor, in a build with the kernels.
+// bfloat16 or float16 CUDA tensor, on a device the kernels were built for.
 bool fused_fp8_quantize_applies(const at::Tensor& x);
 // x scaled, saturated and rounded to state.format, and the inverse scale (a
 // 0-dim float32 tensor), as Fp8Scaler::quantize's ATen path computes them;
@@ -43,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_quantize_transposed(con
                                                                             const Fp8QuantizeState& state);
 
 // Whether `m` can take fused_fp8_transpose: a contiguous, non-empty float8
-// matrix on CUDA, in a build with the kernels.
+// matrix on CUDA, on a device the kernels were built for.
 bool fused_fp8_transpose_applies(const at::Tensor& m);
 // m.t().contiguous() in one tiled pass (ATen's strided copy reads a byte of
 // each 32-byte sector it loads when it transposes float8).

@@ -3,6 +3,8 @@
 
 #include "fp8/fp8_quantize.h"
 
+#include <amp/telemetry.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -236,3 +238,24 @@ void Fp8Scaler::restore(torch::serialize::InputArchive& archive) {
 }
 
 }  // namespace amp::detail
+
+namespace amp {
+
+std::string fp8_quantization_path(c10::Device device) {
+  if (!device.is_cuda()) {
+    return "ATen ops; float8 GEMMs are emulated on the CPU (float32 GEMMs of the float8 values: float8's "
+           "rounding, not its speed)";
+  }
+#ifdef AMP_WITH_FP8_KERNELS
+  if (detail::fp8_kernels_run_on(device.index())) {
+    return "amp's fused CUDA kernels (fp8_quantize.cu, built for sm_" AMP_FP8_KERNEL_ARCHS ")";
+  }
+  return "ATen ops: amp's float8 kernels were built for sm_" AMP_FP8_KERNEL_ARCHS ", which this device does not "
+         "run; configure amp with AMP_CUDA_ARCHITECTURES naming its architecture";
+#else
+  return "ATen ops: this build of amp has no float8 kernels (no CUDA compiler was found, AMP_CUDA_KERNELS was "
+         "OFF, or no architecture of 8.9 or newer was chosen: set AMP_CUDA_ARCHITECTURES)";
+#endif
+}
+
+}  // namespace amp

@@ -5,6 +5,7 @@
 #include <amp/opt_levels.h>
 #include <amp/state.h>
 
+#include "persistence/state_format.h"
 #include "session/context.h"
 #include "optim/optimizer_state_load.h"
 #include "optim/optimizer_kinds.h"
@@ -144,6 +145,7 @@ void save_checkpoint(const std::string& path, const internal::ModelRefs& model_r
   torch::serialize::OutputArchive amp(archive.compilation_unit());
   save_state(amp);
   archive.write("amp", amp);
+  detail::write_state_format(archive);
   if (writes_files()) archive.save_to(path);
 }
 
@@ -158,6 +160,7 @@ void load_checkpoint(const std::string& path, const internal::ModelRefs& model_r
     TORCH_CHECK(false, "amp: cannot read checkpoint '", path, "' (missing, truncated or "
                 "corrupt); nothing was loaded. Cause: ", e.what());
   }
+  detail::read_state_format(archive, "checkpoint '" + path + "'");
   std::vector<PendingCopy> copies;
   for (size_t i = 0; i < models.size(); ++i) {
     torch::serialize::InputArchive model;

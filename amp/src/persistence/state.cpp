@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include <amp/state.h>
 
+#include "persistence/state_format.h"
 #include "session/context.h"
 
 #include <amp/opt_levels.h>
@@ -43,6 +44,7 @@ OptLevel saved_opt_level(torch::serialize::InputArchive& archive) {
 
 void save_state(torch::serialize::OutputArchive& archive) {
   auto context = detail::require_live_context("amp::save_state");
+  detail::write_state_format(archive);
   archive.write("opt_level", c10::IValue(std::string(to_string(context->properties().opt_level))));
   archive.write("num_losses", at::scalar_tensor(static_cast<int64_t>(context->num_losses()),
                                                 at::kLong));
@@ -57,6 +59,7 @@ void save_state(torch::serialize::OutputArchive& archive) {
 
 void load_state(torch::serialize::InputArchive& archive) {
   auto context = detail::require_live_context("amp::load_state");
+  detail::read_state_format(archive, "state");  // every older format reads as format 1 did
   const OptLevel level = saved_opt_level(archive);
   const int64_t num_losses = read_int(archive, "num_losses");
   TORCH_CHECK(level == context->properties().opt_level, "amp: the state was saved at opt_level ",
@@ -71,7 +74,7 @@ void load_state(torch::serialize::InputArchive& archive) {
                 "amp runs without it; initialize with the checkpoint's opt_level and overrides.");
     TORCH_CHECK(!detail::Fp8Gemms::is_entry(key) || context->fp8() != nullptr, "amp: the state holds the fp8 "
                 "scales of a run with the fp8 property, but amp runs without it; initialize with fp8 = true.");
-    const bool known = key == "opt_level" || key == "num_losses" || detail::Fp8Gemms::is_entry(key) ||
+    const bool known = key == detail::kStateFormatEntry || key == "opt_level" || key == "num_losses" || detail::Fp8Gemms::is_entry(key) ||
                        (key.rfind("loss_scaler", 0) == 0 && key.size() > 11) ||
                        detail::StochasticRounding::is_entry(key);  // 8-bit state's: dropped without rounding
     TORCH_CHECK(known, "amp: unexpected entry '", key, "' in amp's state; was the archive written by "

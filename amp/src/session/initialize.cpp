@@ -5,12 +5,14 @@
 
 #include <amp/hardware.h>
 #include <amp/model_conversion.h>
+#include <amp/telemetry.h>
 
 #include "session/context.h"
 #include "fp8/fp8_linear.h"
 #include "distributed/replicas.h"
 #include "support/cpu_heap.h"
 #include "support/log.h"
+#include "support/versions.h"
 #include "model/module_walk.h"
 #include "optim/optimizer_kinds.h"
 #include "distributed/sharded_optimizer.h"
@@ -116,6 +118,15 @@ void warn_about_optimizer_eps(const Optimizers& optimizers, const Properties& p,
 }
 
 // Says once, at initialize, when the CPU will compute in a dtype it emulates.
+// float8 on a device without float8 GEMMs (the CPU) is emulated: said once,
+// here, not at every GEMM.
+void note_fp8_emulation(const Properties& p, c10::Device device, int verbosity) {
+  if (verbosity < 1 || !p.fp8 || device.is_cuda()) return;
+  detail::emit({LogEvent::Kind::kNote, "fp8_emulated", "fp8 on " + device.str() + ": " +
+                fp8_quantization_path(device) + ". Use it to check a float8 run's numbers; a CUDA device of "
+                "compute capability 8.9 or newer runs float8 GEMMs."});
+}
+
 void warn_about_cpu_precision(const Properties& p, c10::Device device, int verbosity) {
   if (verbosity < 1 || !device.is_cpu() || !p.intercepts_ops()) return;
   const std::string note = describe(cpu_precision(), p.cpu_dtype);
@@ -415,6 +426,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
                              const std::vector<internal::OptimizerRef>& optimizer_refs,
                              const Options& options) {
   std::lock_guard<std::mutex> lock(g_initialize_mutex);
+  detail::require_linked_torch();
   if (auto live = detail::live_context()) {
     TORCH_CHECK(false, "amp: amp is already initialized (opt_level ",
                 to_string(live->properties().opt_level), "). Call amp::deinitialize() (or "
@@ -458,6 +470,7 @@ void Handle::initialize_refs(const std::vector<internal::ModelRef>& model_refs,
     warn_about_dtypes(models, properties, options.verbosity);
     warn_about_optimizer_eps(optimizers, properties, options.verbosity);
     warn_about_cpu_precision(properties, device, options.verbosity);
+    note_fp8_emulation(properties, device, options.verbosity);
   }
 
   // Everything is validated; from here on amp changes state.
