@@ -13,7 +13,12 @@
 //                             overflow_all_reduce; local: overflow_all_reduce
 //                             alone, each rank steps on its own rows; none:
 //                             one process, no group (world_size 1) (builtin)
-//     optimizer=sgd|adam|adamw|fused_adamw   (sgd)
+//     optimizer=sgd|adam|adamw|adagrad|rmsprop|fused_adam|fused_adamw|fused_sgd   (sgd)
+//     phases=N optimizers=A,B,...
+//                             N runs one after another in this process, each
+//                             with a new process group (store <store_file>.phase<k>)
+//                             and the next optimizer of the list; phase k
+//                             writes <output_file>.phase<k> (1)
 //     device=cpu|cuda         where the model and the batches live (cpu)
 //     shard=0|1               data_parallel.shard (0)
 //     shard_gradients=0|1     data_parallel.shard_gradients (1)
@@ -124,45 +129,23 @@ at::ScalarType parse_dtype(const std::string& name) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc < 5) {
-    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]\n";
-    return 2;
-  }
-  const int rank = std::stoi(argv[1]), world = std::stoi(argv[2]);
-  std::map<std::string, std::string> flags{{"level", "O2"}, {"reduce", "builtin"}, {"optimizer", "sgd"},
-                                           {"micro_batches", "1"}, {"reduce_dtype", "float"},
-                                           {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
-                                           {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
-                                           {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
-                                           {"shard_gradients", "1"}, {"shard_weights", "0"}, {"recompute", "0"},
-                                           {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
-                                           {"lone", "1"}, {"group_timeout_ms", "1800000"},
-                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"},
-                                           {"evaluate", "0"}, {"backend", "gloo"}};
-  for (int i = 5; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const size_t eq = arg.find('=');
-    if (eq == std::string::npos || !flags.count(arg.substr(0, eq))) {
-      std::cerr << "unknown argument " << arg << "\n";
-      return 2;
-    }
-    flags[arg.substr(0, eq)] = arg.substr(eq + 1);
-  }
+// One training run (every phase of phases=N is one, in this process).
+int run(int rank, int world, const std::string& store_path, const std::string& out_path,
+        std::map<std::string, std::string> flags) {
   const std::string reduce = flags["reduce"];
   const int micro_batches = std::stoi(flags["micro_batches"]);
 
   c10::intrusive_ptr<c10d::Backend> group;
   if (reduce != "none" && flags["backend"] == "nccl") {
 #ifdef AMP_WITH_NCCL
-    group = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::FileStore>(argv[3], world), rank,
+    group = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::FileStore>(store_path.c_str(), world), rank,
                                                         world);
 #else
     std::cerr << "backend=nccl: this build found no nccl.h (AMP_WITH_NCCL)\n";
     return 2;
 #endif
   } else if (reduce != "none") {
-    auto store = c10::make_intrusive<c10d::FileStore>(argv[3], world);
+    auto store = c10::make_intrusive<c10d::FileStore>(store_path.c_str(), world);
     auto gloo_options = c10d::ProcessGroupGloo::Options::create();
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     gloo_options->timeout = std::chrono::milliseconds(std::stoll(flags["group_timeout_ms"]));
@@ -179,6 +162,14 @@ int main(int argc, char** argv) {
   } else if (flags["optimizer"] == "adamw") {
     optimizer = std::make_shared<torch::optim::AdamW>(model->parameters(),
                                                       torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  } else if (flags["optimizer"] == "adagrad") {
+    optimizer = std::make_shared<torch::optim::Adagrad>(model->parameters(), 1e-1);
+  } else if (flags["optimizer"] == "rmsprop") {
+    optimizer = std::make_shared<torch::optim::RMSprop>(model->parameters(), 1e-2);
+  } else if (flags["optimizer"] == "fused_adam") {
+    optimizer = std::make_shared<amp::optim::FusedAdam>(model->parameters(), 1e-2);
+  } else if (flags["optimizer"] == "fused_sgd") {
+    optimizer = std::make_shared<amp::optim::FusedSGD>(model->parameters(), torch::optim::SGDOptions(0.1));
   } else if (flags["optimizer"] == "fused_adamw") {
     optimizer = std::make_shared<amp::optim::FusedAdamW>(model->parameters(),
                                                          torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -203,7 +194,7 @@ int main(int argc, char** argv) {
   }
   std::tie(model, optimizer) = amp::initialize(model, optimizer, options);
   const bool shard = flags["shard"] == "1";
-  const std::string checkpoint = flags["checkpoint"], scratch = std::string(argv[3]) + ".weights";
+  const std::string checkpoint = flags["checkpoint"], scratch = store_path + ".weights";
   const int save_after = std::stoi(flags["save_after"]);
   const double clip = std::stod(flags["clip"]);
   auto layers = [&model, recompute = flags["recompute"] == "1"](const at::Tensor& x) {
@@ -298,14 +289,57 @@ int main(int argc, char** argv) {
         }
         outcome = torch::equal(read, torch::cat(rounded)) ? "same" : "stale";
       }
-      std::ofstream(std::string(argv[4]) + ".alone") << outcome;
+      std::ofstream(out_path + ".alone") << outcome;
     }
   }
   trace.push_back(torch::tensor(amp::skipped_steps(*optimizer)));
   trace.push_back(torch::tensor(amp::loss_scaler()->scale()));
-  torch::save(trace, argv[4]);
+  torch::save(trace, out_path);
   // Before main returns (data_parallel.h): the process group then goes with
   // main's locals, its worker threads ending while CUDA is loaded.
   amp::deinitialize();
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::cerr << "usage: dist_helper <rank> <world_size> <store_file> <output_file> [key=value ...]\n";
+    return 2;
+  }
+  const int rank = std::stoi(argv[1]), world = std::stoi(argv[2]);
+  std::map<std::string, std::string> flags{{"level", "O2"}, {"reduce", "builtin"}, {"optimizer", "sgd"},
+                                           {"micro_batches", "1"}, {"reduce_dtype", "float"},
+                                           {"bucket_bytes", "64"}, {"seed_per_rank", "0"},
+                                           {"shard", "0"}, {"clip", "0"}, {"checkpoint", ""},
+                                           {"save_after", "-1"}, {"resume", "0"}, {"device", "cpu"},
+                                           {"shard_gradients", "1"}, {"shard_weights", "0"}, {"recompute", "0"},
+                                           {"alone_forward", "0"}, {"gather_timeout_ms", "60000"},
+                                           {"lone", "1"}, {"group_timeout_ms", "1800000"},
+                                           {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"},
+                                           {"evaluate", "0"}, {"backend", "gloo"}, {"phases", "1"},
+                                           {"optimizers", ""}};
+  for (int i = 5; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos || !flags.count(arg.substr(0, eq))) {
+      std::cerr << "unknown argument " << arg << "\n";
+      return 2;
+    }
+    flags[arg.substr(0, eq)] = arg.substr(eq + 1);
+  }
+  // phases=N: N runs one after another in this process, each with a new
+  // process group over a store of its own and the next optimizer of
+  // `optimizers` (a comma-separated list; `optimizer` when empty); phase k
+  // writes <output_file>.phase<k>.
+  const int phases = std::stoi(flags["phases"]);
+  std::vector<std::string> optimizers;
+  std::stringstream list(flags["optimizers"].empty() ? flags["optimizer"] : flags["optimizers"]);
+  for (std::string name; std::getline(list, name, ',');) optimizers.push_back(name);
+  for (int phase = 0; phase < phases; ++phase) {
+    auto phase_flags = flags;
+    phase_flags["optimizer"] = optimizers[phase % optimizers.size()];
+    const std::string suffix = phases > 1 ? ".phase" + std::to_string(phase) : "";
+    if (const int rc = run(rank, world, argv[3] + suffix, argv[4] + suffix, phase_flags); rc != 0) return rc;
+  }
   return 0;
 }

@@ -41,8 +41,10 @@ struct RankRun {
   double scale = 0;
 };
 
-// Starts ranks 0..world-1 of dist_helper with `args`; every rank must exit 0.
-std::vector<RankRun> run_ranks(int world, const std::string& args) {
+// Starts ranks 0..world-1 of dist_helper with `args`; every rank must exit
+// 0. With `phases` > 1 (args carry phases=N) each rank trains N times in its
+// process: one result a phase.
+std::vector<std::vector<RankRun>> run_ranks_phases(int world, const std::string& args, int phases) {
   static int runs = 0;
   const std::string id = std::to_string(::getpid()) + "_" + std::to_string(runs++);
   const std::string dir = ::testing::TempDir(), store = dir + "amp_dist_store_" + id;
@@ -56,20 +58,25 @@ std::vector<RankRun> run_ranks(int world, const std::string& args) {
   for (int rank = 1; rank < world; ++rank) command += " wait $p" + std::to_string(rank) + " || r=1;";
   command += " exit $r'";
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
-  std::vector<RankRun> ranks(world);
-  for (int rank = 0; rank < world; ++rank) {
-    const std::string out = dir + "amp_dist_out_" + id + "_" + std::to_string(rank);
-    std::vector<at::Tensor> trace;
-    torch::load(trace, out);
-    std::remove(out.c_str());
-    EXPECT_GE(trace.size(), 3u);  // the steps run, then the skipped count and the scale
-    ranks[rank].steps.assign(trace.begin(), trace.end() - 2);
-    ranks[rank].skipped = trace[trace.size() - 2].item<int64_t>();
-    ranks[rank].scale = trace.back().item<double>();
+  std::vector<std::vector<RankRun>> results(phases, std::vector<RankRun>(world));
+  for (int phase = 0; phase < phases; ++phase) {
+    const std::string suffix = phases > 1 ? ".phase" + std::to_string(phase) : "";
+    for (int rank = 0; rank < world; ++rank) {
+      const std::string out = dir + "amp_dist_out_" + id + "_" + std::to_string(rank) + suffix;
+      std::vector<at::Tensor> trace;
+      torch::load(trace, out);
+      std::remove(out.c_str());
+      EXPECT_GE(trace.size(), 3u);  // the steps run, then the skipped count and the scale
+      results[phase][rank].steps.assign(trace.begin(), trace.end() - 2);
+      results[phase][rank].skipped = trace[trace.size() - 2].item<int64_t>();
+      results[phase][rank].scale = trace.back().item<double>();
+    }
+    std::remove((store + suffix).c_str());
   }
-  std::remove(store.c_str());
-  return ranks;
+  return results;
 }
+
+std::vector<RankRun> run_ranks(int world, const std::string& args) { return run_ranks_phases(world, args, 1)[0]; }
 
 // Tests whose amp code runs in the dist_helper processes they start (built
 // without sanitizers, so the sanitized suites leave them out).
@@ -238,6 +245,29 @@ double max_distance(const std::vector<RankRun>& a, const std::vector<RankRun>& b
   return distance;
 }
 
+// A process that starts over starts clean: sharded runs one after another in
+// each rank's process - each with a new process group over a store of its
+// own, deinitialized at its end, with the next of the optimizers shard takes
+// - train as fresh processes do, bit for bit (ZeRO-2 with every optimizer;
+// ZeRO-3 with LibTorch's Adam, whose next forward gathers the weights, and
+// amp's fused AdamW).
+TEST_F(RanksAsProcesses, ShardedRunsOneAfterAnotherInAProcessTrainAsFreshProcesses) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"level=O2 shard=1", {"sgd", "adam", "adamw", "adagrad", "rmsprop", "fused_adam", "fused_adamw", "fused_sgd"}},
+      {"level=O2 shard=1 shard_weights=1", {"adam", "fused_adamw", "adam"}}};
+  for (const auto& [args, optimizers] : cases) {
+    std::string list;
+    for (const auto& name : optimizers) list += (list.empty() ? "" : ",") + name;
+    const int phases = static_cast<int>(optimizers.size());
+    const auto in_one_process =
+        run_ranks_phases(2, args + " optimizers=" + list + " phases=" + std::to_string(phases), phases);
+    for (int phase = 0; phase < phases; ++phase) {
+      expect_same_bits(in_one_process[phase], run_ranks(2, args + " optimizer=" + optimizers[phase]),
+                       args + ", phase " + std::to_string(phase) + " (" + optimizers[phase] + ") vs a fresh process");
+    }
+  }
+}
+
 // (opt level, world size, optimizer, bucket bytes)
 class ShardedDataParallel
     : public AmpTest, public ::testing::WithParamInterface<std::tuple<std::string, int, std::string, int>> {};
@@ -268,7 +298,8 @@ TEST_P(ShardedDataParallel, TrainsBitForBitAsReplicated) {
 INSTANTIATE_TEST_SUITE_P(LevelsWorldSizesOptimizers, ShardedDataParallel,
                          ::testing::Values(std::make_tuple("O2", 1, "adam", 64), std::make_tuple("O2", 2, "sgd", 64),
                                            std::make_tuple("O2", 3, "fused_adamw", 64), std::make_tuple("O2", 4, "adam", 1),
-                                           std::make_tuple("O5", 3, "sgd", 64), std::make_tuple("O5", 4, "adamw", 64)),
+                                           std::make_tuple("O5", 3, "sgd", 64), std::make_tuple("O5", 4, "adamw", 64),
+                                           std::make_tuple("O2", 2, "adagrad", 64), std::make_tuple("O2", 3, "rmsprop", 64)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_world_size_" + std::to_string(std::get<1>(info.param)) +
                                   "_" + std::get<2>(info.param) + "_buckets_of_" +

@@ -5,6 +5,8 @@
 //   resume_helper <O0..O5> full   <out>               8 steps straight through
 //   resume_helper <O0..O5> save   <checkpoint>        steps 0-3, then save
 //   resume_helper <O0..O5> resume <checkpoint> <out>  load, then steps 4-7
+//   resume_helper O2 save_forever <checkpoint>        a 48 MB checkpoint of a
+//     Linear(2048, 2048) with Adam, written over and over until killed
 //
 // (LibTorch's Adam steps: every level but O6, which steps only amp's fused
 // optimizers.)
@@ -51,6 +53,23 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string phase = argv[2], path = argv[3];
+  if (phase == "save_forever") {  // checkpoint_test kills it mid-write
+    torch::manual_seed(1);
+    torch::nn::Linear big(2048, 2048);
+    torch::optim::Adam adam(big->parameters(), 1e-3);
+    amp::Options options = std::string(argv[1]);
+    options.verbosity = 0;
+    amp::initialize(big, adam, options);
+    for (int64_t step = 0;; ++step) {
+      adam.zero_grad();
+      {
+        amp::scale_loss scaled(big(torch::randn({4, 2048})).pow(2).mean(), adam);
+        scaled.backward();
+      }
+      adam.step();
+      amp::save_checkpoint(path, {big.ptr()}, {adam});
+    }
+  }
   torch::manual_seed(phase == "resume" ? 99 : 1);  // resume starts from other weights
   Net model;
   std::shared_ptr<torch::optim::Optimizer> optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), 1e-2);

@@ -142,6 +142,20 @@ ShardedOptimizer::ShardedOptimizer(torch::optim::Optimizer& optimizer, const Dat
   in_flight_.resize(gathers_.size());
   residency_ = WeightResidency(gathers_.size());
   set_group_params(nullptr);
+  // LibTorch's Adagrad makes each parameter's state when it is constructed
+  // and steps only parameters that have one: the pieces take that fresh
+  // state (initialize refuses any other) in place of the whole parameters.
+  if (dynamic_cast<torch::optim::Adagrad*>(optimizer_) != nullptr) {
+    optimizer_->state().clear();
+    for (auto& group : optimizer_->param_groups()) {
+      const double initial = static_cast<const torch::optim::AdagradOptions&>(group.options()).initial_accumulator_value();
+      for (const at::Tensor& piece : group.params()) {
+        auto state = std::make_unique<torch::optim::AdagradParamState>();
+        state->sum(at::full_like(piece, initial, at::MemoryFormat::Preserve));
+        optimizer_->state()[piece.unsafeGetTensorImpl()] = std::move(state);
+      }
+    }
+  }
 }
 
 const ReduceBucket::Piece* ShardedOptimizer::piece(size_t member) const {

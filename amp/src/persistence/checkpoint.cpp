@@ -13,8 +13,13 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <sstream>
 #include <unordered_map>
+
+#include <unistd.h>
 
 namespace amp {
 namespace {
@@ -35,6 +40,25 @@ MasterValues gathered_masters() {
 }
 
 // Data parallel: the ranks hold the same bytes, and rank 0 writes them.
+// Writes `archive` to a temporary file beside `path`, then renames it into
+// place: a process killed mid-write leaves the file that was there before
+// (or none), never a torn one, and a reader never sees a partial file.
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const std::string partial = path + ".partial." + std::to_string(getpid());
+  try {
+    archive.save_to(partial);
+  } catch (...) {
+    std::remove(partial.c_str());
+    throw;
+  }
+  if (std::rename(partial.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    std::remove(partial.c_str());
+    TORCH_CHECK(false, "amp: cannot move the written checkpoint into '", path, "': ", std::strerror(error),
+                "; the file there, if any, is unchanged.");
+  }
+}
+
 bool writes_files() {
   const auto context = detail::live_context();
   return !context || !context->reducer() || context->reducer()->config().group->getRank() == 0;
@@ -146,7 +170,7 @@ void save_checkpoint(const std::string& path, const internal::ModelRefs& model_r
   save_state(amp);
   archive.write("amp", amp);
   detail::write_state_format(archive);
-  if (writes_files()) archive.save_to(path);
+  if (writes_files()) save_atomically(archive, path);
 }
 
 void load_checkpoint(const std::string& path, const internal::ModelRefs& model_refs, const internal::OptimizerRefs& optimizer_refs) {
@@ -213,7 +237,7 @@ void load_checkpoint(const std::string& path, const internal::ModelRefs& model_r
 void save_fp32_weights(internal::ModelRef model, const std::string& path) {
   torch::serialize::OutputArchive archive;
   write_module(model_of(model), archive, gathered_masters());
-  if (writes_files()) archive.save_to(path);
+  if (writes_files()) save_atomically(archive, path);
 }
 
 }  // namespace amp

@@ -194,7 +194,12 @@ void check_sharding(const Options& o, const Properties& p, const Optimizers& opt
                     "other. Give each parameter storage of its own (param.clone()), or shard_weights=false.");
       }
     }
-    TORCH_CHECK(optimizer->state().empty(), "amp: an optimizer already holds state (loaded or "
+    // LibTorch's Adagrad makes a fresh state (step 0) when constructed.
+    const bool fresh = std::all_of(optimizer->state().begin(), optimizer->state().end(), [](const auto& entry) {
+      const auto* adagrad = dynamic_cast<const torch::optim::AdagradParamState*>(entry.second.get());
+      return adagrad != nullptr && adagrad->step() == 0;
+    });
+    TORCH_CHECK(fresh, "amp: an optimizer already holds state (loaded or "
                 "stepped before amp::initialize). With Options::data_parallel.shard, initialize "
                 "first, then load with amp::load_checkpoint, which splits the whole state over "
                 "the ranks.");
