@@ -65,6 +65,7 @@ ABSL_FLAG(std::string, store, "", "rendezvous file of the ranks this program sta
 ABSL_FLAG(std::string, master_addr, "", "join a job by hand: the host of rank 0's TCPStore (with --rank, "
           "--world_size, --master_port); torchrun and srun set it in the environment instead");
 ABSL_FLAG(int, master_port, 29500, "with --master_addr: the TCPStore's port");
+ABSL_FLAG(std::string, device, "cpu", "cpu (Gloo) or cuda (NCCL; each rank the GPU of its local rank)");
 ABSL_FLAG(int, timeout_s, 120, "seconds any rendezvous or collective waits before it fails (a lost rank)");
 ABSL_FLAG(bool, shard_weights, false, "with --shard: the weights too (ZeRO-3)");
 ABSL_FLAG(std::string, checkpoint_dir, "", "save amp's checkpoint there every --checkpoint_every steps, and "
@@ -191,7 +192,7 @@ std::string first_line(const std::string& text) { return text.substr(0, text.fin
 // checkpoint, amp::deinitialize) can run any more, and a launcher restarts
 // the job, which resumes from the last complete checkpoint. Where every rank
 // answers, the error is not a lost rank's: rethrown.
-int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, int restart_count);
+int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, int restart_count, c10::Device device);
 
 std::vector<int> ranks_lost(c10d::Store& store, int rank, int world) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
@@ -213,9 +214,9 @@ std::vector<int> ranks_lost(c10d::Store& store, int rank, int world) {
 }
 
 int train_or_report(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, c10d::Store& store,
-                    int restart_count) {
+                    int restart_count, c10::Device device) {
   try {
-    return train(rank, world, group, restart_count);
+    return train(rank, world, group, restart_count, device);
   } catch (const c10::Error& error) {  // the group's own (c10::DistBackendError) or amp's, which carry them
     const std::vector<int> lost = ranks_lost(store, rank, world);
     if (lost.empty()) throw;
@@ -231,20 +232,23 @@ int train_or_report(int rank, int world, const c10::intrusive_ptr<c10d::Backend>
   }
 }
 
-int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, int restart_count) {
+int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, int restart_count, c10::Device device) {
   // The ranks share this machine's cores: more threads than cores only wait.
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
 
   amp::Options options = examples::amp_options(absl::GetFlag(FLAGS_opt_level), absl::GetFlag(FLAGS_dtype),
-                                               c10::Device(c10::kCPU), rank == 0 ? 1 : 0);
+                                               device, rank == 0 ? 1 : 0);
   options.data_parallel.group = group;
   options.data_parallel.reduce_dtype = reduce_dtype(absl::GetFlag(FLAGS_reduce_dtype));
   options.data_parallel.shard = absl::GetFlag(FLAGS_shard);
   options.data_parallel.shard_weights = absl::GetFlag(FLAGS_shard_weights);
-  const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
-                                                      absl::GetFlag(FLAGS_train_limit));
+  auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
+                                                absl::GetFlag(FLAGS_train_limit));
+  train_set.images = train_set.images.to(device);
+  train_set.labels = train_set.labels.to(device);
   torch::manual_seed(0);  // identical replicas
   examples::FashionNet model;
+  model->to(device);
   const auto adam = make_adam(model);
   torch::optim::Adam& optimizer = *adam;
   amp::initialize(model, optimizer, options);
@@ -265,7 +269,7 @@ int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, i
   const int64_t last_step = absl::GetFlag(FLAGS_steps) > 0 ? absl::GetFlag(FLAGS_steps)
                                                             : per_epoch * absl::GetFlag(FLAGS_epochs);
   examples::Progress progress(50);
-  examples::StepTrace trace(rank == 0 ? absl::GetFlag(FLAGS_trace) : "", c10::Device(c10::kCPU));
+  examples::StepTrace trace(rank == 0 ? absl::GetFlag(FLAGS_trace) : "", device);
   std::array<double, 3> per_parameter{};
   double first_loss = 0, last_loss = 0;  // the global batch's, averaged over the ranks
   at::Tensor order;
@@ -278,7 +282,7 @@ int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, i
     }
     if (rank == kill_rank && step == kill_step && restart_count == 0) raise(SIGKILL);
     trace.at_step(step + 1);
-    const auto index = rows_of(order, (step % per_epoch) * batch, batch, rank, world);
+    const auto index = rows_of(order, (step % per_epoch) * batch, batch, rank, world).to(device);
     optimizer.zero_grad();
     const auto loss = torch::cross_entropy_loss(model->forward(train_set.images.index_select(0, index)),
                                                 train_set.labels.index_select(0, index));
@@ -289,7 +293,7 @@ int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, i
     optimizer.step();
     if (step == first_step) per_parameter = bytes_per_parameter(optimizer, *group);  // gradients still held
     if (step == first_step || step + 1 == last_step) {
-      std::vector<at::Tensor> sum{loss.detach().to(at::kDouble).reshape({1})};
+      std::vector<at::Tensor> sum{loss.detach().to(at::kFloat).reshape({1})};  // NCCL: no float64
       group->allreduce(sum)->wait();
       (step == first_step ? first_loss : last_loss) = sum[0].item<double>() / world;
     }
@@ -306,7 +310,8 @@ int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, i
   const auto test = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), false, absl::GetFlag(FLAGS_test_limit));
   torch::NoGradGuard no_grad;
   model->eval();
-  const auto correct = model->forward(test.images).argmax(1).eq(test.labels).sum().item<int64_t>();
+  const auto correct =
+      model->forward(test.images.to(device)).argmax(1).eq(test.labels.to(device)).sum().item<int64_t>();
   const int64_t skipped = amp::skipped_steps(optimizer);
   // Every rank ends amp before returning: the process group goes with it
   // (a collective with --shard: the optimizer gets its whole state back).
@@ -317,7 +322,7 @@ int train(int rank, int world, const c10::intrusive_ptr<c10d::Backend>& group, i
               "peak allocated %.1f MiB (rank 0)\n", world, examples::level_name(options).c_str(),
               options.data_parallel.shard ? (options.data_parallel.shard_weights ? 3 : 2) : 0,
               100.0 * correct / test.images.size(0), static_cast<long long>(skipped), examples::peak_rss_mib(),
-              examples::peak_allocated_mib(c10::kCPU));
+              examples::peak_allocated_mib(device));
   std::printf("first loss %.9g (step %lld)  final loss %.9g (step %lld; each the mean over the ranks)\n", first_loss,
               static_cast<long long>(first_step + 1), last_loss, static_cast<long long>(last_step));
   std::printf("bytes per parameter on the fullest rank (measured): masters %.2f  optimizer state %.2f  "
@@ -409,6 +414,13 @@ int main(int argc, char** argv) {
       throw std::invalid_argument("--shard_weights needs --shard");
     }
     kill_point();  // checks the flag before any rank starts
+    const std::string device_name = absl::GetFlag(FLAGS_device);
+    if (device_name != "cpu" && device_name != "cuda") throw std::invalid_argument("--device must be cpu or cuda");
+    // Each rank its own GPU: the local rank's (one command: the rank's).
+    auto device_of = [&](int local_rank) {
+      return device_name == "cuda" ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank))
+                                   : c10::Device(c10::kCPU);
+    };
     const auto timeout = std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s));
     // A launcher's process (torchrun, srun), or one joining by hand: one rank.
     std::optional<examples::Launch> launch = examples::launch_from_environment();
@@ -422,7 +434,8 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("--batch_size must be a multiple of the world size " +
                                     std::to_string(launch->world_size));
       }
-      const auto connection = examples::connect(*launch, c10::Device(c10::kCPU), timeout, absl::GetFlag(FLAGS_gloo_threads));
+      const c10::Device device = device_of(launch->local_rank);
+      const auto connection = examples::connect(*launch, device, timeout, absl::GetFlag(FLAGS_gloo_threads));
       if (launch->rank == 0) {
         std::printf("%s: rank 0 of %d, rendezvous at %s:%d\n", launch->launcher.c_str(), launch->world_size,
                     launch->master_addr.c_str(), launch->master_port);
@@ -430,7 +443,7 @@ int main(int argc, char** argv) {
       return absl::GetFlag(FLAGS_compare_steps) > 0
                  ? compare_loops(launch->rank, launch->world_size, connection.group)
                  : train_or_report(launch->rank, launch->world_size, connection.group, *connection.store,
-                                   launch->restart_count);
+                                   launch->restart_count, device);
     }
     // One command: this process starts the other ranks on this machine.
     const int world = absl::GetFlag(FLAGS_world_size);
@@ -446,10 +459,11 @@ int main(int argc, char** argv) {
       unlink(store.c_str());
       others = launch_other_ranks(argc, argv, world, store);
     }
+    if (device_name == "cuda") throw std::invalid_argument("--device=cuda needs a launcher (torchrun, srun): NCCL");
     auto file_store = c10::make_intrusive<c10d::FileStore>(store, world);
     const auto group = connect_spawned(rank, world, file_store);
     int rc = absl::GetFlag(FLAGS_compare_steps) > 0 ? compare_loops(rank, world, group)
-                                                    : train_or_report(rank, world, group, *file_store, 0);
+                                                    : train_or_report(rank, world, group, *file_store, 0, device_of(rank));
     for (pid_t pid : others) {
       int status = 0;
       waitpid(pid, &status, 0);

@@ -160,7 +160,7 @@ if wants build; then
   # Everything for ctest; otherwise what the chosen stages run.
   targets=()
   if ! wants ctest; then
-    targets=(--target fashion_mnist gan transformer_lm gpu_benchmarks precision_report)
+    targets=(--target fashion_mnist gan transformer_lm gpu_benchmarks precision_report distributed_fashion_mnist)
     # Simulating: one example and the benchmark programs show the carried
     # packages link; the device stages that run the others skip.
     ((simulate)) && targets=(--target transformer_lm benchmarks)
@@ -238,6 +238,11 @@ if device_stage examples; then
   say "    O5+fp8 fashion_mnist, every GEMM in float8: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
   say "    O5+fp8 transformer_lm, every GEMM in float8: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
   say "    O5+fp8 transformer_lm, the default rule: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8)"
+  # The launcher path on the device: torchrun, one rank, NCCL, sharded (ZeRO-3).
+  launched=$(timeout 180 "$python" -m torch.distributed.run --nnodes=1 --nproc_per_node=1 --master_addr=127.0.0.1 \
+    --master_port=29511 --no-python "$build/examples/distributed_fashion_mnist" --device=cuda --opt_level=O2 --shard \
+    --shard_weights --train_limit=2048 --test_limit=1024 --steps=20 2>&1)
+  say "    torchrun, 1 rank over NCCL, O2 ZeRO-3: $(grep -m 1 '^world_size' <<< "$launched" || echo "FAILED: $(tail -n 1 <<< "$launched")")"
   # Which code quantizes float8 operands there: amp's kernels, in every CUDA build.
   say "    O5+fp8 precision report: $(timeout 120 "$build/tools/precision_report" --opt_level=O5+fp8 --device=cuda \
     --model=transformer 2>&1 | grep -m 1 'float8 quantization' || echo 'FAILED: no float8 quantization line')"

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef AMP_EXAMPLES_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -104,6 +105,7 @@ Connection connect(const Launch& launch, c10::Device device, std::chrono::millis
       "/worker/attempt_" + std::to_string(launch.restart_count), tcp);
   if (device.is_cuda()) {
 #ifdef AMP_EXAMPLES_WITH_NCCL
+    c10::cuda::set_device(device.index());  // NCCL's communicator binds to the current device
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL::Options>();
     nccl->timeout = timeout;
     connection.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(connection.store, launch.rank,
