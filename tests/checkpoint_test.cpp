@@ -438,8 +438,12 @@ TEST_F(CheckpointTest, AWriterKilledMidWriteLeavesTheLastCompleteCheckpoint) {
   }
   EXPECT_GT(loaded, 0) << "no checkpoint was ever complete: lengthen the delays";
   std::remove(path.c_str());
-  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path())) {
-    if (entry.path().string().rfind(path + ".partial.", 0) == 0) std::remove(entry.path().c_str());
+  // The killed writers' folders: ".<name>.partial.<pid>/<name>".
+  const std::filesystem::path target(path);
+  for (const auto& entry : std::filesystem::directory_iterator(target.parent_path())) {
+    if (entry.path().filename().string().rfind("." + target.filename().string() + ".partial.", 0) != 0) continue;
+    std::remove((entry.path() / target.filename()).c_str());
+    std::remove(entry.path().c_str());
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "persistence/state_format.h"
 #include "support/versions.h"
+#include "fuzz/fuzz_net.h"
 
 #include <ATen/Version.h>
 #include <torch/headeronly/version.h>
@@ -47,17 +48,7 @@ TEST(VersionTest, AnotherMinorVersionOfLibTorchIsRefusedWithWhatToDo) {
 
 // The set-up that wrote tests/data/format1 (tests/fuzz/fuzz_loaders.cpp):
 // O2, Adam, two loss scalers.
-struct FuzzNetImpl : torch::nn::Module {
-  FuzzNetImpl()
-      : a(register_module("a", torch::nn::Linear(4, 6))),
-        bn(register_module("bn", torch::nn::BatchNorm1d(6))),
-        b(register_module("b", torch::nn::Linear(6, 2))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(bn(a(x)))); }
-  torch::nn::Linear a;
-  torch::nn::BatchNorm1d bn;
-  torch::nn::Linear b;
-};
-TORCH_MODULE(FuzzNet);
+using fuzz::FuzzNet;
 
 class StateFormatTest : public AmpTest {
  protected:

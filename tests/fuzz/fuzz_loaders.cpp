@@ -22,6 +22,8 @@
 #include <amp/diagnostics.h>
 #include <amp/distributed.h>
 
+#include "fuzz_net.h"
+
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 
@@ -50,17 +52,7 @@ namespace {
 enum class Kind { kState, kCheckpoint };
 const char* prefix(Kind k) { return k == Kind::kState ? "state" : "checkpoint"; }
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : a(register_module("a", torch::nn::Linear(4, 6))),
-        bn(register_module("bn", torch::nn::BatchNorm1d(6))),
-        b(register_module("b", torch::nn::Linear(6, 2))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(bn(a(x)))); }
-  torch::nn::Linear a;
-  torch::nn::BatchNorm1d bn;
-  torch::nn::Linear b;
-};
-TORCH_MODULE(Net);
+using Net = amp::fuzz::FuzzNet;
 
 // One live amp setup: O2 (master weights), Adam, two loss scalers.
 struct Setup {

@@ -29,10 +29,10 @@
 /// one process writes them) and load_checkpoint gives each rank its part, at
 /// any world size (distributed.h).
 ///
-/// Files are written atomically: to `<path>.partial.<pid>` beside `path`,
-/// then renamed over it, so a process killed mid-write leaves the checkpoint
-/// that was there before (or none) - never a torn one - and a reader never
-/// sees half a file. (A killed writer's `.partial` file stays behind.)
+/// Files are written atomically: into a folder `.<name>.partial.<pid>` beside
+/// `path`, then renamed over it, so a process killed mid-write leaves the
+/// checkpoint that was there before (or none) - never a torn one - and a
+/// reader never sees half a file. (A killed writer's folder stays behind.)
 ///
 /// Errors (c10::Error): amp is not initialized (save_fp32_weights works
 /// without amp); a null model or optimizer; the file is missing, truncated or

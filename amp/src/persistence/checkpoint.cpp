@@ -19,6 +19,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace amp {
@@ -40,23 +41,31 @@ MasterValues gathered_masters() {
 }
 
 // Data parallel: the ranks hold the same bytes, and rank 0 writes them.
-// Writes `archive` to a temporary file beside `path`, then renames it into
-// place: a process killed mid-write leaves the file that was there before
-// (or none), never a torn one, and a reader never sees a partial file.
+// Writes `archive` to a file of the same name in a temporary folder beside
+// `path`, then renames it into place: a process killed mid-write leaves the
+// file that was there before (or none), never a torn one, and a reader never
+// sees a partial file. (The same name: LibTorch names the archive's records
+// after the file, so the bytes are a direct write's.)
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
-  const std::string partial = path + ".partial." + std::to_string(getpid());
+  const size_t slash = path.rfind('/');
+  const std::string folder = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  const std::string partial_folder = folder + "." + name + ".partial." + std::to_string(getpid());
+  TORCH_CHECK(::mkdir(partial_folder.c_str(), 0700) == 0 || errno == EEXIST, "amp: cannot create '", partial_folder,
+              "' to write the checkpoint in: ", std::strerror(errno), "; the file at '", path, "', if any, is unchanged.");
+  const std::string partial = partial_folder + "/" + name;
   try {
     archive.save_to(partial);
   } catch (...) {
     std::remove(partial.c_str());
+    ::rmdir(partial_folder.c_str());
     throw;
   }
-  if (std::rename(partial.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    std::remove(partial.c_str());
-    TORCH_CHECK(false, "amp: cannot move the written checkpoint into '", path, "': ", std::strerror(error),
-                "; the file there, if any, is unchanged.");
-  }
+  const int moved = std::rename(partial.c_str(), path.c_str()) == 0 ? 0 : errno;
+  std::remove(partial.c_str());
+  ::rmdir(partial_folder.c_str());
+  TORCH_CHECK(moved == 0, "amp: cannot move the written checkpoint into '", path, "': ", std::strerror(moved),
+              "; the file there, if any, is unchanged.");
 }
 
 bool writes_files() {
