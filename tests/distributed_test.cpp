@@ -72,6 +72,7 @@ std::vector<std::vector<RankRun>> run_ranks_phases(int world, const std::string&
       results[phase][rank].scale = trace.back().item<double>();
     }
     std::remove((store + suffix).c_str());
+    std::remove((store + suffix + ".weights").c_str());  // dist_helper's float32 weights file
   }
   return results;
 }
