@@ -2,23 +2,28 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """The licence check fails on a source file without the licence line.
 
-Runs tools/check_spdx.py on a folder holding one file with the line (after
-a #! line) and one without: it must exit 1 and name only the one without.
+Plants a C++ file without the line in the real source tree (tools/, where
+the check reads it as CI does) and runs tools/check_spdx.py over the same
+folders as ctest's every_source_file_names_its_licence: it must exit 1 and
+name the planted file alone. The file is removed afterwards. (ctest keeps
+the two tests apart: RESOURCE_LOCK source_tree.)
 """
 import os
 import subprocess
 import sys
-import tempfile
 
-checker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "check_spdx.py")
-with tempfile.TemporaryDirectory() as folder:
-    with open(os.path.join(folder, "licensed.sh"), "w") as f:
-        f.write("#!/bin/sh\n# SPDX-License-Identifier: BSD-3-Clause\necho\n")
-    with open(os.path.join(folder, "unlicensed.cpp"), "w") as f:
-        f.write("// a source file\nint main() {}\n")
-    run = subprocess.run([sys.executable, checker, folder], capture_output=True, text=True)
-    print(run.stdout, end="")
-    named = [line for line in run.stdout.splitlines() if "no 'SPDX" in line]
-    ok = run.returncode == 1 and len(named) == 1 and "unlicensed.cpp" in named[0]
-print("check_spdx fails on the unlicensed file only" if ok else "check_spdx did NOT catch the unlicensed file")
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+checker = os.path.join(root, "tools", "check_spdx.py")
+planted = os.path.join("tools", f"planted_unlicensed_{os.getpid()}.cpp")
+folders = ["amp", "opt_levels", "tests", "examples", "tools", "cmake", ".ci", "CMakeLists.txt"]
+with open(os.path.join(root, planted), "w") as f:
+    f.write("// a source file\nint planted() { return 0; }\n")
+try:
+    run = subprocess.run([sys.executable, checker, *folders], cwd=root, capture_output=True, text=True)
+finally:
+    os.remove(os.path.join(root, planted))
+print(run.stdout, end="")
+named = [line for line in run.stdout.splitlines() if "no 'SPDX" in line]
+ok = run.returncode == 1 and len(named) == 1 and planted in named[0]
+print("check_spdx fails on the planted file only" if ok else "check_spdx did NOT catch the planted file")
 sys.exit(0 if ok else 1)

@@ -36,7 +36,7 @@ TEST(VersionTest, LibTorchsVersionIsReadFromItsBuildConfiguration) {
   EXPECT_EQ(detail::torch_version_in("Build settings: USE_CUDA=ON"), "");
 }
 
-TEST(VersionTest, AnotherMinorVersionOfLibTorchIsRefusedWithWhatToDo) {
+TEST(VersionTest, AnotherMinorVersionOfLibTorchIsRefusedSayingHowToFixIt) {
   EXPECT_NO_THROW(detail::require_torch_version("2.11.0", "2.11.0"));
   EXPECT_NO_THROW(detail::require_torch_version("2.11.0", "2.11.3"));  // patch releases keep the ABI
   EXPECT_AMP_ERROR(detail::require_torch_version("2.11.0", "2.12.0"),
