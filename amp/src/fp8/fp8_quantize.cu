@@ -14,10 +14,10 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
-#include <mutex>
-#include <unordered_map>
 
 namespace amp::detail {
 namespace {
@@ -214,17 +214,18 @@ at::Tensor quantize_into(const at::Tensor& x, const Fp8QuantizeState& state, at:
 }  // namespace
 
 bool fp8_kernels_run_on(c10::DeviceIndex index) {
-  static std::mutex mutex;
-  static std::unordered_map<c10::DeviceIndex, bool> runs;  // per device: asked once
+  // Per device: 0 not asked yet, 1 runs, 2 does not. Read on every
+  // quantization, so no lock: two threads asking at once get the same answer.
+  static std::array<std::atomic<uint8_t>, 64> answers{};
   if (index < 0) index = c10::cuda::current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = runs.find(index);
-  if (found != runs.end()) return found->second;
+  std::atomic<uint8_t>& answer = answers.at(static_cast<size_t>(index));
+  if (const uint8_t known = answer.load(std::memory_order_relaxed)) return known == 1;
   const c10::cuda::CUDAGuard device(index);
   cudaFuncAttributes attributes;
   const bool image = cudaFuncGetAttributes(&attributes, transpose_bytes_kernel) == cudaSuccess;
   if (!image) (void)cudaGetLastError();  // the lookup's error is an answer, not a fault to report later
-  return runs.emplace(index, image).first->second;
+  answer.store(image ? 1 : 2, std::memory_order_relaxed);
+  return image;
 }
 
 bool fused_fp8_quantize_applies(const at::Tensor& x) {
