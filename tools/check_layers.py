@@ -37,6 +37,7 @@ LAYERS = [
     ("model", "converted models and their weights"),
     ("fp8", "float8 GEMMs: per-operand scaling, the linear layer's forward and backward"),
     ("interception", "dispatcher kernels, cast policies and tables, the cast cache"),
+    ("loss", "the fused linear + cross-entropy"),
     ("optim", "optimizer kinds and state, gradient slots, unscaling, fused kernels"),
     ("step", "scale_loss, loss scalers, the step's state machine and participants"),
     ("recompute", "activation recomputation"),

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// amp::linear_cross_entropy (linear_cross_entropy.h): an autograd function
+// whose forward walks the tokens in chunks - logits of one chunk, their
+// log-sum-exp and losses, and (when forward computes them) the chunk's
+// gradients - and whose backward either scales the gradients forward made or
+// walks the chunks again from the kept log-sum-exp.
+#include <amp/linear_cross_entropy.h>
+
+#include <amp/casting_scope.h>
+
+#include "interception/dispatch/cast.h"
+#include "loss/logits_chunk.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <variant>
+
+namespace amp {
+namespace detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+enum class Reduction : int64_t { kNone, kMean, kSum };
+
+Reduction reduction_of(const torch::nn::functional::CrossEntropyFuncOptions& options) {
+  if (std::holds_alternative<torch::enumtype::kNone>(options.reduction())) return Reduction::kNone;
+  if (std::holds_alternative<torch::enumtype::kSum>(options.reduction())) return Reduction::kSum;
+  return Reduction::kMean;
+}
+
+constexpr int64_t kChunkLogitBytes = int64_t{32} << 20;
+
+// The call's constants, kept in the autograd context.
+struct Call {
+  CrossEntropyTerms terms;
+  Reduction reduction = Reduction::kMean;
+  int64_t chunk = 1;
+  at::ScalarType acc = at::kFloat;
+  bool bias = false;  // else the bias argument is an empty stand-in (autograd takes no undefined input)
+  std::array<bool, 3> needed = {false, false, false};  // gradients of hidden, weight, bias
+};
+
+// The GEMM dtype's accumulation dtype: float32, or float64 for float64.
+at::ScalarType accumulation_dtype(at::ScalarType compute) {
+  return compute == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A chunk of rows [begin, end) of the flattened tokens.
+struct Rows {
+  int64_t begin, end;
+  at::Tensor of(const at::Tensor& t) const { return t.slice(0, begin, end); }
+};
+
+template <class Fn>
+void for_each_chunk(int64_t tokens, int64_t chunk, Fn&& fn) {
+  for (int64_t begin = 0; begin < tokens; begin += chunk) fn(Rows{begin, std::min(tokens, begin + chunk)});
+}
+
+// One chunk's logits in the accumulation dtype, from GEMMs in the inputs' dtype.
+at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias, const Call& call) {
+  return at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc);
+}
+
+// The gradients of the inputs, summed over chunks.
+struct Gradients {
+  at::Tensor hidden, weight, bias;
+
+  Gradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
+            at::ScalarType acc) {
+    if (needed[0]) hidden = at::empty_like(h, at::MemoryFormat::Contiguous);
+    if (needed[1]) weight = at::zeros_like(w, at::MemoryFormat::Contiguous);
+    if (needed[2] && b.defined()) bias = at::zeros(b.sizes(), b.options().dtype(acc));
+  }
+
+  // Adds one chunk's: `grad_logits` [C, V] in the accumulation dtype, of
+  // the chunk's hidden rows `h` [C, H].
+  void add(const Rows& rows, const at::Tensor& grad_logits, const at::Tensor& h, const at::Tensor& w) {
+    const at::Tensor g = grad_logits.to(w.scalar_type());
+    if (hidden.defined()) {
+      at::Tensor out = rows.of(hidden);
+      at::mm_out(out, g, w);
+    }
+    if (weight.defined()) weight.addmm_(g.t(), h);
+    if (bias.defined()) bias.add_(grad_logits.sum(0));
+  }
+
+  variable_list finish(const at::Tensor& b) {
+    if (bias.defined()) bias = bias.to(b.scalar_type());
+    return {hidden, weight, bias};
+  }
+};
+
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  // hidden [N, H], weight [V, H], bias [V] or undefined, all one dtype;
+  // target [N] int64. Returns the loss (a scalar, or [N] for kNone).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& bias_or_empty, const at::Tensor& target, Call call) {
+    const at::Tensor bias = call.bias ? bias_or_empty : at::Tensor();
+    const std::array<bool, 3>& needed = call.needed;
+    const bool any_needed = needed[0] || needed[1] || needed[2];
+    // Unscaled gradients need float16's range only in float16.
+    const bool in_forward = any_needed && call.reduction != Reduction::kNone && hidden.scalar_type() != at::kHalf;
+    const int64_t tokens = hidden.size(0);
+    const at::Tensor denominator = call.reduction == Reduction::kMean
+                                       ? mean_denominator(target, call.terms, call.acc)
+                                       : at::ones({}, hidden.options().dtype(call.acc));
+    at::Tensor losses = at::empty({tokens}, hidden.options().dtype(call.acc));
+    at::Tensor lse = any_needed && !in_forward ? at::empty({tokens}, losses.options()) : at::Tensor();
+    std::optional<Gradients> grads;
+    if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc);
+    for_each_chunk(tokens, call.chunk, [&](const Rows& rows) {
+      const at::Tensor h = rows.of(hidden);
+      at::Tensor logits = chunk_logits(h, weight, bias, call);
+      const at::Tensor chunk_lse = logits.logsumexp(1);
+      const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
+      rows.of(losses).copy_(token_losses(logits, chunk_lse, targets, call.terms));
+      if (lse.defined()) rows.of(lse).copy_(chunk_lse);
+      if (!grads) return;
+      logits_to_gradient_(logits, chunk_lse, targets, call.terms, denominator.reciprocal().expand({h.size(0)}));
+      grads->add(rows, logits, h, weight);
+    });
+    ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
+    ctx->saved_data["in_forward"] = in_forward;
+    if (in_forward) {
+      const variable_list g = grads->finish(bias);
+      ctx->save_for_backward({g[0], g[1], g[2]});
+    } else if (any_needed) {
+      ctx->save_for_backward({hidden, weight, bias, target, lse, denominator, call.terms.class_weights});
+      ctx->saved_data["ignore_index"] = call.terms.ignore_index;
+      ctx->saved_data["smoothing"] = call.terms.smoothing;
+      ctx->saved_data["chunk"] = call.chunk;
+    }
+    if (call.reduction == Reduction::kNone) return losses;
+    const at::Tensor total = losses.sum();
+    return call.reduction == Reduction::kMean ? total / denominator : total;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "amp::linear_cross_entropy is not twice differentiable: "
+                "backward with create_graph=true reached it. Compute a loss that needs double backward "
+                "(a gradient penalty) with torch::nn::functional::linear and cross_entropy.");
+    const at::Tensor& g = grad_outputs[0];
+    const variable_list saved = ctx->get_saved_variables();
+    const auto reduction = static_cast<Reduction>(ctx->saved_data["reduction"].toInt());
+    variable_list out(5);
+    if (ctx->saved_data["in_forward"].toBool()) {
+      for (size_t i = 0; i < 3; ++i) {
+        if (saved[i].defined()) out[i] = saved[i] * g;
+      }
+      return out;
+    }
+    const at::Tensor &hidden = saved[0], &weight = saved[1], &bias = saved[2], &target = saved[3];
+    const at::Tensor &lse = saved[4], &denominator = saved[5];
+    Call call;
+    call.terms = {ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["smoothing"].toDouble(), saved[6]};
+    call.reduction = reduction;
+    call.chunk = ctx->saved_data["chunk"].toInt();
+    call.acc = lse.scalar_type();
+    // The incoming gradient of each token's loss, in float32 before any
+    // float16 GEMM (the loss scale keeps small gradients in range).
+    const at::Tensor token_scale = reduction == Reduction::kNone ? g.to(call.acc)
+                                   : reduction == Reduction::kMean ? (g.to(call.acc) / denominator)
+                                                                    : g.to(call.acc);
+    Gradients grads(hidden, weight, bias,
+                    {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
+                    call.acc);
+    for_each_chunk(hidden.size(0), call.chunk, [&](const Rows& rows) {
+      const at::Tensor h = rows.of(hidden);
+      at::Tensor logits = chunk_logits(h, weight, bias, call);
+      const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
+      const at::Tensor scale = reduction == Reduction::kNone ? rows.of(token_scale)
+                                                             : token_scale.expand({h.size(0)});
+      logits_to_gradient_(logits, rows.of(lse), targets, call.terms, scale);
+      grads.add(rows, logits, h, weight);
+    });
+    const variable_list g3 = grads.finish(bias);
+    std::copy(g3.begin(), g3.end(), out.begin());
+    return out;
+  }
+};
+
+void check_target(const at::Tensor& target, int64_t vocabulary, int64_t ignore_index) {
+  const at::Tensor outside = (target.lt(0) | target.ge(vocabulary)) & target.ne(ignore_index);
+  if (target.is_cpu()) {
+    TORCH_CHECK(!outside.any().item<bool>(), "amp::linear_cross_entropy: a target is outside [0, ", vocabulary,
+                ") and is not ignore_index (", ignore_index, "): ", target.masked_select(outside)[0].item<int64_t>(),
+                ". Targets index the rows of the weight (the vocabulary).");
+  } else {
+    at::_assert_async(outside.any().logical_not(), "amp::linear_cross_entropy: a target is outside [0, vocabulary) "
+                      "and is not ignore_index");
+  }
+}
+
+// The dtype the GEMMs run in, as amp's policy casts at::linear here.
+at::ScalarType gemm_dtype(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias) {
+  const CastingState state = CastingState::current();
+  if (state.casts() && is_castable(weight, weight.device().type())) {
+    const at::ScalarType w = weight.scalar_type();
+    return w == at::kHalf || w == at::kBFloat16 ? w : state.dtype(weight.device().type());
+  }
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type() &&
+                  (!bias.defined() || bias.scalar_type() == weight.scalar_type()),
+              "amp::linear_cross_entropy: hidden (", hidden.scalar_type(), "), weight (", weight.scalar_type(),
+              ")", bias.defined() ? " and bias (" + std::string(c10::toString(bias.scalar_type())) + ")" : "",
+              " differ in dtype and amp does not cast here. Cast them to one dtype, or call it where amp's "
+              "casts are on.");
+  return weight.scalar_type();
+}
+
+}  // namespace
+}  // namespace detail
+
+int64_t default_loss_chunk_tokens(int64_t tokens, int64_t vocabulary) {
+  const int64_t fits = std::max<int64_t>(1, detail::kChunkLogitBytes / (std::max<int64_t>(vocabulary, 1) * 4));
+  int64_t chunk = 1;
+  while (chunk * 2 <= fits) chunk *= 2;
+  return std::max<int64_t>(1, std::min(chunk, tokens));
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& target,
+                                const torch::nn::functional::CrossEntropyFuncOptions& options, int64_t chunk_tokens) {
+  using namespace detail;
+  constexpr const char* kName = "amp::linear_cross_entropy: ";
+  TORCH_CHECK(weight.defined() && weight.dim() == 2, kName, "weight must be [vocabulary, width], got ",
+              weight.defined() ? weight.sizes() : c10::IntArrayRef{});
+  const int64_t vocabulary = weight.size(0), width = weight.size(1);
+  TORCH_CHECK(hidden.defined() && hidden.dim() >= 1 && hidden.size(-1) == width, kName, "hidden must be [..., ",
+              width, "] (weight's width), got ", hidden.defined() ? hidden.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == vocabulary), kName, "bias must be [",
+              vocabulary, "] (weight's vocabulary) or undefined, got ", bias.defined() ? bias.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(target.defined() && !target.is_floating_point() && !target.is_complex() &&
+                  target.scalar_type() != at::kBool,
+              kName, "target must be an integer tensor of class indices, got ",
+              target.defined() ? c10::toString(target.scalar_type()) : "an undefined tensor");
+  TORCH_CHECK(target.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), kName, "target must have hidden's shape "
+              "without its last dimension, ", hidden.sizes().slice(0, hidden.dim() - 1), ", got ", target.sizes());
+  TORCH_CHECK(hidden.device() == weight.device() && target.device() == weight.device() &&
+                  (!bias.defined() || bias.device() == weight.device()),
+              kName, "hidden, weight, bias and target must be on one device (weight is on ", weight.device(), ")");
+  const double smoothing = options.label_smoothing();
+  TORCH_CHECK(smoothing >= 0.0 && smoothing <= 1.0, kName, "label smoothing must be in [0, 1], got ", smoothing);
+  TORCH_CHECK(chunk_tokens >= 0, kName, "chunk_tokens must be >= 0 (0 picks the chunk), got ", chunk_tokens);
+  const at::Tensor& class_weights = options.weight();
+  TORCH_CHECK(!class_weights.defined() || (class_weights.is_floating_point() && class_weights.dim() == 1 &&
+                                           class_weights.size(0) == vocabulary),
+              kName, "class weights must be a floating [", vocabulary, "] tensor, got ",
+              class_weights.defined() ? class_weights.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(!class_weights.defined() || !class_weights.requires_grad(), kName, "class weights are constants here; "
+              "pass weight.detach(), or use linear and cross_entropy for gradients of the class weights");
+  check_target(target, vocabulary, options.ignore_index());
+  // Read as an op reads them, so amp first gathers sharded weights (ZeRO-3)
+  // or lowers O2/O5 masters; inside, the reads are amp's own.
+  const at::Tensor weight_read = at::alias(weight);
+  const at::Tensor bias_read = bias.defined() ? at::alias(bias) : at::Tensor();
+  const at::ScalarType compute = gemm_dtype(hidden, weight_read, bias_read);
+
+  Call call;
+  call.acc = accumulation_dtype(compute);
+  call.terms.ignore_index = options.ignore_index();
+  call.terms.smoothing = smoothing;
+  if (class_weights.defined()) call.terms.class_weights = class_weights.to(weight.device(), call.acc);
+  call.reduction = reduction_of(options);
+  const int64_t tokens = target.numel();
+  call.chunk = chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(tokens, vocabulary);
+
+  // Casts as amp casts at::linear's arguments (the weight through the cast
+  // cache), recorded by autograd; inside, the ops run in these dtypes.
+  auto cast = [&](const at::Tensor& t) {
+    return t.defined() && t.scalar_type() != compute ? cast_uncached_or_cached(t, compute) : t;
+  };
+  const at::Tensor h = cast(hidden).reshape({tokens, width});
+  const at::Tensor w = cast(weight_read), b = cast(bias_read);
+  const at::Tensor flat_target = target.reshape({tokens}).to(at::kLong);
+  at::Tensor loss;
+  {
+    disable_casts no_casts;
+    call.bias = b.defined();
+    const bool grad = at::GradMode::is_enabled();
+    call.needed = {grad && h.requires_grad(), grad && w.requires_grad(), grad && call.bias && b.requires_grad()};
+    loss = LinearCrossEntropyFunction::apply(h, w, call.bias ? b : at::empty({0}, w.options()), flat_target, call);
+  }
+  return call.reduction == Reduction::kNone ? loss.view(target.sizes()) : loss;
+}
+
+}  // namespace amp
