@@ -35,6 +35,8 @@ ABSL_FLAG(std::string, optimizer, "",
           "applies (O6's stochastic rounding, 8-bit state, the step in backward), libtorch otherwise");
 ABSL_FLAG(int, layers, 2, "transformer blocks");
 ABSL_FLAG(int, width, 64, "model width");
+ABSL_FLAG(int, vocab, 256, "output classes: 256 (bytes), or more from byte pairs (50304: GPT-2's vocabulary size)");
+ABSL_FLAG(bool, fused_loss, false, "the head and its loss through amp::linear_cross_entropy: logits never held whole");
 ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
 ABSL_FLAG(int, recompute_run, 0, "with --recompute, > 1: runs of this many blocks recomputed as one too (two levels; "
           "about sqrt(layers) keeps the fewest block inputs)");
@@ -109,8 +111,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
     trace.at_step(step + 1);
     const auto injected = injection.inject(step + 1, *model);
     optimizer.zero_grad();
-    const auto logits = model->forward(inputs);
-    const auto loss = torch::cross_entropy_loss(logits.reshape({-1, config.vocab}), targets.reshape({-1}));
+    const auto loss = model->loss(inputs, targets);  // --fused_loss: amp::linear_cross_entropy
     {
       amp::scale_loss scaled(loss, optimizer);
       scaled.backward();
@@ -125,12 +126,16 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   progress.finish();
-  std::printf("opt_level %s  final loss %.3f (%.3f bits/char)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB  "
+  std::printf("opt_level %s  final loss %.3f (%.3f bits/token)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB  "
               "peak allocated %.1f MiB\n",
               examples::level_name(options).c_str(), last_loss, last_loss / std::log(2.0),
               1000 * seconds / std::max(steps - 1, 1), static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib(), examples::peak_allocated_mib(device));
-  std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
+  if (config.vocab == 256) {
+    std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
+  } else {
+    std::printf("sample: none (byte-pair tokens folded into --vocab do not map back to text)\n");
+  }
   if (options.measured_policy) {
     examples::print_measured_policy(std::cout);
     if (!absl::GetFlag(FLAGS_measured_policy_file).empty()) amp::save_measured_policy(absl::GetFlag(FLAGS_measured_policy_file));
@@ -148,6 +153,8 @@ int run() {
   config.context = absl::GetFlag(FLAGS_context);
   config.layers = absl::GetFlag(FLAGS_layers);
   config.width = absl::GetFlag(FLAGS_width);
+  config.vocab = absl::GetFlag(FLAGS_vocab);
+  config.fused_loss = absl::GetFlag(FLAGS_fused_loss);
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
   config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
@@ -155,14 +162,13 @@ int run() {
   options.step_in_backward = absl::GetFlag(FLAGS_step_in_backward);
   if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||
       config.layers < 1 || config.width < config.heads || config.width % config.heads != 0 ||
-      config.recompute_run < 0 || config.recompute_slices < 0) {
+      config.recompute_run < 0 || config.recompute_slices < 0 || config.vocab < 2) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
-                                "--width a multiple of 4, --recompute_run and --recompute_slices >= 0");
+                                "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
   }
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
   const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
-  auto bytes = torch::empty({int64_t(corpus.size())}, torch::kLong);
-  for (size_t i = 0; i < corpus.size(); ++i) bytes[i] = static_cast<uint8_t>(corpus[i]);
+  const at::Tensor bytes = examples::corpus_tokens(corpus, config.vocab);  // bytes, or byte pairs
 
   torch::manual_seed(absl::GetFlag(FLAGS_seed));
   examples::CharTransformer model(config);

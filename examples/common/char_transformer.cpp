@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "char_transformer.h"
 
+#include <amp/linear_cross_entropy.h>
 #include <amp/recompute.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -71,6 +73,19 @@ torch::Tensor CharTransformerImpl::run_blocks(size_t begin, size_t end, torch::T
 }
 
 torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
+  const torch::Tensor x = hidden(tokens);
+  return config.tied_head ? at::linear(x, token->weight) : linear(head, x);
+}
+
+torch::Tensor CharTransformerImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
+  if (config.fused_loss) {
+    return amp::linear_cross_entropy(hidden(tokens), config.tied_head ? token->weight : head->weight,
+                                     config.tied_head ? torch::Tensor() : head->bias, targets);
+  }
+  return at::cross_entropy_loss(forward(tokens).to(torch::kFloat).reshape({-1, config.vocab}), targets.reshape({-1}));
+}
+
+torch::Tensor CharTransformerImpl::hidden(const torch::Tensor& tokens) {
   auto x = token(tokens) + position(at::arange(tokens.size(1), tokens.options()));
   const size_t layers = blocks->size();
   if (config.recompute && config.recompute_run > 1) {
@@ -82,8 +97,7 @@ torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
   } else {
     x = run_blocks(0, layers, x);
   }
-  x = norm(x);
-  return config.tied_head ? at::linear(x, token->weight) : linear(head, x);
+  return norm(x);
 }
 
 std::string read_license_corpus(const std::string& dir) {
@@ -100,6 +114,15 @@ std::string read_license_corpus(const std::string& dir) {
   std::ostringstream text;
   for (const auto& f : files) text << std::ifstream(f).rdbuf() << "\n";
   return text.str();
+}
+
+torch::Tensor corpus_tokens(const std::string& text, int64_t vocab) {
+  auto bytes = torch::empty({int64_t(text.size())}, torch::kByte);
+  std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  const torch::Tensor b = bytes.to(torch::kLong);
+  if (vocab == 256) return b;
+  const int64_t pairs = b.size(0) / 2;
+  return (b.slice(0, 0, 2 * pairs, 2) * 256 + b.slice(0, 1, 2 * pairs, 2)).remainder(vocab);
 }
 
 }  // namespace examples

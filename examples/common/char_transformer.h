@@ -33,6 +33,9 @@ struct TransformerConfig {
   // the batch (amp::recompute_in_slices): its activations at once are a
   // slice's, for GEMMs of fewer rows.
   int64_t recompute_slices = 0;
+  // The loss through amp::linear_cross_entropy: the head's logits computed
+  // and dropped chunk by chunk (what a large vocabulary needs).
+  bool fused_loss = false;
 };
 
 struct BlockImpl : torch::nn::Module {
@@ -48,6 +51,12 @@ struct CharTransformerImpl : torch::nn::Module {
   explicit CharTransformerImpl(const TransformerConfig& c = {});
   // tokens [batch, time] int64 -> logits [batch, time, vocab]
   torch::Tensor forward(const torch::Tensor& tokens);
+  // tokens -> the final norm's output [batch, time, width], what the head reads.
+  torch::Tensor hidden(const torch::Tensor& tokens);
+  // The mean cross-entropy of predicting targets [batch, time] from tokens:
+  // through amp::linear_cross_entropy with config.fused_loss, else from the
+  // float32 logits.
+  torch::Tensor loss(const torch::Tensor& tokens, const torch::Tensor& targets);
   // Blocks [begin, end) on x, each recomputed when config.recompute is set.
   torch::Tensor run_blocks(size_t begin, size_t end, torch::Tensor x);
   TransformerConfig config;
@@ -62,5 +71,11 @@ TORCH_MODULE(CharTransformer);
 // base-files, present on every Debian system) as one byte string, or the
 // files under `dir` when given.
 std::string read_license_corpus(const std::string& dir = "/usr/share/common-licenses");
+
+// The corpus as tokens of a `vocab`-way model: its bytes for 256; for a
+// larger vocabulary each pair of bytes is one token, (first * 256 + second)
+// mod vocab (50304 folds 65536 pairs: 15232 share an id), so a real text
+// exercises a GPT-2-sized output layer without a tokenizer. int64 [tokens].
+torch::Tensor corpus_tokens(const std::string& text, int64_t vocab);
 
 }  // namespace examples

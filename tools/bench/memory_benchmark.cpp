@@ -70,6 +70,8 @@
 extern char** environ;
 
 ABSL_FLAG(int, layers, 4, "depth of the equal-batch table");
+ABSL_FLAG(int, vocab, 256, "output classes: 256 byte tokens, or more (50304: GPT-2's) from byte pairs");
+ABSL_FLAG(int, width, 256, "model width (768: GPT-2-small's)");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
@@ -95,7 +97,7 @@ ABSL_FLAG(std::string, result, "", "internal: where a rank writes its figures");
 
 namespace {
 
-constexpr int64_t kWidth = 256, kContext = 256, kBatch = 8;
+constexpr int64_t kContext = 256, kBatch = 8;
 constexpr int kSlices = 8;  // "in slices": one sequence of the batch at a time
 
 struct Config {
@@ -109,7 +111,15 @@ struct Config {
   bool shard_weights = false;  // with shard: ZeRO-3
   bool two_levels = false;  // with recompute: runs of about sqrt(depth) blocks recomputed around the blocks
   int slices = 0;  // with recompute, > 1: each block run in this many slices of the batch (recompute_in_slices)
+  bool fused_loss = false;  // the head and loss through amp::linear_cross_entropy
 };
+
+// `config` with its loss through amp::linear_cross_entropy.
+Config fused(Config config) {
+  config.name += " + fused loss";
+  config.fused_loss = true;
+  return config;
+}
 
 std::vector<Config> configs() {
   std::vector<Config> out = {{"LibTorch fp32", std::nullopt}, {"amp O1", amp::O1},
@@ -125,6 +135,10 @@ std::vector<Config> configs() {
                               false, kSlices},
                              {"amp O6 + recompute in slices + 8-bit state + step in backward", amp::O6, true, 1, false,
                               true, true, false, false, kSlices}};
+  for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O6 + recompute",
+                                 "amp O6 + recompute + 8-bit state + step in backward"}) {
+    out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
+  }
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
       const std::string per = (shard ? " sharded x" : " replicated x") + std::to_string(world);
@@ -162,7 +176,9 @@ class Trainer {
       : config_(config), group_(std::move(group)), corpus_(corpus()) {
     examples::TransformerConfig shape;
     shape.context = kContext;
-    shape.width = kWidth;
+    shape.width = absl::GetFlag(FLAGS_width);
+    shape.vocab = absl::GetFlag(FLAGS_vocab);
+    shape.fused_loss = config.fused_loss;
     shape.layers = layers;
     shape.tied_head = true;
     shape.recompute = config.recompute;
@@ -222,6 +238,8 @@ class Trainer {
   static const at::Tensor& corpus() {
     static const at::Tensor bytes = [] {
       const std::string text = examples::read_license_corpus();
+      const int64_t vocab = absl::GetFlag(FLAGS_vocab);
+      if (vocab != 256) return examples::corpus_tokens(text, vocab);
       auto t = torch::empty({int64_t(text.size())}, torch::kByte);
       std::memcpy(t.data_ptr(), text.data(), text.size());
       return t;
@@ -247,8 +265,7 @@ class Trainer {
       amp::reset_peak_allocated();
     };
     phase("start");
-    const at::Tensor logits = model_->forward(inputs);
-    const at::Tensor loss = torch::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, 256}), targets.reshape({-1}));
+    const at::Tensor loss = model_->loss(inputs, targets);
     phase("forward");
     if (config_.level) {
       amp::scale_loss scaled(loss, *optimizer_);
@@ -298,6 +315,8 @@ Figures run_ranks(const Config& config, int layers, int timed, int train_steps) 
                                      "--config=" + config.name, "--run_layers=" + std::to_string(layers),
                                      "--train_steps=" + std::to_string(train_steps),
                                      "--timed_steps=" + std::to_string(timed),
+                                     "--vocab=" + std::to_string(absl::GetFlag(FLAGS_vocab)),
+                                     "--width=" + std::to_string(absl::GetFlag(FLAGS_width)),
                                      "--bucket_mib=" + std::to_string(absl::GetFlag(FLAGS_bucket_mib)),
                                      std::string("--phases=") + (absl::GetFlag(FLAGS_phases) ? "true" : "false"),
                                      "--result=" + base + "." + std::to_string(rank)};
@@ -427,9 +446,9 @@ std::vector<Row> rows() {
 double bytes_per_parameter(const Figures& f) { return f.peak_mib * 1048576.0 / static_cast<double>(f.parameters); }
 
 void equal_batch_table(const std::vector<Row>& table, int layers) {
-  std::printf("\n1. One AdamW step, GPT-shaped decoder (width %lld, context %lld, batch %lld, %d blocks), "
+  std::printf("\n1. One AdamW step, GPT-shaped decoder (width %d, vocabulary %d, context %lld, batch %lld, %d blocks), "
               "allocator bytes (per rank in data parallel)\n\n",
-              (long long)kWidth, (long long)kContext, (long long)kBatch, layers);
+              absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_vocab), (long long)kContext, (long long)kBatch, layers);
   std::printf("| configuration | parameters | peak MiB | peak / fp32 | above start MiB | above start / fp32 | ms/step | "
               "time / fp32 | peak bytes / parameter | floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::optional<Figures> fp32;
