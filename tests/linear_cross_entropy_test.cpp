@@ -10,6 +10,8 @@
 #include <amp/linear_cross_entropy.h>
 #include <amp/memory.h>
 
+#include <torch/cuda.h>
+
 namespace amp::testing {
 namespace {
 
@@ -348,6 +350,38 @@ TEST_F(LinearCrossEntropyTest, WithShardedWeightsTrainsAsWithoutSharding) {
     runs.push_back(seen);
   }
   expect_bit_equal(runs[0], runs[1], "ZeRO-3 vs ZeRO-2");
+}
+
+// On CUDA (ATen's kernels per chunk): as accurate against float64 as the
+// unfused layer, in bfloat16 (gradients in forward) and float16 with a
+// per-token incoming gradient (recomputed in backward).
+TEST_F(LinearCrossEntropyTest, OnCudaIsAsAccurateAsTheUnfusedLayer) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const auto options = dtype == at::kHalf ? F::CrossEntropyFuncOptions().reduction(torch::kNone).label_smoothing(0.1)
+                                            : F::CrossEntropyFuncOptions().label_smoothing(0.1);
+    torch::manual_seed(8);
+    const at::Tensor h64 = torch::randn({300, 64}, at::kDouble), w64 = torch::randn({5000, 64}, at::kDouble) * 0.1;
+    const at::Tensor y = torch::randint(0, 5000, {300}).cuda();
+    const at::Tensor g = torch::rand({300}, at::kDouble).cuda() + 0.5;
+    auto grads_of = [&](const at::Tensor& h_in, const at::Tensor& w_in, bool fused) {
+      const at::Tensor h = h_in.detach().requires_grad_(), w = w_in.detach().requires_grad_();
+      at::Tensor loss = fused ? amp::linear_cross_entropy(h, w, {}, y, options, 64)
+                              : F::cross_entropy(F::linear(h, w).to(h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat), y, options);
+      loss = loss.dim() == 0 ? loss : (loss.to(at::kDouble) * g).sum();
+      loss.backward();
+      return std::vector<at::Tensor>{loss.detach(), h.grad(), w.grad()};
+    };
+    const auto reference = grads_of(h64.cuda(), w64.cuda(), false);
+    const auto plain = grads_of(h64.to(dtype).cuda(), w64.to(dtype).cuda(), false);
+    const auto fused = grads_of(h64.to(dtype).cuda(), w64.to(dtype).cuda(), true);
+    const double rounding = dtype == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    for (size_t i = 0; i < 3; ++i) {
+      const double scale = reference[i].abs().max().item<double>();
+      EXPECT_LE(max_diff(fused[i], reference[i]), 2 * max_diff(plain[i], reference[i]) + rounding * scale)
+          << c10::toString(dtype) << " output " << i;
+    }
+  }
 }
 
 TEST_F(LinearCrossEntropyTest, RefusesBadInputBeforeComputingAnything) {

@@ -238,6 +238,12 @@ if device_stage examples; then
   say "    O5+fp8 fashion_mnist, every GEMM in float8: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
   say "    O5+fp8 transformer_lm, every GEMM in float8: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8 --fp8_min_gemm_intensity=0)"
   say "    O5+fp8 transformer_lm, the default rule: $(example_result 120 transformer_lm --steps=20 --opt_level=O5+fp8)"
+  # A GPT-2-sized vocabulary (50304, width 768): the loss with and without
+  # its logits (amp::linear_cross_entropy): peak allocated and ms/step side by side.
+  for fused in "" --fused_loss; do
+    say "    O5 transformer_lm --vocab=50304 --width=768 ${fused:-(unfused)}: $(example_result 180 transformer_lm --steps=20 \
+      --opt_level=O5 --vocab=50304 --width=768 --layers=2 --context=256 --batch_size=8 $fused)"
+  done
   # The launcher path on the device: torchrun, one rank, NCCL, sharded (ZeRO-3).
   launched=$(timeout 180 "$python" -m torch.distributed.run --nnodes=1 --nproc_per_node=1 --master_addr=127.0.0.1 \
     --master_port=29511 --no-python "$build/examples/distributed_fashion_mnist" --device=cuda --opt_level=O2 --shard \
