@@ -150,14 +150,7 @@ LevelRun run_level(const std::optional<amp::Options>& options, bool tied, bool f
   return run;
 }
 
-struct AccuracyCase {
-  std::string name;
-  amp::OptLevel level;
-  std::optional<c10::ScalarType> cpu_dtype;
-};
-void PrintTo(const AccuracyCase& c, std::ostream* os) { *os << c.name; }
-
-class LinearCrossEntropyLevelTest : public AmpTest, public ::testing::WithParamInterface<AccuracyCase> {};
+class LinearCrossEntropyLevelTest : public AmpTest, public ::testing::WithParamInterface<LevelCase> {};
 
 // At every level, fused and unfused, each against float64: the fused loss
 // and gradients are as accurate as the unfused layer's - within twice its
@@ -165,8 +158,7 @@ class LinearCrossEntropyLevelTest : public AmpTest, public ::testing::WithParamI
 // take other kernels, whose roundings differ) - tied or not, with the loss
 // scale of the level (float16's dynamic scale included).
 TEST_P(LinearCrossEntropyLevelTest, AsAccurateAsLinearAndCrossEntropyAgainstFloat64) {
-  amp::Options options = GetParam().level;
-  options.cpu_dtype = GetParam().cpu_dtype;
+  const amp::Options options = GetParam().options();
   const at::ScalarType gemm = GetParam().level == amp::O0 ? at::kFloat : options.cpu_dtype.value_or(at::kBFloat16);
   const double rounding = gemm == at::kFloat ? std::ldexp(1.0, -24) : gemm == at::kHalf ? std::ldexp(1.0, -11)
                                                                                        : std::ldexp(1.0, -8);
@@ -190,18 +182,7 @@ TEST_P(LinearCrossEntropyLevelTest, AsAccurateAsLinearAndCrossEntropyAgainstFloa
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, LinearCrossEntropyLevelTest,
-                         ::testing::Values(AccuracyCase{"O0", amp::O0, std::nullopt},
-                                           AccuracyCase{"O1", amp::O1, std::nullopt},
-                                           AccuracyCase{"O2", amp::O2, std::nullopt},
-                                           AccuracyCase{"O3", amp::O3, std::nullopt},
-                                           AccuracyCase{"O4", amp::O4, std::nullopt},
-                                           AccuracyCase{"O5", amp::O5, std::nullopt},
-                                           AccuracyCase{"O6", amp::O6, std::nullopt},
-                                           AccuracyCase{"O1_fp16", amp::O1, c10::kHalf},
-                                           AccuracyCase{"O2_fp16", amp::O2, c10::kHalf},
-                                           AccuracyCase{"O3_fp16", amp::O3, c10::kHalf}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Levels, LinearCrossEntropyLevelTest, every_level(), level_case_name);
 
 class LinearCrossEntropyTest : public AmpTest {};
 

@@ -112,18 +112,10 @@ RecomputeTrace train(const amp::Options& options, Recompute mode, int steps = 3,
   return trace;
 }
 
-struct LevelCase {
-  std::string name;
-  amp::OptLevel level;
-  std::optional<c10::ScalarType> cpu_dtype;
-};
-void PrintTo(const LevelCase& c, std::ostream* os) { *os << c.name; }
-
 class RecomputeLevelTest : public AmpTest, public ::testing::WithParamInterface<LevelCase> {};
 
 TEST_P(RecomputeLevelTest, TrainsBitIdenticallyToTheModelWithoutRecomputation) {
-  amp::Options options = GetParam().level;
-  options.cpu_dtype = GetParam().cpu_dtype;
+  const amp::Options options = GetParam().options();
   const RecomputeTrace plain = train(options, Recompute::kNone);
   for (Recompute mode : {Recompute::kBlocks, Recompute::kNested}) {
     const RecomputeTrace recomputed = train(options, mode);
@@ -134,18 +126,7 @@ TEST_P(RecomputeLevelTest, TrainsBitIdenticallyToTheModelWithoutRecomputation) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest,
-                         ::testing::Values(LevelCase{"O0", amp::O0, std::nullopt},
-                                           LevelCase{"O1", amp::O1, std::nullopt},
-                                           LevelCase{"O2", amp::O2, std::nullopt},
-                                           LevelCase{"O3", amp::O3, std::nullopt},
-                                           LevelCase{"O4", amp::O4, std::nullopt},
-                                           LevelCase{"O5", amp::O5, std::nullopt},
-                                           LevelCase{"O6", amp::O6, std::nullopt},
-                                           LevelCase{"O1_fp16", amp::O1, c10::kHalf},
-                                           LevelCase{"O2_fp16", amp::O2, c10::kHalf},
-                                           LevelCase{"O3_fp16", amp::O3, c10::kHalf}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest, every_level(), level_case_name);
 
 // On the GPU backward runs on autograd's device thread, and dropout draws
 // from the CUDA generator: the rerun takes both from its forward.

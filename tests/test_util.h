@@ -25,6 +25,7 @@
 #include <limits>
 #include <mutex>
 #include <sstream>
+#include <optional>
 #include <string>
 
 // Expects `statement` to throw a c10::Error whose message contains `substring`.
@@ -201,6 +202,31 @@ inline void load_state_bytes(const std::string& bytes) {
 // Deinitializes amp and drops user registrations after every test, so tests
 // are independent even when one fails half-way. (A fixture's Handle ends
 // its own initialization when the fixture is destroyed, before the next.)
+// An opt level, and for its float16 variants the CPU's low dtype: the
+// parameter of tests that run at every level.
+struct LevelCase {
+  std::string name;
+  amp::OptLevel level;
+  std::optional<c10::ScalarType> cpu_dtype;
+  // The level's options with the case's CPU dtype.
+  amp::Options options() const {
+    amp::Options o = level;
+    o.cpu_dtype = cpu_dtype;
+    return o;
+  }
+};
+inline void PrintTo(const LevelCase& c, std::ostream* os) { *os << c.name; }
+
+// O0-O6, and O1-O3 in float16, as test parameters named by the level.
+inline auto every_level() {
+  return ::testing::Values(LevelCase{"O0", amp::O0, std::nullopt}, LevelCase{"O1", amp::O1, std::nullopt},
+                           LevelCase{"O2", amp::O2, std::nullopt}, LevelCase{"O3", amp::O3, std::nullopt},
+                           LevelCase{"O4", amp::O4, std::nullopt}, LevelCase{"O5", amp::O5, std::nullopt},
+                           LevelCase{"O6", amp::O6, std::nullopt}, LevelCase{"O1_fp16", amp::O1, c10::kHalf},
+                           LevelCase{"O2_fp16", amp::O2, c10::kHalf}, LevelCase{"O3_fp16", amp::O3, c10::kHalf});
+}
+inline std::string level_case_name(const ::testing::TestParamInfo<LevelCase>& info) { return info.param.name; }
+
 class AmpTest : public ::testing::Test {
  protected:
   void TearDown() override {
