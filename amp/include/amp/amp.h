@@ -36,8 +36,6 @@
 ///   checkpoint.h   save_checkpoint / load_checkpoint / save_fp32_weights
 ///   recompute.h    recompute, recompute_sequential, recompute_in_slices:
 ///                  activation recomputation
-///   linear_cross_entropy.h  linear_cross_entropy: the output layer and its
-///                  loss in chunks, never holding the logits
 ///   version.h      AMP_VERSION_MAJOR/MINOR/PATCH, AMP_VERSION_STRING, amp::version()
 /// ```
 /// Beside it, each an umbrella of its own:
@@ -50,6 +48,8 @@
 ///   distributed.h  overflow_all_reduce, for programs that average gradients
 ///                  themselves
 ///   testing.h      host_syncs and test hooks, for benchmarks and tests
+///   linear_cross_entropy.h  linear_cross_entropy: a language model's output
+///                  layer and its loss in chunks, never holding the logits
 /// ```
 /// internal/ holds what these headers need and programs never name.
 #pragma once
@@ -57,7 +57,6 @@
 #include <amp/checkpoint.h>
 #include <amp/fused.h>
 #include <amp/initialize.h>
-#include <amp/linear_cross_entropy.h>
 #include <amp/loss_scaler.h>
 #include <amp/opt_levels.h>
 #include <amp/optimizer.h>
