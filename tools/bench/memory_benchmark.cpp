@@ -21,6 +21,10 @@
 // Python's torch on the same model
 // (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint,
 // and that with torchao's AdamW8bit.
+// --vocab (byte pairs folded into that many ids; 50304: GPT-2's) and
+// --width set the output layer: "+ fused loss" rows compute it and the loss
+// with amp::linear_cross_entropy, and the Python peer adds a row that
+// upcasts one chunk of logits at a time (torchtune's CEWithChunkedOutputLoss).
 //
 // Table 1: one step at equal batch and depth: the allocator's peak bytes
 // (amp::allocated_bytes: everything the step's tensors held at once,
@@ -373,11 +377,13 @@ int rank_main() {
 }
 
 // The Python peer's figures for `mode` at `layers`.
-Figures peer(const std::string& mode, int layers, int timed, int train_steps) {
+Figures peer(const std::string& mode, int layers, int timed, int train_steps, const std::string& loss_kind = "plain") {
   const std::string python = absl::GetFlag(FLAGS_python);
   std::string script = absl::GetFlag(FLAGS_peer_script);
   if (script.empty()) script = std::string(AMP_SOURCE_DIR) + "/tools/bench/memory_peer.py";
-  const std::string command = python + " " + script + " --mode=" + mode + " --layers=" + std::to_string(layers) +
+  const std::string command = python + " " + script + " --mode=" + mode + " --loss=" + loss_kind + " --layers=" + std::to_string(layers) +
+                              " --vocab=" + std::to_string(absl::GetFlag(FLAGS_vocab)) +
+                              " --width=" + std::to_string(absl::GetFlag(FLAGS_width)) +
                               " --train_steps=" + std::to_string(train_steps) +
                               " --timed_steps=" + std::to_string(timed) + " 2>/dev/null";
   FILE* pipe = popen(command.c_str(), "r");
@@ -439,6 +445,13 @@ std::vector<Row> rows() {
     // bfloat16 weight copies forward saved until backward.
     const double floor = mode == "checkpoint8bit" ? 4 + 4 + 2 : mode == "autocast" ? 4 + 2 + 4 + 8 : 4 + 4 + 8;
     out.push_back({name, floor, [mode = mode](int layers, int timed, int train) { return peer(mode, layers, timed, train); }});
+  }
+  // A large vocabulary: the output layer and loss torchtune's way too.
+  const std::string chunked = "Python autocast + checkpoint + chunked loss";
+  if (absl::GetFlag(FLAGS_vocab) != 256 && std::regex_search(chunked, only)) {
+    out.push_back({chunked, 4 + 4 + 8, [](int layers, int timed, int train) {
+                     return peer("checkpoint", layers, timed, train, "chunked");
+                   }});
   }
   return out;
 }

@@ -6,7 +6,12 @@ tokens, learned positions, pre-norm blocks of causal 4-head attention and a
 4x GELU MLP, tied head), the same AdamW step, in Python's torch: float32,
 torch.autocast(bfloat16), autocast with torch.utils.checkpoint on every
 block, and that with torchao's 8-bit AdamW (torchao.optim.AdamW8bit:
-blockwise 8-bit moments; `pip install torchao` into the same Python). Bytes are LibTorch's CPU allocator's, as amp counts them: the tensors
+blockwise 8-bit moments; `pip install torchao` into the same Python).
+With --vocab larger than 256 the tokens are byte pairs folded into that
+many ids (examples::corpus_tokens), and --loss=chunked computes the output
+layer and its loss torchtune's way (CEWithChunkedOutputLoss): the hidden
+states in 8 chunks along the sequence, each chunk's logits upcast to float32
+for its cross-entropy on its own. Bytes are LibTorch's CPU allocator's, as amp counts them: the tensors
 held before the step, plus the most the profiler's memory events
 (profile_memory=True) see allocated at once during it.
 
@@ -40,15 +45,32 @@ class Gpt(torch.nn.Module):
         self.recompute = recompute
         torch.nn.init.normal_(self.token.weight, 0.0, 0.02)  # a tied head's weights, as GPT-2's
 
-    def forward(self, tokens):
+    def hidden(self, tokens):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
-        return F.linear(self.norm(x), self.token.weight)
+        return self.norm(x)
+
+    def forward(self, tokens):
+        return F.linear(self.hidden(tokens), self.token.weight)
 
 
-def corpus_bytes(directory="/usr/share/common-licenses"):
-    return torch.tensor(list(read_license_corpus(directory)), dtype=torch.long)
+def corpus_tokens(vocab, directory="/usr/share/common-licenses"):
+    """Bytes, or for a larger vocabulary byte pairs folded into `vocab` ids (as examples::corpus_tokens)."""
+    b = torch.tensor(list(read_license_corpus(directory)), dtype=torch.long)
+    if vocab == 256:
+        return b
+    pairs = b.numel() // 2
+    return (b[0 : 2 * pairs : 2] * 256 + b[1 : 2 * pairs : 2]).remainder(vocab)
+
+
+def chunked_loss(model, inputs, targets, vocab, chunks=8):
+    """torchtune's CEWithChunkedOutputLoss: each chunk's logits upcast on their own."""
+    hidden = model.hidden(inputs)
+    total = sum(F.cross_entropy(F.linear(h, model.token.weight).float().reshape(-1, vocab), t.reshape(-1),
+                                reduction="sum")
+                for h, t in zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)))
+    return total / targets.numel()
 
 
 def batch_for(corpus, step, batch, context):
@@ -84,6 +106,8 @@ def main():
     parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint", "checkpoint8bit"], required=True)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--loss", choices=["plain", "chunked"], default="plain")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--timed_steps", type=int, default=3)
@@ -92,9 +116,9 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    corpus = corpus_bytes()
+    corpus = corpus_tokens(args.vocab)
     torch.manual_seed(0)
-    model = Gpt(args.layers, args.width, args.context, recompute=args.mode.startswith("checkpoint"))
+    model = Gpt(args.layers, args.width, args.context, vocab=args.vocab, recompute=args.mode.startswith("checkpoint"))
     if args.mode == "checkpoint8bit":
         from torchao.optim import AdamW8bit
         optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's default decay
@@ -105,8 +129,12 @@ def main():
         inputs, targets = batch_for(corpus, number, args.batch, args.context)
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mode != "fp32"):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
+            if args.loss == "chunked":
+                loss = chunked_loss(model, inputs, targets, args.vocab)
+            else:
+                logits = model(inputs)
+        if args.loss == "plain":
+            loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), targets.reshape(-1))
         loss.backward()
         optimizer.step()
         return loss.item()
@@ -131,7 +159,7 @@ def main():
     losses = [step(10 + i) for i in range(args.train_steps)]
     loss = statistics.mean(losses[-5:]) if losses else float("nan")
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"peer {args.mode} layers {args.layers} parameters {parameters} peak_mib {peak / 1048576:.2f} "
+    print(f"peer {args.mode}-{args.loss} layers {args.layers} parameters {parameters} peak_mib {peak / 1048576:.2f} "
           f"above_start_mib {above_start / 1048576:.2f} "
           f"ms_step {statistics.median(times[1:] or times):.1f} loss {loss:.4f}")
 
