@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <variant>
@@ -25,20 +26,20 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-enum class Reduction : int64_t { kNone, kMean, kSum };
+enum class LossReduction : int64_t { kNone, kMean, kSum };
 
-Reduction reduction_of(const torch::nn::functional::CrossEntropyFuncOptions& options) {
-  if (std::holds_alternative<torch::enumtype::kNone>(options.reduction())) return Reduction::kNone;
-  if (std::holds_alternative<torch::enumtype::kSum>(options.reduction())) return Reduction::kSum;
-  return Reduction::kMean;
+LossReduction reduction_of(const torch::nn::functional::CrossEntropyFuncOptions& options) {
+  if (std::holds_alternative<torch::enumtype::kNone>(options.reduction())) return LossReduction::kNone;
+  if (std::holds_alternative<torch::enumtype::kSum>(options.reduction())) return LossReduction::kSum;
+  return LossReduction::kMean;
 }
 
 constexpr int64_t kChunkLogitBytes = int64_t{32} << 20;
 
 // The call's constants, kept in the autograd context.
-struct Call {
+struct LossCall {
   CrossEntropyTerms terms;
-  Reduction reduction = Reduction::kMean;
+  LossReduction reduction = LossReduction::kMean;
   int64_t chunk = 1;
   at::ScalarType acc = at::kFloat;
   bool bias = false;  // else the bias argument is an empty stand-in (autograd takes no undefined input)
@@ -51,26 +52,26 @@ at::ScalarType accumulation_dtype(at::ScalarType compute) {
 }
 
 // A chunk of rows [begin, end) of the flattened tokens.
-struct Rows {
+struct TokenChunk {
   int64_t begin, end;
   at::Tensor of(const at::Tensor& t) const { return t.slice(0, begin, end); }
 };
 
 template <class Fn>
 void for_each_chunk(int64_t tokens, int64_t chunk, Fn&& fn) {
-  for (int64_t begin = 0; begin < tokens; begin += chunk) fn(Rows{begin, std::min(tokens, begin + chunk)});
+  for (int64_t begin = 0; begin < tokens; begin += chunk) fn(TokenChunk{begin, std::min(tokens, begin + chunk)});
 }
 
 // One chunk's logits in the accumulation dtype, from GEMMs in the inputs' dtype.
-at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias, const Call& call) {
+at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias, const LossCall& call) {
   return at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc);
 }
 
 // The gradients of the inputs, summed over chunks.
-struct Gradients {
+struct ChunkedGradients {
   at::Tensor hidden, weight, bias;
 
-  Gradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
+  ChunkedGradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
             at::ScalarType acc) {
     if (needed[0]) hidden = at::empty_like(h, at::MemoryFormat::Contiguous);
     if (needed[1]) weight = at::zeros_like(w, at::MemoryFormat::Contiguous);
@@ -79,7 +80,7 @@ struct Gradients {
 
   // Adds one chunk's: `grad_logits` [C, V] in the accumulation dtype, of
   // the chunk's hidden rows `h` [C, H].
-  void add(const Rows& rows, const at::Tensor& grad_logits, const at::Tensor& h, const at::Tensor& w) {
+  void add(const TokenChunk& rows, const at::Tensor& grad_logits, const at::Tensor& h, const at::Tensor& w) {
     const at::Tensor g = grad_logits.to(w.scalar_type());
     if (hidden.defined()) {
       at::Tensor out = rows.of(hidden);
@@ -100,21 +101,21 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   // hidden [N, H], weight [V, H], bias [V] or undefined, all one dtype;
   // target [N] int64. Returns the loss (a scalar, or [N] for kNone).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& bias_or_empty, const at::Tensor& target, Call call) {
+                            const at::Tensor& bias_or_empty, const at::Tensor& target, LossCall call) {
     const at::Tensor bias = call.bias ? bias_or_empty : at::Tensor();
     const std::array<bool, 3>& needed = call.needed;
     const bool any_needed = needed[0] || needed[1] || needed[2];
     // Unscaled gradients need float16's range only in float16.
-    const bool in_forward = any_needed && call.reduction != Reduction::kNone && hidden.scalar_type() != at::kHalf;
+    const bool in_forward = any_needed && call.reduction != LossReduction::kNone && hidden.scalar_type() != at::kHalf;
     const int64_t tokens = hidden.size(0);
-    const at::Tensor denominator = call.reduction == Reduction::kMean
+    const at::Tensor denominator = call.reduction == LossReduction::kMean
                                        ? mean_denominator(target, call.terms, call.acc)
                                        : at::ones({}, hidden.options().dtype(call.acc));
     at::Tensor losses = at::empty({tokens}, hidden.options().dtype(call.acc));
     at::Tensor lse = any_needed && !in_forward ? at::empty({tokens}, losses.options()) : at::Tensor();
-    std::optional<Gradients> grads;
+    std::optional<ChunkedGradients> grads;
     if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc);
-    for_each_chunk(tokens, call.chunk, [&](const Rows& rows) {
+    for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
       at::Tensor logits = chunk_logits(h, weight, bias, call);
       const at::Tensor chunk_lse = logits.logsumexp(1);
@@ -136,9 +137,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       ctx->saved_data["smoothing"] = call.terms.smoothing;
       ctx->saved_data["chunk"] = call.chunk;
     }
-    if (call.reduction == Reduction::kNone) return losses;
+    if (call.reduction == LossReduction::kNone) return losses;
     const at::Tensor total = losses.sum();
-    return call.reduction == Reduction::kMean ? total / denominator : total;
+    return call.reduction == LossReduction::kMean ? total / denominator : total;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -147,34 +148,36 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                 "(a gradient penalty) with torch::nn::functional::linear and cross_entropy.");
     const at::Tensor& g = grad_outputs[0];
     const variable_list saved = ctx->get_saved_variables();
-    const auto reduction = static_cast<Reduction>(ctx->saved_data["reduction"].toInt());
+    const auto reduction = static_cast<LossReduction>(ctx->saved_data["reduction"].toInt());
     variable_list out(5);
     if (ctx->saved_data["in_forward"].toBool()) {
+      // Scaled where they lie unless the graph is kept for another backward.
+      const bool keep = torch::autograd::get_current_graph_task_keep_graph();
       for (size_t i = 0; i < 3; ++i) {
-        if (saved[i].defined()) out[i] = saved[i] * g;
+        if (saved[i].defined()) out[i] = keep ? saved[i] * g : at::Tensor(saved[i]).mul_(g);
       }
       return out;
     }
     const at::Tensor &hidden = saved[0], &weight = saved[1], &bias = saved[2], &target = saved[3];
     const at::Tensor &lse = saved[4], &denominator = saved[5];
-    Call call;
+    LossCall call;
     call.terms = {ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["smoothing"].toDouble(), saved[6]};
     call.reduction = reduction;
     call.chunk = ctx->saved_data["chunk"].toInt();
     call.acc = lse.scalar_type();
     // The incoming gradient of each token's loss, in float32 before any
     // float16 GEMM (the loss scale keeps small gradients in range).
-    const at::Tensor token_scale = reduction == Reduction::kNone ? g.to(call.acc)
-                                   : reduction == Reduction::kMean ? (g.to(call.acc) / denominator)
+    const at::Tensor token_scale = reduction == LossReduction::kNone ? g.to(call.acc)
+                                   : reduction == LossReduction::kMean ? (g.to(call.acc) / denominator)
                                                                     : g.to(call.acc);
-    Gradients grads(hidden, weight, bias,
+    ChunkedGradients grads(hidden, weight, bias,
                     {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
                     call.acc);
-    for_each_chunk(hidden.size(0), call.chunk, [&](const Rows& rows) {
+    for_each_chunk(hidden.size(0), call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
       at::Tensor logits = chunk_logits(h, weight, bias, call);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
-      const at::Tensor scale = reduction == Reduction::kNone ? rows.of(token_scale)
+      const at::Tensor scale = reduction == LossReduction::kNone ? rows.of(token_scale)
                                                              : token_scale.expand({h.size(0)});
       logits_to_gradient_(logits, rows.of(lse), targets, call.terms, scale);
       grads.add(rows, logits, h, weight);
@@ -261,7 +264,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   const at::Tensor bias_read = bias.defined() ? at::alias(bias) : at::Tensor();
   const at::ScalarType compute = gemm_dtype(hidden, weight_read, bias_read);
 
-  Call call;
+  LossCall call;
   call.acc = accumulation_dtype(compute);
   call.terms.ignore_index = options.ignore_index();
   call.terms.smoothing = smoothing;
@@ -286,7 +289,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
     call.needed = {grad && h.requires_grad(), grad && w.requires_grad(), grad && call.bias && b.requires_grad()};
     loss = LinearCrossEntropyFunction::apply(h, w, call.bias ? b : at::empty({0}, w.options()), flat_target, call);
   }
-  return call.reduction == Reduction::kNone ? loss.view(target.sizes()) : loss;
+  return call.reduction == LossReduction::kNone ? loss.view(target.sizes()) : loss;
 }
 
 }  // namespace amp
