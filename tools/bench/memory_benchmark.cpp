@@ -517,23 +517,33 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
               "loss (last 5 steps) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::vector<int> depths;  // --budget_depths, for every row but the float32 reference (the first)
   for (const std::string& depth : absl::GetFlag(FLAGS_budget_depths)) depths.push_back(std::stoi(depth));
-  int64_t fp32_parameters = 0;
+  int64_t fp32_parameters = 0;  // 0: float32 fits no depth (the ratios are left out)
   auto print = [&](const Row& row, int blocks, const Figures& f, const std::string& last) {
-    std::printf("| %s | %d | %lld | %.2f | %.1f | %.1f | %.1f | %s |\n", row.name.c_str(), blocks,
-                (long long)f.parameters, double(f.parameters) / fp32_parameters, f.peak_mib, bytes_per_parameter(f),
-                row.floor, last.c_str());
+    char ratio[32] = "-";
+    if (fp32_parameters > 0) std::snprintf(ratio, sizeof ratio, "%.2f", double(f.parameters) / fp32_parameters);
+    std::printf("| %s | %d | %lld | %s | %.1f | %.1f | %.1f | %s |\n", row.name.c_str(), blocks,
+                (long long)f.parameters, ratio, f.peak_mib, bytes_per_parameter(f), row.floor, last.c_str());
     std::fflush(stdout);
   };
   for (const Row& row : table) {
-    const std::vector<int> tried = fp32_parameters == 0 ? std::vector<int>{} : depths;
+    const bool reference = &row == &table.front();
+    const std::vector<int> tried = reference ? std::vector<int>{} : depths;
     const Search search = largest_in_budget(row, budget, tried);
     // A depth tried that did not fit: an upper bound on the largest.
     for (const auto& [blocks, f] : search.measured) {
       if (!tried.empty() && f.peak_mib > budget) print(row, blocks, f, "over the budget");
     }
-    if (search.fits == 0) continue;
+    if (search.fits == 0) {
+      // Said, not skipped: one block already over (a large vocabulary's logits).
+      const auto one = search.measured.find(1);
+      char peak[32] = "-";
+      if (one != search.measured.end()) std::snprintf(peak, sizeof peak, "%.1f", one->second.peak_mib);
+      std::printf("| %s | 0 | 0 | - | %s | - | %.1f | does not fit at 1 block |\n", row.name.c_str(), peak, row.floor);
+      std::fflush(stdout);
+      continue;
+    }
     const Figures& fit = search.measured.at(search.fits);
-    if (fp32_parameters == 0) fp32_parameters = fit.parameters;
+    if (reference) fp32_parameters = fit.parameters;
     // Without training, the search's own step at that depth is the row.
     const double loss = train_steps > 0 ? row.measure(search.fits, /*timed=*/0, train_steps).loss : fit.loss;
     char text[32];
