@@ -22,7 +22,8 @@
 // (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint,
 // and that with torchao's AdamW8bit.
 // --vocab (byte pairs folded into that many ids; 50304: GPT-2's) and
-// --width set the output layer: "+ fused loss" rows compute it and the loss
+// --width set the output layer (--loss_layer: that layer alone, unfused against
+// fused): "+ fused loss" rows compute it and the loss
 // with amp::linear_cross_entropy, and the Python peer adds a row that
 // upcasts one chunk of logits at a time (torchtune's CEWithChunkedOutputLoss).
 //
@@ -44,6 +45,7 @@
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
 #include <amp/distributed.h>
+#include <amp/linear_cross_entropy.h>
 
 #include "bench_util.h"
 #include "common/char_transformer.h"
@@ -76,6 +78,8 @@ extern char** environ;
 ABSL_FLAG(int, layers, 4, "depth of the equal-batch table");
 ABSL_FLAG(int, vocab, 256, "output classes: 256 byte tokens, or more (50304: GPT-2's) from byte pairs");
 ABSL_FLAG(int, width, 256, "model width (768: GPT-2-small's)");
+ABSL_FLAG(bool, loss_layer, false, "only the output layer and its loss, bfloat16, batch x context tokens: the "
+          "allocator's peak above its inputs, unfused against amp::linear_cross_entropy");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
@@ -552,8 +556,46 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
   }
 }
 
+// --loss_layer: the output layer and its mean cross-entropy alone, forward
+// and backward, its inputs (hidden states, weight) in bfloat16 and held
+// before it: the peak above them, and time, median of 3.
+int loss_layer_table() {
+  const int64_t tokens = kBatch * kContext, width = absl::GetFlag(FLAGS_width), vocab = absl::GetFlag(FLAGS_vocab);
+  std::printf("\n0. The output layer and its loss alone (%lld tokens, width %lld, vocabulary %lld, bfloat16): "
+              "peak allocator bytes above its inputs\n\n| loss | peak MiB | / unfused | ms | / unfused |\n"
+              "|---|---:|---:|---:|---:|\n", (long long)tokens, (long long)width, (long long)vocab);
+  torch::manual_seed(0);
+  const at::Tensor h = torch::randn({tokens, width}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor w = (torch::randn({vocab, width}) * 0.02).to(at::kBFloat16).requires_grad_();
+  const at::Tensor y = torch::randint(0, vocab, {tokens});
+  double unfused_mib = 0, unfused_ms = 0;
+  for (bool fused : {false, true}) {
+    std::vector<double> ms;
+    double mib = 0;
+    for (int i = 0; i < 3; ++i) {
+      h.mutable_grad().reset();
+      w.mutable_grad().reset();
+      amp::reset_peak_allocated();
+      const int64_t before = amp::allocated_bytes().current;
+      const auto start = std::chrono::steady_clock::now();
+      const at::Tensor loss = fused ? amp::linear_cross_entropy(h, w, {}, y)
+                                    : torch::cross_entropy_loss(at::linear(h, w).to(at::kFloat), y);
+      loss.backward();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      mib = (amp::allocated_bytes().peak - before) / 1048576.0;
+    }
+    if (!fused) unfused_mib = mib, unfused_ms = bench::median(ms);
+    std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", fused ? "amp::linear_cross_entropy" : "linear + cross_entropy",
+                mib, mib / unfused_mib, bench::median(ms), bench::median(ms) / unfused_ms);
+  }
+  std::printf("\nBoth include the gradients of hidden (%.1f MiB) and weight (%.1f MiB) in bfloat16.\n",
+              tokens * width * 2 / 1048576.0, vocab * width * 2 / 1048576.0);
+  return 0;
+}
+
 int run() {
   if (absl::GetFlag(FLAGS_rank) >= 0) return rank_main();
+  if (absl::GetFlag(FLAGS_loss_layer)) return loss_layer_table();
   const std::vector<Row> table = rows();
   equal_batch_table(table, absl::GetFlag(FLAGS_layers));
   if (absl::GetFlag(FLAGS_budget_mib) > 0) {
