@@ -78,9 +78,13 @@ struct ChunkedGradients {
     if (needed[2] && b.defined()) bias = at::zeros(b.sizes(), b.options().dtype(acc));
   }
 
-  // Adds one chunk's: `grad_logits` [C, V] in the accumulation dtype, of
-  // the chunk's hidden rows `h` [C, H].
-  void add(const TokenChunk& rows, const at::Tensor& grad_logits, const at::Tensor& h, const at::Tensor& w) {
+  // Adds one chunk's, from its `logits` [C, V] (accumulation dtype,
+  // overwritten by their gradient) and log-sum-exp, for its hidden rows
+  // `h` [C, H]; `row_scale` [C]: the incoming gradient of each token's loss.
+  void add(const TokenChunk& rows, at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
+           const LossCall& call, const at::Tensor& row_scale, const at::Tensor& h, const at::Tensor& w) {
+    logits_to_gradient_(logits, lse, targets, call.terms, row_scale);
+    const at::Tensor& grad_logits = logits;
     const at::Tensor g = grad_logits.to(w.scalar_type());
     if (hidden.defined()) {
       at::Tensor out = rows.of(hidden);
@@ -115,6 +119,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     at::Tensor lse = any_needed && !in_forward ? at::empty({tokens}, losses.options()) : at::Tensor();
     std::optional<ChunkedGradients> grads;
     if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc);
+    const at::Tensor row_scale = denominator.reciprocal();  // forward's gradients: an incoming 1
     for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
       at::Tensor logits = chunk_logits(h, weight, bias, call);
@@ -122,9 +127,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
       rows.of(losses).copy_(token_losses(logits, chunk_lse, targets, call.terms));
       if (lse.defined()) rows.of(lse).copy_(chunk_lse);
-      if (!grads) return;
-      logits_to_gradient_(logits, chunk_lse, targets, call.terms, denominator.reciprocal().expand({h.size(0)}));
-      grads->add(rows, logits, h, weight);
+      if (grads) grads->add(rows, logits, chunk_lse, targets, call, row_scale.expand({h.size(0)}), h, weight);
     });
     ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
     ctx->saved_data["in_forward"] = in_forward;
@@ -167,9 +170,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     call.acc = lse.scalar_type();
     // The incoming gradient of each token's loss, in float32 before any
     // float16 GEMM (the loss scale keeps small gradients in range).
-    const at::Tensor token_scale = reduction == LossReduction::kNone ? g.to(call.acc)
-                                   : reduction == LossReduction::kMean ? (g.to(call.acc) / denominator)
-                                                                    : g.to(call.acc);
+    at::Tensor token_scale = g.to(call.acc);
+    if (reduction == LossReduction::kMean) token_scale = token_scale / denominator;
     ChunkedGradients grads(hidden, weight, bias,
                     {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
                     call.acc);
@@ -178,9 +180,8 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       at::Tensor logits = chunk_logits(h, weight, bias, call);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
       const at::Tensor scale = reduction == LossReduction::kNone ? rows.of(token_scale)
-                                                             : token_scale.expand({h.size(0)});
-      logits_to_gradient_(logits, rows.of(lse), targets, call.terms, scale);
-      grads.add(rows, logits, h, weight);
+                                                                 : token_scale.expand({h.size(0)});
+      grads.add(rows, logits, rows.of(lse), targets, call, scale, h, weight);
     });
     const variable_list g3 = grads.finish(bias);
     std::copy(g3.begin(), g3.end(), out.begin());
