@@ -186,6 +186,66 @@ TEST(EightBitStateTest, APackedBlockPackedAgainIsTheSameBytes) {
   }
 }
 
+// Blocks that reach each branch of the coding: values over every scale,
+// a zero block, one whose maximum is on a code, one whose maximum rounds
+// down onto 0.5 (recoded one exponent down: to nearest always, with noise
+// in about half of 64 such blocks), inf and NaN, scales clamped at 2^-126
+// and 2^127, subnormals, negative zeros, a last block in part.
+at::Tensor coding_cases(bool non_negative) {
+  torch::manual_seed(5);
+  const auto block = [](const at::Tensor& v) { return v.reshape(-1).narrow(0, 0, detail::kStateBlock); };
+  at::Tensor onto_half = torch::rand({64, detail::kStateBlock}) * 0.5f;
+  onto_half.select(1, 3).fill_(0.51f);
+  std::vector<at::Tensor> parts = {
+      wide_values(non_negative, 4),                                               // blocks 0-3
+      torch::zeros({detail::kStateBlock + 24}),                                   // 3's end, 4
+      block(torch::randn({detail::kStateBlock}).clamp(-0.2, 0.2).index_put_({7}, 0.25f)),  // 5: its maximum is 1's code
+      block(torch::rand({detail::kStateBlock}) * 0.5f).index_put_({9}, 0.52f),  // 6: onto 0.5
+      onto_half.reshape(-1) * std::exp2(-3.0f),
+      torch::randn({detail::kStateBlock}).index_put_({5}, std::numeric_limits<float>::infinity()),
+      torch::randn({detail::kStateBlock}).index_put_({200}, std::numeric_limits<float>::quiet_NaN()),
+      torch::randn({detail::kStateBlock}) * 1e-39f,                                // subnormal, scale clamped
+      torch::randn({detail::kStateBlock}) * 1e-44f,
+      torch::randn({detail::kStateBlock}).clamp(-1, 1) * 3.4e38f,               // scale clamped at 2^127
+      torch::full({detail::kStateBlock}, -0.0f).index_put_({0}, 1.0f),
+      torch::randn({77}) * torch::exp(torch::randn({77}) * 5),
+  };
+  const at::Tensor values = torch::cat(parts);
+  return non_negative ? values.abs() : values;
+}
+
+// On the CPU a block is coded, and decoded, in one pass: the same bytes,
+// and the same float32 values, as the ATen ops (CUDA's path) - to nearest
+// and stochastically from the same stream.
+TEST(EightBitStateTest, TheOnePassCodingIsTheAtenOpsBytes) {
+  for (bool non_negative : {false, true}) {
+    SCOPED_TRACE(non_negative ? "non-negative" : "signed");
+    const at::Tensor values = coding_cases(non_negative);
+    for (bool stochastic : {false, true}) {
+      SCOPED_TRACE(stochastic ? "stochastic" : "to nearest");
+      const auto pack = [&](detail::CpuPath path) {
+        detail::StochasticRounding rounder(/*seed=*/11, /*stream=*/2, /*weights=*/false);
+        return detail::pack_state(values, non_negative, stochastic ? &rounder : nullptr, {3, 4, 1}, path);
+      };
+      const at::Tensor one_pass = pack(detail::CpuPath::kOnePass), aten = pack(detail::CpuPath::kAtenOps);
+      EXPECT_TRUE(BitEqual(one_pass, aten));
+      EXPECT_TRUE(BitEqual(detail::unpack_state(one_pass, values.sizes(), non_negative, detail::CpuPath::kOnePass),
+                           detail::unpack_state(aten, values.sizes(), non_negative, detail::CpuPath::kAtenOps)));
+    }
+    // The recoded blocks were reached (their exponent one below their maximum's).
+    const at::Tensor nearest = detail::pack_state(values, non_negative, nullptr);
+    EXPECT_EQ(nearest[6][detail::kStateBlock].item<uint8_t>(),
+              static_cast<uint8_t>(static_cast<int8_t>(-1))) << "0.52's block, to nearest";
+    // Any bytes decode alike: random codes and exponents, -128 (non-finite) among them.
+    torch::manual_seed(6);
+    at::Tensor bytes = torch::randint(0, 256, {40, detail::kPackedRow}, at::kByte);
+    if (!non_negative) bytes.narrow(1, 0, detail::kStateBlock).clamp_max_(254);
+    bytes.narrow(1, detail::kStateBlock, 1).view(at::kChar).clamp_min_(-126).index_put_({3}, -128);
+    EXPECT_TRUE(BitEqual(detail::unpack_state(bytes, {40 * 256 - 100}, non_negative, detail::CpuPath::kOnePass),
+                         detail::unpack_state(bytes, {40 * 256 - 100}, non_negative, detail::CpuPath::kAtenOps)));
+  }
+}
+
 // A block holding an inf or NaN has no scale: it unpacks as NaN in all
 // its values, never as finite ones, whichever rounding packed it; the
 // other blocks are as without it, and the block packs again into the same

@@ -157,6 +157,37 @@ TEST(StochasticRoundingTest, UnbiasedOverRandomValuesAndScalesOfBothSigns) {
   EXPECT_GT(weakened_caught, 0) << "a rounding with 8 random bits passed every value";
 }
 
+// On the CPU a tensor is rounded in one pass, drawing inline what
+// at::randint draws: the same bits as the ATen ops (CUDA's path) for every
+// kind of float32 - every exponent, subnormals, signed zeros, the largest
+// finite values (which may round up to inf), infinities - and NaN for NaN;
+// from a strided source too. Another key draws other bits.
+TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
+  std::mt19937 draw(9);
+  std::vector<uint32_t> bits(100003);
+  for (uint32_t& b : bits) b = static_cast<uint32_t>(draw());
+  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::quiet_NaN()};
+  for (size_t i = 0; i < std::size(specials); ++i) bits[i * 977] = c10::bit_cast<uint32_t>(specials[i]);
+  const at::Tensor src = torch::from_blob(bits.data(), {static_cast<int64_t>(bits.size())}, at::kInt).view(at::kFloat).clone();
+  const auto round = [&](const at::Tensor& from, detail::CpuPath path, uint64_t tensor) {
+    detail::StochasticRounding rounder(/*seed=*/3, /*stream=*/1);
+    at::Tensor dst = torch::empty(from.sizes(), at::kBFloat16);
+    rounder.round_into(from, dst, {5, tensor, 2}, path);
+    return dst;
+  };
+  const at::Tensor one_pass = round(src, detail::CpuPath::kOnePass, 7), aten = round(src, detail::CpuPath::kAtenOps, 7);
+  const at::Tensor nan = aten.isnan();
+  EXPECT_TRUE(nan.equal(one_pass.isnan()));
+  EXPECT_GT(nan.sum().item<int64_t>(), 100) << "random bits hold NaNs";
+  EXPECT_TRUE(BitEqual(one_pass.masked_fill(nan, 0), aten.masked_fill(nan, 0)));
+  EXPECT_FALSE(BitEqual(one_pass, round(src, detail::CpuPath::kOnePass, 8)));
+  const at::Tensor strided = src.narrow(0, 0, 100000).view({400, 250}).t();
+  EXPECT_TRUE(BitEqual(round(strided, detail::CpuPath::kOnePass, 7).masked_fill(strided.isnan(), 0),
+                       round(strided, detail::CpuPath::kAtenOps, 7).masked_fill(strided.isnan(), 0)));
+}
+
 // O6's step widens bfloat16 weights, gradients and state to float32 a chunk
 // at a time, and a tensor larger than a chunk in slices of it: stepping
 // GPT-2's 50257 x 768 embedding (38.6M values) holds a few slices' float32

@@ -8,9 +8,13 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 namespace amp::detail {
@@ -105,12 +109,141 @@ void code_blocks(const at::Tensor& x, const at::Tensor& noise, const at::Tensor&
   packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
 }
 
+// 2^e as float32 from its bit pattern (e in [-126, 127]).
+float power_of_two(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// code_blocks in one pass per block, on the CPU: the same arithmetic in
+// float32 in the same order, so the same bytes.
+class BlockCoder {
+ public:
+  BlockCoder(bool non_negative, const at::Tensor& table)
+      : non_negative_(non_negative),
+        table_(table.const_data_ptr<float>()),
+        last_(static_cast<int>(table.numel()) - 1),
+        zero_(non_negative ? 0 : static_cast<int>(kSignedZero)),
+        steps_(static_cast<float>(non_negative ? kNonNegativeSteps : kSignedSteps)) {
+    for (size_t i = 0; i < log2_of_mantissa_.size(); ++i) {
+      log2_of_mantissa_[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / log2_of_mantissa_.size()));
+    }
+  }
+
+  // Codes `count` values (<= 256; the rest of the block zeros) into `row`.
+  // `draws` (null: to nearest): the block's 256 32-bit draws, each value's
+  // noise at::rand's float of its draw.
+  void code(const float* values, int64_t count, const uint32_t* draws, uint8_t* row) const {
+    float x[kStateBlock] = {};
+    std::copy_n(values, count, x);
+    bool non_finite = false;
+    float max = 0;
+    for (const float v : x) {
+      non_finite = non_finite || !std::isfinite(v);
+      max = std::max(max, std::abs(v));
+    }
+    int exponent = 0;
+    const float mantissa = std::frexp(max, &exponent);
+    int e = std::clamp(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent, kMaxExponent);
+    const float scale = power_of_two(e);
+    int codes[kStateBlock];
+    float chosen_max = 0;
+    for (int64_t i = 0; i < kStateBlock; ++i) {
+      const float y = std::min(std::max(x[i] / scale, non_negative_ ? 0.0f : -1.0f), 1.0f);
+      const int lo = floor_code(y);
+      const float a = table_[lo], b = table_[std::min(lo + 1, last_)];
+      // Indexed rather than branched on: the noise makes `up` unpredictable.
+      const int up = draws != nullptr ? static_cast<float>(draws[i] & 0xFFFFFFu) * 0x1p-24f * (b - a) < (y - a)
+                                      : (y - a) > (b - y);
+      codes[i] = lo + up;
+      chosen_max = std::max(chosen_max, std::abs(table_[lo + up]));
+    }
+    const bool halve = chosen_max == 0.5f && e > kMinExponent;
+    for (int64_t i = 0; i < kStateBlock; ++i) {
+      int c = codes[i];
+      if (halve) c += non_negative_ ? (c > 0) * kNonNegativeSteps : ((c > kSignedZero) - (c < kSignedZero)) * kSignedSteps;
+      row[i] = non_finite ? 0 : static_cast<uint8_t>(c);
+    }
+    e -= halve ? 1 : 0;
+    row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(non_finite ? kNonFiniteBlock : e));
+  }
+
+ private:
+  // The largest code whose value is <= y (y in the table's range): a guess
+  // from y's binary logarithm (its exponent, and its mantissa's first 8
+  // bits' logarithm from a table: within 0.006), corrected against the
+  // table where a code falls between the guess and y.
+  int floor_code(float y) const {
+    int lo = zero_;
+    if (y != 0) {
+      uint32_t bits;
+      std::memcpy(&bits, &y, sizeof bits);
+      const float log2 = static_cast<float>(static_cast<int>((bits >> 23) & 0xFF) - 127) +
+                         log2_of_mantissa_[(bits >> 15) & 0xFF];
+      // Code value 2^(-k / steps): the largest at most y is k's ceiling
+      // above 0, its floor below.
+      const float k = std::min(-log2 * steps_, static_cast<float>(last_));
+      lo = y > 0 ? std::max(last_ - static_cast<int>(std::ceil(k)), zero_) : std::min(static_cast<int>(k), zero_ - 1);
+    }
+    while (lo < last_ && table_[lo + 1] <= y) ++lo;
+    while (lo > 0 && table_[lo] > y) --lo;
+    return lo;
+  }
+
+  bool non_negative_;
+  const float* table_;
+  int last_, zero_;
+  float steps_;
+  std::array<float, 256> log2_of_mantissa_;
+};
+
+// Each block's draws in order, as at::rand draws the noise tensor: one
+// stream, so serial, as ATen's draws are.
+void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool non_negative, at::mt19937* engine) {
+  const BlockCoder coder(non_negative, code_values(non_negative, values.device()));
+  const float* x = values.const_data_ptr<float>();
+  uint8_t* rows = packed.mutable_data_ptr<uint8_t>();
+  const int64_t numel = values.numel();
+  uint32_t draws[kStateBlock];
+  for (int64_t block = 0; block < packed.size(0); ++block) {
+    if (engine != nullptr) std::generate_n(draws, kStateBlock, [&] { return (*engine)(); });
+    const int64_t first = block * kStateBlock;
+    coder.code(x + first, std::min(kStateBlock, numel - first), engine ? draws : nullptr, rows + block * kPackedRow);
+  }
+}
+
+at::Tensor unpack_in_one_pass(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
+  const float* table = code_values(non_negative, packed.device()).const_data_ptr<float>();
+  at::Tensor values = at::empty(sizes, packed.options().dtype(at::kFloat));
+  float* out = values.mutable_data_ptr<float>();
+  const uint8_t* rows = packed.const_data_ptr<uint8_t>();
+  const int64_t numel = values.numel();
+  for (int64_t block = 0; block * kStateBlock < numel; ++block) {
+    const uint8_t* row = rows + block * kPackedRow;
+    const int e = static_cast<int8_t>(row[kStateBlock]);
+    const float scale =
+        e == kNonFiniteBlock ? std::numeric_limits<float>::quiet_NaN() : power_of_two(std::max(e, kMinExponent));
+    for (int64_t i = 0, n = std::min(kStateBlock, numel - block * kStateBlock); i < n; ++i) {
+      out[block * kStateBlock + i] = table[row[i]] * scale;
+    }
+  }
+  return values;
+}
+
 }  // namespace
 
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
-                     StochasticRounding* rounder, RoundingKey key) {
+                     StochasticRounding* rounder, RoundingKey key, CpuPath path) {
   const int64_t blocks = packed.size(0), numel = values.numel();
   TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
+  if (path == CpuPath::kOnePass && values.is_cpu() && packed.is_contiguous()) {
+    std::optional<at::mt19937> engine;
+    if (rounder != nullptr) engine = rounder->cpu_engine(key);
+    pack_in_one_pass(values.contiguous(), packed, non_negative, engine ? &*engine : nullptr);
+    return;
+  }
   at::Tensor x;
   if (numel == blocks * kStateBlock) {
     x = values.reshape({blocks, kStateBlock});
@@ -129,9 +262,9 @@ void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool no
 }
 
 at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
-                      RoundingKey key) {
+                      RoundingKey key, CpuPath path) {
   at::Tensor packed = at::empty({packed_blocks(values.numel()), kPackedRow}, values.options().dtype(at::kByte));
-  pack_state_into(values.to(at::kFloat), packed, non_negative, rounder, key);
+  pack_state_into(values.to(at::kFloat), packed, non_negative, rounder, key, path);
   return packed;
 }
 
@@ -141,8 +274,11 @@ at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOption
   return packed;
 }
 
-at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
+at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative, CpuPath path) {
   TORCH_INTERNAL_ASSERT(is_packed_state(packed));
+  if (path == CpuPath::kOnePass && packed.is_cpu() && packed.is_contiguous()) {
+    return unpack_in_one_pass(packed, sizes, non_negative);
+  }
   const int64_t blocks = packed.size(0);
   const at::Tensor& table = code_values(non_negative, packed.device());
   const at::Tensor codes = packed.narrow(1, 0, kStateBlock).reshape(-1).to(at::kInt);

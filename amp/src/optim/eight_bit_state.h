@@ -61,17 +61,19 @@ int64_t packed_blocks(int64_t numel);
 
 // The packed form of `values` (float32, any shape). Rounded stochastically
 // with `rounder`'s stream `key`; to nearest without one (converting loaded
-// state).
+// state). On the CPU each block is coded in one pass (`path`,
+// stochastic_rounding.h), the same bytes as the ATen ops CUDA runs.
 at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
-                      RoundingKey key = {});
+                      RoundingKey key = {}, CpuPath path = CpuPath::kOnePass);
 // Packs `values` (float32, numel of the state's values) into `packed`.
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
-                     StochasticRounding* rounder, RoundingKey key = {});
+                     StochasticRounding* rounder, RoundingKey key = {}, CpuPath path = CpuPath::kOnePass);
 // The packed form of `numel` zeros (pack_state's bytes), made without
 // float32 values of that size.
 at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOptions& options);
 // The float32 values of `packed`, shaped `sizes`.
-at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative);
+at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative,
+                        CpuPath path = CpuPath::kOnePass);
 
 // A state tensor's values in its parameter's shape: packed state unpacked
 // to float32, any other as it is.

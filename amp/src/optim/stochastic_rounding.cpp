@@ -26,6 +26,22 @@ std::string device_key(c10::Device device) {
   return device.is_cuda() ? "cuda:" + std::to_string(device.has_index() ? device.index() : 0) : "cpu";
 }
 
+// What the ATen ops below compute, in one pass: each value's bits plus one
+// draw's low 16 bits (at::randint(0, 2^16) draws random() % 2^16), cut to
+// bfloat16's. The cut bits are zero, so the narrowing is the shift. Serial,
+// as ATen's draws are: the draws are one stream in order.
+void round_in_one_pass(const at::Tensor& src, const at::Tensor& dst, at::mt19937 engine) {
+  const auto* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
+  auto* out = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr<at::BFloat16>());
+  constexpr uint16_t kNaN = 0x7FC0;
+  constexpr uint32_t kExponentBits = 0x7F800000u, kMantissaBits = 0x007FFFFFu;
+  for (int64_t i = 0, n = src.numel(); i < n; ++i) {
+    const uint32_t bits = (in[i] + (engine() & 0xFFFFu)) & static_cast<uint32_t>(kKeptBits);
+    const bool nan = (bits & kExponentBits) == kExponentBits && (bits & kMantissaBits) != 0;
+    out[i] = nan ? kNaN : static_cast<uint16_t>(bits >> 16);
+  }
+}
+
 }  // namespace
 
 int64_t StochasticRounding::next_step() {
@@ -50,9 +66,20 @@ at::Generator StochasticRounding::seeded(c10::Device device, RoundingKey key) {
   return g;
 }
 
-void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key) {
+at::mt19937 StochasticRounding::cpu_engine(RoundingKey key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Generator g = seeded(c10::Device(c10::kCPU), key);
+  std::lock_guard<std::mutex> g_lock(g.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(g)->engine();
+}
+
+void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key, CpuPath path) {
   TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kFloat && dst.scalar_type() == at::kBFloat16 &&
                         src.sizes() == dst.sizes());
+  if (path == CpuPath::kOnePass && src.is_cpu() && dst.is_contiguous()) {
+    round_in_one_pass(src.contiguous(), dst, cpu_engine(key));
+    return;
+  }
   at::Tensor noise;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
 #include <torch/serialize/archive.h>
 
@@ -35,6 +36,14 @@
 #include <utility>
 
 namespace amp::detail {
+
+// How a CPU tensor is rounded or coded: in one pass over its values
+// (kOnePass, the CPU's path), or by the composition of ATen ops that every
+// device runs (kAtenOps: CUDA's path, and the one-pass kernels' reference in
+// the tests). Both draw the same noise and write the same bits; NaN is
+// written as bfloat16's canonical NaN by the one-pass kernel, and as ATen's
+// vectorized conversion writes it by the ATen ops.
+enum class CpuPath { kOnePass, kAtenOps };
 
 // Which stream one rounding draws from: the step's number (next_step) and
 // the tensor's key within the step (its parameter's position in the
@@ -56,10 +65,15 @@ class StochasticRounding {
   // keys carry.
   int64_t next_step();
   // dst (bfloat16) = src (float32, same shape and device), rounded.
-  void round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key);
+  void round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key,
+                  CpuPath path = CpuPath::kOnePass);
   // Uniform float32 noise in [0, 1) of `sizes` on `device` (8-bit
   // optimizer state's rounding: eight_bit_state.h).
   at::Tensor uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key);
+  // The CPU generator's engine seeded for `key`: its draws, in order, are
+  // those at::randint and uniform's at::rand make on the CPU (one 32-bit
+  // draw a value), for the one-pass kernels to draw inline.
+  at::mt19937 cpu_engine(RoundingKey key);
 
   // Entry "stochastic_rounding" (rounding weights) or "state_rounding"
   // (8-bit state only): the seed and the steps taken.
