@@ -5,12 +5,9 @@
 # Usage: tools/bench/dispatch_instructions.sh [build dir]   (after tools/setup.sh)
 set -euo pipefail
 build=${1:-build}
-command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 1; }
-[[ -x "$build/tools/dispatch_instructions" ]] || { echo "no $build/tools/dispatch_instructions: build it first (cmake --build $build --target benchmarks)" >&2; exit 1; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-valgrind --tool=callgrind --collect-atstart=yes --callgrind-out-file="$out/cg.%p" \
-  "$build/tools/dispatch_instructions" 2>"$out/log" || { cat "$out/log" >&2; exit 1; }
+bash "$(dirname "${BASH_SOURCE[0]}")/run_callgrind.sh" "$build" dispatch_instructions "$out"
 python3 - "$out" <<'PY'
 import glob, re, sys
 counts = {}

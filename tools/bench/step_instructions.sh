@@ -6,12 +6,9 @@
 # Usage: tools/bench/step_instructions.sh [build dir]   (after tools/setup.sh)
 set -euo pipefail
 build=${1:-build}
-command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 1; }
-[[ -x "$build/tools/step_instructions" ]] || { echo "no $build/tools/step_instructions: build it first (cmake --build $build --target benchmarks)" >&2; exit 1; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-valgrind --tool=callgrind --collect-atstart=yes --callgrind-out-file="$out/cg.%p" \
-  "$build/tools/step_instructions" 2>"$out/log" || { cat "$out/log" >&2; exit 1; }
+bash "$(dirname "${BASH_SOURCE[0]}")/run_callgrind.sh" "$build" step_instructions "$out"
 python3 - "$out" <<'PY'
 import glob, re, sys
 rows = []
