@@ -748,6 +748,58 @@ struct Fp32Projection : torch::autograd::Function<Fp32Projection> {
   }
 };
 
+// A weight read through several views - heads chunked from one table - is
+// quantized as each view's own values: each head's product, and the
+// gradient through both, within float8's rounding of float64's. (The views
+// share their weight's version, so a quantization kept for the weight alone
+// gave the second head the first's values.)
+struct HeadsTableImpl : torch::nn::Module {
+  HeadsTableImpl() : table(register_parameter("table", torch::randn({8, 8}))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    const std::vector<at::Tensor> heads = table.chunk(2, /*dim=*/0);
+    return torch::cat({x.matmul(heads[0].t()), x.matmul(heads[1].t())}, /*dim=*/1);
+  }
+  at::Tensor table;
+};
+TORCH_MODULE(HeadsTable);
+
+TEST_F(Fp8TrainingTest, ViewsOfOneWeightAreQuantizedEachAsItsOwnValues) {
+  torch::manual_seed(0);
+  const at::Tensor init = torch::randn({8, 8}), x0 = torch::tanh(torch::randn({16, 8})), c = torch::randn({16, 8});
+  HeadsTable model;
+  {
+    torch::NoGradGuard no_grad;
+    model->table.copy_(init);
+  }
+  const at::Tensor table = init.to(at::kDouble);
+  amp::optim::FusedSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.0));
+  initialize(model, optimizer, quiet(fp8_options()));
+  const at::Tensor y = model->forward(x0);
+  {
+    scale_loss scaled((y.to(at::kFloat) * c).sum(), optimizer);
+    scaled.backward();
+  }
+  const at::Tensor x64 = x0.to(at::kDouble), exact = x64.mm(table.t());
+  for (int64_t head = 0; head < 2; ++head) {
+    const at::Tensor got = y.to(at::kDouble).narrow(1, 4 * head, 4), want = exact.narrow(1, 4 * head, 4);
+    EXPECT_LT((got - want).norm().item<double>(), 0.1 * want.norm().item<double>()) << "head " << head;
+  }
+  // The table's gradient (the optimizer's float32 master's, unscaled): c's columns of each head times x.
+  const at::Tensor grad = optimizer.param_groups()[0].params()[0].grad().to(at::kDouble);
+  const at::Tensor want_grad = c.to(at::kDouble).t().mm(x64);
+  EXPECT_LT((grad - want_grad).norm().item<double>(), 0.15 * want_grad.norm().item<double>());
+  deinitialize();
+  // The GEMMs ran in float8: O5 without it computes other values.
+  HeadsTable plain;
+  {
+    torch::NoGradGuard no_grad;
+    plain->table.copy_(init);
+  }
+  amp::optim::FusedSGD plain_optimizer(plain->parameters(), torch::optim::SGDOptions(0.0));
+  initialize(plain, plain_optimizer, quiet(O5));
+  EXPECT_FALSE(plain->forward(x0).equal(y));
+}
+
 TEST_F(Fp8TrainingTest, CustomFwdInFloat32OptsOutOfFloat8) {
   Options options = fp8_options();
   Mlp model;

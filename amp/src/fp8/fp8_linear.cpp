@@ -114,12 +114,16 @@ std::pair<at::Tensor, at::Tensor> Fp8Site::quantized_weight(const at::Tensor& w)
   const at::TensorBase& root = w.is_view() ? w._base() : w;  // the layer reads its weight through a view
   const void* identity = root.is_leaf() ? static_cast<const void*>(root.unsafeGetTensorImpl()) : w.const_data_ptr();
   const uint32_t version = w._version();
-  if (cached_.first.defined() && identity == cached_identity_ && version == cached_version_ &&
-      weight.generation() == cached_generation_ && w.scalar_type() == cached_dtype_) {
+  std::vector<int64_t> geometry{w.storage_offset()};
+  geometry.insert(geometry.end(), w.sizes().begin(), w.sizes().end());
+  geometry.insert(geometry.end(), w.strides().begin(), w.strides().end());
+  if (cached_.first.defined() && identity == cached_identity_ && geometry == cached_geometry_ &&
+      version == cached_version_ && weight.generation() == cached_generation_ && w.scalar_type() == cached_dtype_) {
     return cached_;
   }
   cached_ = weight.quantize(w.detach());
   cached_identity_ = identity;
+  cached_geometry_ = std::move(geometry);
   cached_version_ = version;
   cached_generation_ = weight.generation();
   cached_dtype_ = w.scalar_type();

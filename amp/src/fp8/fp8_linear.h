@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace amp::detail {
 
@@ -26,15 +27,17 @@ struct Fp8Site {
 
   // The weight quantized, made once while the weight (a parameter: the
   // tensor itself, whatever storage O2/O5 compute it from; a cast of one:
-  // its storage), its version and its scale stay the same: once an
-  // iteration, however many calls read it (micro-batches, a recomputed
-  // block's rerun, a shared layer).
+  // its storage), the part of it read (a view's offset, sizes and strides:
+  // heads chunked from one table are other values), its version and its
+  // scale stay the same: once an iteration, however many calls read it
+  // (micro-batches, a recomputed block's rerun, a shared layer).
   std::pair<at::Tensor, at::Tensor> quantized_weight(const at::Tensor& weight);
   int64_t weight_quantizations() const;
 
  private:
   mutable std::mutex mutex_;
   const void* cached_identity_ = nullptr;
+  std::vector<int64_t> cached_geometry_;  // storage offset, sizes, strides
   uint32_t cached_version_ = 0;
   int64_t cached_generation_ = -1;
   at::ScalarType cached_dtype_ = at::kFloat;
