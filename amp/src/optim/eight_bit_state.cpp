@@ -144,6 +144,11 @@ class BlockCoder {
       non_finite = non_finite || !std::isfinite(v);
       max = std::max(max, std::abs(v));
     }
+    if (non_finite) {  // no scale: codes 0, the exponent byte kNonFiniteBlock (its draws are drawn all the same)
+      std::fill_n(row, kStateBlock, uint8_t{0});
+      row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(kNonFiniteBlock));
+      return;
+    }
     int exponent = 0;
     const float mantissa = std::frexp(max, &exponent);
     int e = std::clamp(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent, kMaxExponent);
@@ -164,10 +169,10 @@ class BlockCoder {
     for (int64_t i = 0; i < kStateBlock; ++i) {
       int c = codes[i];
       if (halve) c += non_negative_ ? (c > 0) * kNonNegativeSteps : ((c > kSignedZero) - (c < kSignedZero)) * kSignedSteps;
-      row[i] = non_finite ? 0 : static_cast<uint8_t>(c);
+      row[i] = static_cast<uint8_t>(c);
     }
     e -= halve ? 1 : 0;
-    row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(non_finite ? kNonFiniteBlock : e));
+    row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(e));
   }
 
  private:
@@ -215,7 +220,9 @@ void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool n
 }
 
 at::Tensor unpack_in_one_pass(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
-  const float* table = code_values(non_negative, packed.device()).const_data_ptr<float>();
+  const at::Tensor& codes = code_values(non_negative, packed.device());
+  const float* table = codes.const_data_ptr<float>();
+  const int64_t last = codes.numel() - 1;
   at::Tensor values = at::empty(sizes, packed.options().dtype(at::kFloat));
   float* out = values.mutable_data_ptr<float>();
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
@@ -226,6 +233,8 @@ at::Tensor unpack_in_one_pass(const at::Tensor& packed, at::IntArrayRef sizes, b
     const float scale =
         e == kNonFiniteBlock ? std::numeric_limits<float>::quiet_NaN() : power_of_two(std::max(e, kMinExponent));
     for (int64_t i = 0, n = std::min(kStateBlock, numel - block * kStateBlock); i < n; ++i) {
+      TORCH_CHECK(row[i] <= last, "amp: packed 8-bit state holds code ", static_cast<int>(row[i]),
+                  ", which the signed code has not (0..254): the state is damaged");
       out[block * kStateBlock + i] = table[row[i]] * scale;
     }
   }
