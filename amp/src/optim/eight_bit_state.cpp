@@ -126,11 +126,7 @@ class BlockCoder {
         table_(table.const_data_ptr<float>()),
         last_(static_cast<int>(table.numel()) - 1),
         zero_(non_negative ? 0 : static_cast<int>(kSignedZero)),
-        steps_(static_cast<float>(non_negative ? kNonNegativeSteps : kSignedSteps)) {
-    for (size_t i = 0; i < log2_of_mantissa_.size(); ++i) {
-      log2_of_mantissa_[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / log2_of_mantissa_.size()));
-    }
-  }
+        steps_(static_cast<float>(non_negative ? kNonNegativeSteps : kSignedSteps)) {}
 
   // Codes `count` values (<= 256; the rest of the block zeros) into `row`.
   // `draws` (null: to nearest): the block's 256 32-bit draws, each value's
@@ -186,7 +182,7 @@ class BlockCoder {
       uint32_t bits;
       std::memcpy(&bits, &y, sizeof bits);
       const float log2 = static_cast<float>(static_cast<int>((bits >> 23) & 0xFF) - 127) +
-                         log2_of_mantissa_[(bits >> 15) & 0xFF];
+                         log2_of_mantissa()[(bits >> 15) & 0xFF];
       // Code value 2^(-k / steps): the largest at most y is k's ceiling
       // above 0, its floor below.
       const float k = std::min(-log2 * steps_, static_cast<float>(last_));
@@ -197,11 +193,20 @@ class BlockCoder {
     return lo;
   }
 
+  // log2(1 + i / 256): a mantissa's logarithm by its first 8 bits, made once.
+  static const std::array<float, 256>& log2_of_mantissa() {
+    static const std::array<float, 256> table = [] {
+      std::array<float, 256> t{};
+      for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / t.size()));
+      return t;
+    }();
+    return table;
+  }
+
   bool non_negative_;
   const float* table_;
   int last_, zero_;
   float steps_;
-  std::array<float, 256> log2_of_mantissa_;
 };
 
 // Each block's draws in order, as at::rand draws the noise tensor: one
