@@ -241,8 +241,16 @@ TEST(EightBitStateTest, TheOnePassCodingIsTheAtenOpsBytes) {
     at::Tensor bytes = torch::randint(0, 256, {40, detail::kPackedRow}, at::kByte);
     if (!non_negative) bytes.narrow(1, 0, detail::kStateBlock).clamp_max_(254);
     bytes.narrow(1, detail::kStateBlock, 1).view(at::kChar).clamp_min_(-126).index_put_({3}, -128);
+    const at::Tensor unpacked = detail::unpack_state(bytes, {40 * 256 - 100}, non_negative, detail::CpuPath::kAtenOps);
     EXPECT_TRUE(BitEqual(detail::unpack_state(bytes, {40 * 256 - 100}, non_negative, detail::CpuPath::kOnePass),
-                         detail::unpack_state(bytes, {40 * 256 - 100}, non_negative, detail::CpuPath::kAtenOps)));
+                         unpacked));
+    // Into a piece of a larger buffer (the step's chunk), by either path: the same values, and nothing else written.
+    for (const detail::CpuPath path : {detail::CpuPath::kOnePass, detail::CpuPath::kAtenOps}) {
+      const at::Tensor buffer = torch::full({3 + 40 * 256 - 100 + 5}, 7.0f);
+      detail::unpack_state_into(bytes, buffer.narrow(0, 3, 40 * 256 - 100), non_negative, path);
+      EXPECT_TRUE(BitEqual(buffer.narrow(0, 3, 40 * 256 - 100), unpacked));
+      EXPECT_TRUE(buffer.narrow(0, 0, 3).eq(7).all().item<bool>() && buffer.narrow(0, 3 + 40 * 256 - 100, 5).eq(7).all().item<bool>());
+    }
   }
 }
 

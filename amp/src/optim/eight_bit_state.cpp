@@ -224,11 +224,10 @@ void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool n
   }
 }
 
-at::Tensor unpack_in_one_pass(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
+void unpack_in_one_pass(const at::Tensor& packed, const at::Tensor& values, bool non_negative) {
   const at::Tensor& codes = code_values(non_negative, packed.device());
   const float* table = codes.const_data_ptr<float>();
   const int64_t last = codes.numel() - 1;
-  at::Tensor values = at::empty(sizes, packed.options().dtype(at::kFloat));
   float* out = values.mutable_data_ptr<float>();
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
   const int64_t numel = values.numel();
@@ -243,7 +242,17 @@ at::Tensor unpack_in_one_pass(const at::Tensor& packed, at::IntArrayRef sizes, b
       out[block * kStateBlock + i] = table[row[i]] * scale;
     }
   }
-  return values;
+}
+
+at::Tensor unpack_by_aten_ops(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
+  const int64_t blocks = packed.size(0);
+  const at::Tensor& table = code_values(non_negative, packed.device());
+  const at::Tensor codes = packed.narrow(1, 0, kStateBlock).reshape(-1).to(at::kInt);
+  const at::Tensor exponent = packed.narrow(1, kStateBlock, 1).view(at::kChar).to(at::kInt);
+  const at::Tensor scale = power_of_two(exponent.clamp_min(kMinExponent))
+                               .masked_fill_(exponent.eq(kNonFiniteBlock), std::numeric_limits<float>::quiet_NaN());
+  const at::Tensor values = table.index_select(0, codes).view({blocks, kStateBlock}).mul_(scale);
+  return values.view(-1).narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
 }
 
 }  // namespace
@@ -291,16 +300,21 @@ at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOption
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative, CpuPath path) {
   TORCH_INTERNAL_ASSERT(is_packed_state(packed));
   if (path == CpuPath::kOnePass && packed.is_cpu() && packed.is_contiguous()) {
-    return unpack_in_one_pass(packed, sizes, non_negative);
+    at::Tensor values = at::empty(sizes, packed.options().dtype(at::kFloat));
+    unpack_in_one_pass(packed, values, non_negative);
+    return values;
   }
-  const int64_t blocks = packed.size(0);
-  const at::Tensor& table = code_values(non_negative, packed.device());
-  const at::Tensor codes = packed.narrow(1, 0, kStateBlock).reshape(-1).to(at::kInt);
-  const at::Tensor exponent = packed.narrow(1, kStateBlock, 1).view(at::kChar).to(at::kInt);
-  const at::Tensor scale = power_of_two(exponent.clamp_min(kMinExponent))
-                               .masked_fill_(exponent.eq(kNonFiniteBlock), std::numeric_limits<float>::quiet_NaN());
-  const at::Tensor values = table.index_select(0, codes).view({blocks, kStateBlock}).mul_(scale);
-  return values.view(-1).narrow(0, 0, c10::multiply_integers(sizes)).view(sizes);
+  return unpack_by_aten_ops(packed, sizes, non_negative);
+}
+
+void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool non_negative, CpuPath path) {
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && packed.size(0) == packed_blocks(values.numel()) &&
+                        values.scalar_type() == at::kFloat && values.device() == packed.device());
+  if (path == CpuPath::kOnePass && packed.is_cpu() && packed.is_contiguous() && values.is_contiguous()) {
+    unpack_in_one_pass(packed, values, non_negative);
+    return;
+  }
+  values.copy_(unpack_by_aten_ops(packed, values.sizes(), non_negative));
 }
 
 at::Tensor state_values(const at::Tensor& state, const at::Tensor& param, bool non_negative) {

@@ -74,6 +74,10 @@ at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOption
 // The float32 values of `packed`, shaped `sizes`.
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative,
                         CpuPath path = CpuPath::kOnePass);
+// The same values written into `values` (float32, on packed's device,
+// numel of the state's values): no allocation of its own.
+void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool non_negative,
+                       CpuPath path = CpuPath::kOnePass);
 
 // A state tensor's values in its parameter's shape: packed state unpacked
 // to float32, any other as it is.

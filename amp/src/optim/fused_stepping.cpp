@@ -65,6 +65,51 @@ at::Tensor slice_of(const at::Tensor& t, const Slice& slice, int64_t numel) {
   return t.view(-1).narrow(0, slice.offset, slice.length);
 }
 
+// `piece` (1-D) as `shape`; a view only where that differs.
+at::Tensor shaped(const at::Tensor& piece, const std::vector<int64_t>& shape) {
+  return shape.size() == 1 ? piece : piece.view(shape);
+}
+
+// One column's `parts` of a chunk in float32, each shaped `shapes[i]`:
+// float32 ones as they are; the bfloat16 ones widened together (one cat
+// and one conversion) and the packed ones unpacked into one buffer, so the
+// ops a chunk runs do not grow with the number of tensors in it (on a GPU,
+// its kernel launches: widening a tensor at a time launched one each).
+std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::vector<std::vector<int64_t>>& shapes,
+                              bool non_negative) {
+  std::vector<at::Tensor> wide(parts.size()), narrow;
+  std::vector<size_t> narrow_at, packed_at;
+  std::vector<int64_t> narrow_lengths, packed_lengths;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].scalar_type() == at::kBFloat16) {
+      narrow_at.push_back(i);
+      narrow.push_back(parts[i].dim() == 1 ? parts[i] : parts[i].view(-1));
+      narrow_lengths.push_back(parts[i].numel());
+    } else if (detail::is_packed_state(parts[i])) {
+      packed_at.push_back(i);
+      packed_lengths.push_back(c10::multiply_integers(shapes[i]));
+    } else {
+      wide[i] = parts[i];
+    }
+  }
+  if (!narrow.empty()) {
+    const at::Tensor joined = narrow.size() == 1 ? narrow[0] : at::cat(narrow);
+    const std::vector<at::Tensor> pieces = joined.to(at::kFloat).split_with_sizes(narrow_lengths);
+    for (size_t k = 0; k < narrow_at.size(); ++k) wide[narrow_at[k]] = shaped(pieces[k], shapes[narrow_at[k]]);
+  }
+  if (!packed_at.empty()) {
+    const int64_t total = std::accumulate(packed_lengths.begin(), packed_lengths.end(), int64_t{0});
+    const at::Tensor buffer = at::empty({total}, parts[packed_at[0]].options().dtype(at::kFloat));
+    const std::vector<at::Tensor> pieces = buffer.split_with_sizes(packed_lengths);
+    for (size_t k = 0; k < packed_at.size(); ++k) {
+      const size_t i = packed_at[k];
+      wide[i] = shaped(pieces[k], shapes[i]);
+      detail::unpack_state_into(parts[i], wide[i], non_negative);
+    }
+  }
+  return wide;
+}
+
 }  // namespace
 
 void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint64_t>& keys,
@@ -79,26 +124,20 @@ void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint
          end < slices.size() && (end == begin || elements + slices[end].length <= kChunkElements); ++end) {
       elements += slices[end].length;
     }
+    // A slice's values keep its parameter's shape where it is the whole of it.
+    std::vector<std::vector<int64_t>> shapes;
+    for (size_t s = begin; s < end; ++s) {
+      const at::Tensor& param = params[slices[s].index];
+      shapes.push_back(slices[s].length == param.numel() ? param.sizes().vec() : std::vector<int64_t>{slices[s].length});
+    }
     std::vector<std::vector<at::Tensor>> parts(columns.size()), wide(columns.size());
     for (size_t c = 0; c < columns.size(); ++c) {
       for (size_t s = begin; s < end && !columns[c].tensors->empty(); ++s) {
         const Slice& slice = slices[s];
         const at::Tensor& t = (*columns[c].tensors)[slice.index];
-        const int64_t numel = params[slice.index].numel();
-        const at::Tensor part = columns[c].whole ? t : slice_of(t, slice, numel);
-        parts[c].push_back(part);
-        if (columns[c].whole) {
-          wide[c].push_back(part);
-        } else if (part.scalar_type() == at::kBFloat16) {
-          wide[c].push_back(part.to(at::kFloat));
-        } else if (detail::is_packed_state(part)) {
-          const bool whole = slice.length == numel;
-          wide[c].push_back(detail::unpack_state(part, whole ? params[slice.index].sizes() : at::IntArrayRef(slice.length),
-                                                 columns[c].non_negative));
-        } else {
-          wide[c].push_back(part);
-        }
+        parts[c].push_back(columns[c].whole ? t : slice_of(t, slice, params[slice.index].numel()));
       }
+      wide[c] = columns[c].whole ? parts[c] : widen(parts[c], shapes, columns[c].non_negative);
     }
     kernel(wide);
     for (size_t c = 0; c < columns.size(); ++c) {
