@@ -14,6 +14,7 @@
 
 #include "common/fashion_mnist_data.h"
 #include "common/fashion_mnist_net.h"
+#include "common/graphed_step.h"
 #include "common/diagnostics.h"
 #include "common/step_trace.h"
 #include "common/run_setup.h"
@@ -59,6 +60,9 @@ ABSL_FLAG(std::string, measured_policy_file, "",
           "with --measured_policy: load the policy's table from this file if it exists (no measuring), save it "
           "there after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity: 0 silent, 1 properties and skipped steps");
+ABSL_FLAG(bool, cuda_graph, false,
+          "capture the whole training step in a CUDA graph after 3 warm-up steps and replay it (--device=cuda, "
+          "amp's fused optimizer; each epoch's last partial batch is left out: a graph's shapes are fixed)");
 ABSL_FLAG(std::string, inject_non_finite, "",
           "'<module>:<step>' (e.g. 'fc1:100'): make that module's first weight inf for that step, and print "
           "what amp's overflow provenance says of it");
@@ -107,28 +111,47 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
     csv << "step,loss,loss_scale\n";
   }
 
+  // The step, as LibTorch's examples write it with amp's two edits; with
+  // --cuda_graph captured once and replayed (images, labels and loss then
+  // keep their addresses: each batch is copied into them).
+  const bool graphed = absl::GetFlag(FLAGS_cuda_graph);
+  at::Tensor images, labels, loss;
+  examples::GraphedStep train_step(graphed, [&] {
+    optimizer.zero_grad();
+    loss = torch::cross_entropy_loss(model->forward(images), labels);
+    {
+      amp::scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    optimizer.step();
+  }, [&] { amp::skipped_steps(optimizer); });
+
   const int64_t n = train_set.images.size(0);
+  if (graphed && n < batch_size) {
+    throw std::invalid_argument("--cuda_graph leaves out partial batches: --train_limit must be >= --batch_size");
+  }
+  const int64_t batches = graphed ? n / batch_size : (n + batch_size - 1) / batch_size;
   int64_t step = 0;
   double seconds = 0;
-  examples::Progress progress(50, epochs * ((n + batch_size - 1) / batch_size));
+  examples::Progress progress(50, epochs * batches);
   examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
   for (int epoch = 0; epoch < epochs; ++epoch) {
     const auto start = std::chrono::steady_clock::now();
     const auto order = torch::randperm(n);
     for (int64_t first = 0; first < n; first += batch_size) {
+      if (graphed && n - first < batch_size) break;  // a graph's shapes are fixed
       const auto index = order.narrow(0, first, std::min<int64_t>(batch_size, n - first));
-      const auto images = train_set.images.index_select(0, index).to(device);
-      const auto labels = train_set.labels.index_select(0, index).to(device);
+      const auto batch_images = train_set.images.index_select(0, index).to(device);
+      const auto batch_labels = train_set.labels.index_select(0, index).to(device);
+      if (graphed && images.defined()) {
+        images.copy_(batch_images), labels.copy_(batch_labels);
+      } else {
+        images = batch_images, labels = batch_labels;
+      }
 
       trace.at_step(step + 1);
       const auto injected = injection.inject(step + 1, *model);
-      optimizer.zero_grad();
-      const auto loss = torch::cross_entropy_loss(model->forward(images), labels);
-      {
-        amp::scale_loss scaled(loss, optimizer);
-        scaled.backward();
-      }
-      optimizer.step();
+      train_step();
 
       ++step;
       if (injection.at(step)) examples::print_injection_outcome(std::cout, optimizer);
@@ -165,7 +188,16 @@ int run() {
   if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
   if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
   if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
-  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
+  const bool cuda_graph = absl::GetFlag(FLAGS_cuda_graph);
+  // --cuda_graph steps with the fused optimizer unless told otherwise (and then refuses).
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options) ||
+                     (cuda_graph && absl::GetFlag(FLAGS_optimizer).empty());
+  if (cuda_graph) {
+    examples::check_cuda_graph(device, fused,
+                               !absl::GetFlag(FLAGS_inject_non_finite).empty() ? "--inject_non_finite"
+                               : options.measured_policy                      ? "--measured_policy"
+                                                                              : "");
+  }
 
   const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
                                                       absl::GetFlag(FLAGS_train_limit));

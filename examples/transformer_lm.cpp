@@ -12,6 +12,7 @@
 
 #include "common/char_transformer.h"
 #include "common/diagnostics.h"
+#include "common/graphed_step.h"
 #include "common/step_trace.h"
 #include "common/run_setup.h"
 
@@ -46,6 +47,9 @@ ABSL_FLAG(bool, eight_bit_state, false, "keep AdamW's moments in 8 bits (optimiz
 ABSL_FLAG(bool, step_in_backward, false,
           "apply each update during backward and free its gradient (O4/O6, fused optimizer); no gradient clipping");
 ABSL_FLAG(int, seed, 0, "random seed");
+ABSL_FLAG(bool, cuda_graph, false,
+          "capture the whole training step in a CUDA graph after 3 warm-up steps and replay it (--device=cuda, "
+          "amp's fused optimizer)");
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
@@ -98,20 +102,19 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   examples::Progress progress(50, steps);
   examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
   double last_loss = 0;
+  // The step, with amp's two edits; with --cuda_graph captured once and
+  // replayed (the batch and the loss then keep their addresses: each batch
+  // is copied into them).
+  const bool graphed = absl::GetFlag(FLAGS_cuda_graph);
   // ms/step leaves out the first step, which pays for start-up (kernels
-  // loaded, cuBLAS handles and allocator caches set up).
+  // loaded, cuBLAS handles and allocator caches set up), and with
+  // --cuda_graph the warm-up and the capture.
+  const int untimed = graphed ? examples::GraphedStep::kWarmupSteps + 1 : 1;
   auto start = std::chrono::steady_clock::now();
-  for (int step = 0; step < steps; ++step) {
-    if (step == 1) start = std::chrono::steady_clock::now();
-    const auto starts = torch::randint(0, bytes.size(0) - config.context - 1, {batch});
-    const auto offsets = torch::arange(config.context + 1);
-    const auto windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);
-    const auto inputs = windows.narrow(1, 0, config.context), targets = windows.narrow(1, 1, config.context);
-
-    trace.at_step(step + 1);
-    const auto injected = injection.inject(step + 1, *model);
+  at::Tensor windows, loss;
+  examples::GraphedStep train_step(graphed, [&] {
     optimizer.zero_grad();
-    const auto loss = model->loss(inputs, targets);  // --fused_loss: amp::linear_cross_entropy
+    loss = model->loss(windows.narrow(1, 0, config.context), windows.narrow(1, 1, config.context));  // --fused_loss: amp::linear_cross_entropy
     {
       amp::scale_loss scaled(loss, optimizer);
       scaled.backward();
@@ -120,6 +123,21 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
     // backward applied the gradients already, and clipping needs them all.
     if (!options.step_in_backward.value_or(false)) amp::clip_grad_norm(optimizer, 1.0);
     optimizer.step();
+  }, [&] { amp::skipped_steps(optimizer); });
+  for (int step = 0; step < steps; ++step) {
+    if (step == untimed) start = std::chrono::steady_clock::now();
+    const auto starts = torch::randint(0, bytes.size(0) - config.context - 1, {batch});
+    const auto offsets = torch::arange(config.context + 1);
+    const auto batch_windows = bytes.index({starts.unsqueeze(1) + offsets}).to(device);  // inputs, and targets one on
+    if (graphed && windows.defined()) {
+      windows.copy_(batch_windows);
+    } else {
+      windows = batch_windows;
+    }
+
+    trace.at_step(step + 1);
+    const auto injected = injection.inject(step + 1, *model);
+    train_step();
     if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
     progress.update(step + 1, last_loss, amp::loss_scaler()->scale(), int64_t(batch) * config.context);
@@ -129,7 +147,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   std::printf("opt_level %s  final loss %.3f (%.3f bits/token)  ms/step %.1f  skipped steps %lld  peak RSS %.0f MiB  "
               "peak allocated %.1f MiB\n",
               examples::level_name(options).c_str(), last_loss, last_loss / std::log(2.0),
-              1000 * seconds / std::max(steps - 1, 1), static_cast<long long>(amp::skipped_steps(optimizer)),
+              1000 * seconds / std::max(steps - untimed, 1), static_cast<long long>(amp::skipped_steps(optimizer)),
               examples::peak_rss_mib(), examples::peak_allocated_mib(device));
   if (config.vocab == 256) {
     std::printf("sample: %s\n", sample(model, device, "This License", absl::GetFlag(FLAGS_sample_chars)).c_str());
@@ -166,7 +184,16 @@ int run() {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
                                 "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
   }
-  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options);
+  const bool cuda_graph = absl::GetFlag(FLAGS_cuda_graph);
+  // --cuda_graph steps with the fused optimizer unless told otherwise (and then refuses).
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options) ||
+                     (cuda_graph && absl::GetFlag(FLAGS_optimizer).empty());
+  if (cuda_graph) {
+    examples::check_cuda_graph(device, fused,
+                               !absl::GetFlag(FLAGS_inject_non_finite).empty() ? "--inject_non_finite"
+                               : options.measured_policy                      ? "--measured_policy"
+                                                                              : "");
+  }
   const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
   const at::Tensor bytes = examples::corpus_tokens(corpus, config.vocab);  // bytes, or byte pairs
 

@@ -232,6 +232,14 @@ if device_stage examples; then
   say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
   say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
   say "    O1 transformer_lm --measured_policy: $(example_result 120 transformer_lm --steps=20 --opt_level=O1 --measured_policy)"
+  # Launch-free steps: the whole step captured in a CUDA graph and replayed
+  # (--cuda_graph) beside eager O0 and O1: graphed O1 no slower than eager O0.
+  for cmd in "transformer_lm --steps=60" "fashion_mnist --train_limit=8192 --test_limit=1024"; do
+    for variant in O0 O1 "O1 --cuda_graph" "O2 --cuda_graph" "O6 --cuda_graph"; do
+      # shellcheck disable=SC2086  # cmd and variant: a program and its flags
+      say "    $variant ${cmd%% *}: $(example_result 120 $cmd --opt_level=$variant)"
+    done
+  done
   # The fp8 property: linear layers in float8 through _scaled_mm (compute
   # capability 8.9+), every one (the examples' layers are too small for the
   # default rule to choose float8), and as the rule chooses.
