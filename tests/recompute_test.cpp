@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <amp/memory.h>
+#include <amp/selective_recompute.h>
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/cuda.h>
@@ -37,7 +38,23 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-enum class Recompute { kNone, kBlocks, kNested };
+// kKeep*: the blocks recomputed selectively (amp::Keep).
+enum class Recompute { kNone, kBlocks, kNested, kKeepGemms, kKeepSeveralOps, kKeepWhen };
+
+// What the blocks keep in each selective mode: the GEMMs; ops of several
+// kinds (a multi-output one, native_layer_norm, among them); the up
+// projections' GEMMs alone, chosen per call.
+amp::Keep keep_of(Recompute mode) {
+  switch (mode) {
+    case Recompute::kKeepGemms: return amp::Keep::gemm_outputs();
+    case Recompute::kKeepSeveralOps: return amp::Keep::ops({"aten::addmm", "aten::gelu", "aten::native_layer_norm"});
+    case Recompute::kKeepWhen:
+      return amp::Keep::when({"aten::addmm"}, [](const amp::Keep::Call& call) {
+        return call.inputs.size() == 3 && call.inputs[2].size(1) > call.inputs[1].size(1);  // widens: up
+      });
+    default: return amp::Keep::nothing();
+  }
+}
 
 // Input layer, BatchNorm (inside the first recomputed block, so its running
 // statistics would move twice if the rerun updated them), two blocks, head.
@@ -56,8 +73,9 @@ struct NetImpl : torch::nn::Module {
       h = second(first(h, false), false);
     } else {
       const bool nested = mode == Recompute::kNested;
-      h = amp::recompute(first, h, nested);
-      h = amp::recompute(second, h, nested);
+      const amp::Keep keep = keep_of(mode);
+      h = amp::recompute(keep, first, h, nested);
+      h = amp::recompute(keep, second, h, nested);
     }
     return head(h);
   }
@@ -117,7 +135,9 @@ class RecomputeLevelTest : public AmpTest, public ::testing::WithParamInterface<
 TEST_P(RecomputeLevelTest, TrainsBitIdenticallyToTheModelWithoutRecomputation) {
   const amp::Options options = GetParam().options();
   const RecomputeTrace plain = train(options, Recompute::kNone);
-  for (Recompute mode : {Recompute::kBlocks, Recompute::kNested}) {
+  for (Recompute mode : {Recompute::kBlocks, Recompute::kNested, Recompute::kKeepGemms, Recompute::kKeepSeveralOps,
+                         Recompute::kKeepWhen}) {
+    SCOPED_TRACE("mode " + std::to_string(static_cast<int>(mode)));
     const RecomputeTrace recomputed = train(options, mode);
     expect_bit_equal(plain.losses, recomputed.losses, "loss");
     expect_bit_equal(plain.grads, recomputed.grads, "gradient");
@@ -697,6 +717,129 @@ TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
   for (OptLevel level : {O2, O5}) {
     expect_bit_equal(step(1, level).grads, step(kRun, level).grads, "gradient at O2/O5");
   }
+}
+
+}  // namespace
+}  // namespace amp::testing
+
+namespace amp::testing {
+namespace {
+
+// x -> up -> gelu -> down, its up projection's output changed in place when
+// `in_place` (a kept output changed after its op returned).
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() : up(register_module("up", torch::nn::Linear(8, 16))), down(register_module("down", torch::nn::Linear(16, 8))) {}
+  at::Tensor forward(const at::Tensor& x, bool in_place) {
+    at::Tensor h = up(x);
+    if (in_place) h.mul_(0.5);
+    return down(torch::gelu(h));
+  }
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(Probe);
+
+// down's weight gradient when up's weight is changed behind autograd's back
+// (through .data(), no version counter moves) between forward and backward:
+// as forward computed it where the rerun takes up's output from forward,
+// different where the rerun computes it again from the changed weight.
+at::Tensor down_gradient_after_a_hidden_change(std::optional<amp::Keep> keep, bool in_place) {
+  torch::manual_seed(0);
+  Probe probe;
+  const at::Tensor x = torch::randn({4, 8});
+  auto block = [probe, in_place](const at::Tensor& in) mutable { return probe->forward(in, in_place); };
+  const at::Tensor y = keep ? amp::recompute(*keep, block, x) : block(x);
+  probe->up->weight.data().add_(1.0);
+  y.pow(2).sum().backward();
+  return probe->down->weight.grad().clone();
+}
+
+TEST(SelectiveRecompute, TheRerunTakesTheKeptOutputsInsteadOfComputingThem) {
+  const at::Tensor plain = down_gradient_after_a_hidden_change(std::nullopt, false);
+  // Kept: forward's up output reaches down's gradient, bit for bit.
+  EXPECT_TRUE(BitEqual(down_gradient_after_a_hidden_change(amp::Keep::gemm_outputs(), false), plain));
+  EXPECT_TRUE(BitEqual(down_gradient_after_a_hidden_change(amp::Keep::ops({"aten::addmm"}), false), plain));
+  // Not kept: the rerun computes up's output again, from the changed weight.
+  EXPECT_FALSE(at::allclose(down_gradient_after_a_hidden_change(amp::Keep::nothing(), false), plain));
+  EXPECT_FALSE(at::allclose(
+      down_gradient_after_a_hidden_change(amp::Keep::when({"aten::addmm"}, [](const Keep::Call&) { return false; }), false),
+      plain));
+  // Changed in place after its op returned: not kept, computed again.
+  const at::Tensor plain_in_place = down_gradient_after_a_hidden_change(std::nullopt, true);
+  EXPECT_FALSE(at::allclose(down_gradient_after_a_hidden_change(amp::Keep::gemm_outputs(), true), plain_in_place));
+}
+
+// Without the hidden change, a kept output changed in place leaves the
+// gradients those of the plain block, bit for bit.
+TEST(SelectiveRecompute, AnOutputChangedInPlaceIsComputedAgainBitForBit) {
+  auto gradients = [](bool recompute) {
+    torch::manual_seed(0);
+    Probe probe;
+    const at::Tensor x = torch::randn({4, 8}).requires_grad_();
+    auto block = [probe](const at::Tensor& in) mutable { return probe->forward(in, /*in_place=*/true); };
+    const at::Tensor y = recompute ? amp::recompute(amp::Keep::gemm_outputs(), block, x) : block(x);
+    y.pow(2).sum().backward();
+    std::vector<at::Tensor> grads{x.grad()};
+    for (const auto& p : probe->parameters()) grads.push_back(p.grad());
+    return grads;
+  };
+  expect_bit_equal(gradients(false), gradients(true), "gradient");
+}
+
+TEST(SelectiveRecompute, KeepRefusesWhatItCannotKeepAndSaysWhatToName) {
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::linear"}), "is composite");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::matmul"}), "aten::addmm or aten::mm");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::relu_"}), "in place");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::transpose.int"}), "returns a view");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::native_dropout"}), "draws random numbers");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"aten::no_such_op"}), "is not an ATen op");
+  EXPECT_AMP_ERROR(amp::Keep::ops({"mm"}), "as \"aten::mm\"");
+  EXPECT_AMP_ERROR(amp::Keep::ops({}), "at least one op");
+  EXPECT_AMP_ERROR(amp::Keep::when({"aten::mm"}, nullptr), "predicate is empty");
+  // Named twice (the kernel is registered once): still keepable.
+  EXPECT_NO_THROW(amp::Keep::ops({"aten::mm", "aten::mm"}));
+  EXPECT_NO_THROW(amp::Keep::gemm_outputs());
+}
+
+TEST(SelectiveRecompute, ARerunWhoseKeptCallsDifferFromForwardsIsRefused) {
+  torch::manual_seed(0);
+  torch::nn::Linear layer(8, 8);
+  const at::Tensor x = torch::randn({4, 8}).requires_grad_();
+  int runs = 0;
+  auto block = [layer, &runs](const at::Tensor& in) mutable {
+    at::Tensor h = layer(in);
+    if (++runs > 1) h = layer(h);  // the rerun calls addmm once more
+    return h;
+  };
+  const at::Tensor y = amp::recompute(amp::Keep::gemm_outputs(), block, x);
+  EXPECT_AMP_ERROR(y.sum().backward(), "called aten::addmm where forward called nothing more");
+}
+
+// Keeping the GEMMs' outputs of a residual MLP: forward holds them (more
+// than whole recomputation's inputs alone, less than no recomputation's
+// activations); backward's rerun computes only the rest.
+TEST_F(AmpTest, KeptGemmOutputsHoldBytesBetweenWholeRecomputationAndNone) {
+  amp::track_allocations();
+  auto held_after_forward = [](std::optional<amp::Keep> keep) {
+    torch::manual_seed(0);
+    torch::nn::ModuleList blocks;
+    for (int i = 0; i < 4; ++i) blocks->push_back(Block(64));
+    const at::Tensor x = torch::randn({1024, 64});
+    CountedStep step(blocks);
+    at::Tensor h = x;
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      const auto b = blocks->ptr<BlockImpl>(i);
+      auto run = [b](const at::Tensor& in) { return b->forward(in, false); };
+      h = keep ? amp::recompute(*keep, run, h) : run(h);
+    }
+    return step.held();
+  };
+  const int64_t plain = held_after_forward(std::nullopt), whole = held_after_forward(amp::Keep::nothing()),
+                gemms = held_after_forward(amp::Keep::gemm_outputs());
+  std::printf("bytes held after forward: %lld none recomputed, %lld whole blocks, %lld keeping GEMM outputs\n",
+              static_cast<long long>(plain), static_cast<long long>(whole), static_cast<long long>(gemms));
+  // Each block keeps its two GEMMs' outputs: 1024 x 128 and 1024 x 64 bfloat16 values.
+  EXPECT_EQ(gemms - whole, 4 * (1024 * 128 + 1024 * 64) * 2);
+  EXPECT_LT(gemms, plain);
 }
 
 }  // namespace

@@ -150,7 +150,8 @@ void measure(const Row& row, const at::Tensor& x, const at::Tensor& y) {
 
 }  // namespace
 
-int main() {
+// argv[1], if given: only the rows whose names contain it (a profile of one row).
+int main(int argc, char** argv) {
   if (!RUNNING_ON_VALGRIND) {
     std::fprintf(stderr, "run me through tools/bench/step_instructions.sh (valgrind --tool=callgrind)\n");
     return 2;
@@ -171,6 +172,8 @@ int main() {
       {"amp O6, fused AdamW", Loop::kAmp, amp::O6, true},
       {"amp O6, fused AdamW, 8-bit state", Loop::kAmp, amp::O6, true, true},
   };
-  for (const Row& row : rows) measure(row, x, y);
+  for (const Row& row : rows) {
+    if (argc < 2 || row.name.find(argv[1]) != std::string::npos) measure(row, x, y);
+  }
   return 0;
 }

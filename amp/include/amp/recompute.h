@@ -79,14 +79,24 @@ namespace amp {
 
 namespace internal {
 
+// What a recomputed block keeps of its forward for its rerun (amp::Keep,
+// selective_recompute.h): the outputs of the calls of the ATen ops named,
+// those for which `when` is true where it is set. None named: nothing.
+struct KeptOps {
+  std::vector<std::string> names;
+  std::function<bool(const std::string& op, const std::vector<at::Tensor>& inputs)> when;
+};
+
 // A block with its non-tensor arguments bound: tensor arguments in, outputs out.
 using RecomputedBlock = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 // Runs `block` on `inputs` without keeping its activations (see above).
 // `buffers`: named buffers, besides the models', whose in-place updates by
-// the block the rerun must not repeat.
+// the block the rerun must not repeat; `keep`: what the rerun takes from
+// forward instead of computing it.
 std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<at::Tensor>& inputs,
-                                       std::vector<std::pair<std::string, at::Tensor>> buffers = {});
+                                       std::vector<std::pair<std::string, at::Tensor>> buffers = {},
+                                       const KeptOps& keep = {});
 
 // How fn's result travels as a list of tensors.
 template <class T>
@@ -122,13 +132,9 @@ struct BlockOutputs<std::tuple<Ts...>> {
 template <class T>
 constexpr bool kIsTensor = std::is_same_v<std::decay_t<T>, at::Tensor>;
 
-}  // namespace internal
-
-/// Runs fn(args...) keeping none of the activations inside it, and runs it
-/// again when backward reaches the block, in the precision state of the
-/// forward; returns fn's result (see recompute.h).
+// amp::recompute keeping `keep` for the rerun.
 template <class Fn, class... Args>
-auto recompute(Fn fn, Args&&... args) {
+auto recompute_keeping(const KeptOps& keep, Fn fn, Args&&... args) {
   using Result = std::decay_t<std::invoke_result_t<Fn&, std::decay_t<Args>&...>>;
   std::vector<at::Tensor> inputs;
   auto collect = [&](const auto& arg) {
@@ -155,14 +161,27 @@ auto recompute(Fn fn, Args&&... args) {
     }, call);
     return internal::BlockOutputs<Result>::flatten(std::apply(fn, call));
   };
-  return internal::BlockOutputs<Result>::unflatten(internal::run_recomputed(std::move(block), inputs));
+  return BlockOutputs<Result>::unflatten(run_recomputed(std::move(block), inputs, {}, keep));
+}
+
+}  // namespace internal
+
+/// Runs fn(args...) keeping none of the activations inside it, and runs it
+/// again when backward reaches the block, in the precision state of the
+/// forward; returns fn's result (see recompute.h). To keep some of its
+/// ops' outputs for the rerun: selective_recompute.h.
+template <class Fn, class... Args>
+auto recompute(Fn fn, Args&&... args) {
+  return internal::recompute_keeping({}, std::move(fn), std::forward<Args>(args)...);
 }
 
 /// sequential->forward(input) with its children split into `segments`
 /// consecutive runs of (nearly) equal length, each recomputed but the last
 /// (its activations are needed first in backward anyway), as Python's
 /// checkpoint_sequential. The children take and return one tensor.
-at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input);
+/// (`keep`: selective_recompute.h's overload.)
+at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input,
+                                const internal::KeptOps& keep = {});
 
 /// fn(x) computed in slices: x split into `slices` pieces along dimension 0
 /// (x.chunk(slices): at most that many, the last smaller when the size does
@@ -194,6 +213,8 @@ at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t
 /// such piece, before anything is concatenated: nothing is kept for
 /// backward, though the pieces run until then drew from the random
 /// generators (dropout) as any forward does.
-at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x);
+/// (`keep`: selective_recompute.h's overload.)
+at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x,
+                               const internal::KeptOps& keep = {});
 
 }  // namespace amp

@@ -13,6 +13,7 @@
 #include "recompute/recompute_session.h"
 #include "recompute/block_boundary.h"
 #include "recompute/forward_replay.h"
+#include "recompute/kept_outputs.h"
 #include "autograd/stand_ins.h"
 #include "support/trace_range.h"
 #include "support/graph_capture.h"
@@ -126,6 +127,7 @@ class RecomputeNode final : public Node {
     std::vector<bool> through;     // through_node, in forward
     std::vector<int64_t> versions;
     std::unique_ptr<ForwardReplay> replay;
+    std::shared_ptr<KeptOutputs> kept;  // what forward kept for the rerun (amp::Keep); null: nothing
     std::vector<BoundaryEdge> boundary;  // one per next edge; kCopy indexes replay's copies
     size_t block_outputs = 0;
     std::weak_ptr<RecomputeSession> session;  // forward's, with the block's id there
@@ -206,10 +208,12 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
   std::optional<BlockRunWeights> weights(std::in_place, saved_->session.lock(), saved_->block_id);
   {
     ForwardReplay::Scope replay(*saved_->replay, copies);
+    KeptOutputs::Scope kept(saved_->kept.get(), KeptOutputs::Scope::Mode::kServe);
     at::AutoGradMode grad(true);
     mark = RunMark::now();
     outputs = saved_->block(run.inputs);
   }
+  if (saved_->kept) saved_->kept->check_all_served();
   TORCH_CHECK(outputs.size() == saved_->block_outputs, "amp::recompute: the block returned ", outputs.size(),
               " tensors when backward ran it again, ", saved_->block_outputs, " in forward; it must "
               "compute the same thing each time it runs.");
@@ -264,7 +268,7 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
 namespace internal {
 
 std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<at::Tensor>& args,
-                                       std::vector<std::pair<std::string, at::Tensor>> buffers) {
+                                       std::vector<std::pair<std::string, at::Tensor>> buffers, const KeptOps& keep) {
   using detail::BoundaryEdge;
   if (!at::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return block(args);
   for (const at::Tensor& a : args) {
@@ -288,6 +292,8 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   const std::vector<int64_t> buffer_versions = detail::versions_of(buffer_tensors);
 
   auto replay = std::make_unique<detail::ForwardReplay>(args);
+  std::shared_ptr<detail::KeptOutputs> kept;
+  if (!keep.names.empty()) kept = std::make_shared<detail::KeptOutputs>(keep);
   std::vector<bool> through;
   for (const at::Tensor& a : args) through.push_back(detail::through_node(a));
   detail::BlockRun run(args, through);
@@ -297,9 +303,12 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   size_t block_id = 0;
   {
     detail::BlockRunWeights weights(session);
+    // Its calls are this block's: an enclosing block keeps none of them.
+    detail::KeptOutputs::Scope keeping(kept.get(), detail::KeptOutputs::Scope::Mode::kRecord);
     block_id = weights.id();
     outputs = block(run.inputs);
   }
+  if (kept) kept->settle();
   for (size_t i = 0; i < args.size(); ++i) {
     TORCH_CHECK(!args[i].defined() || args[i]._version() == versions[i], "amp::recompute: the block "
                 "changed its tensor argument ", i, " in place; backward's rerun would start from the "
@@ -337,6 +346,7 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
   saved.through = std::move(through);
   saved.versions = versions;
   saved.replay = std::move(replay);
+  saved.kept = std::move(kept);
   saved.boundary = boundary.edges;
   saved.block_outputs = outputs.size();
   saved.session = session;
@@ -368,7 +378,8 @@ std::vector<at::Tensor> run_recomputed(RecomputedBlock block, const std::vector<
 
 }  // namespace internal
 
-at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input) {
+at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t segments, const at::Tensor& input,
+                                const internal::KeptOps& keep) {
   TORCH_CHECK(segments >= 1, "amp::recompute_sequential: segments must be >= 1, got ", segments, ".");
   const std::shared_ptr<torch::nn::SequentialImpl> layers = sequential.ptr();
   const int64_t n = static_cast<int64_t>(layers->size());
@@ -387,13 +398,14 @@ at::Tensor recompute_sequential(const torch::nn::Sequential& sequential, int64_t
             [run_layers, begin, end](const std::vector<at::Tensor>& in) {
               return std::vector<at::Tensor>{run_layers(begin, end, in[0])};
             },
-            {x}, buffers)
+            {x}, buffers, keep)
             .at(0);
   }
   return run_layers((segments - 1) * n / segments, n, x);
 }
 
-at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x) {
+at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at::Tensor&)> fn, const at::Tensor& x,
+                               const internal::KeptOps& keep) {
   TORCH_CHECK(slices >= 1, "amp::recompute_in_slices: slices must be >= 1, got ", slices, ".");
   TORCH_CHECK(x.defined() && x.dim() >= 1, "amp::recompute_in_slices needs a tensor with a dimension 0 to "
               "slice (a batch); got ", x.defined() ? "a tensor without dimensions" : "an undefined tensor", ".");
@@ -402,7 +414,7 @@ at::Tensor recompute_in_slices(int64_t slices, std::function<at::Tensor(const at
   for (const at::Tensor& piece : x.chunk(slices)) {
     at::Tensor out = internal::run_recomputed(
                          [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
-                         {piece})
+                         {piece}, {}, keep)
                          .at(0);
     TORCH_CHECK(out.defined() && out.dim() >= 1 && out.size(0) == piece.size(0), "amp::recompute_in_slices: "
                 "fn returned ", out.defined() ? "a tensor of sizes " + c10::str(out.sizes()) : "an undefined tensor",
