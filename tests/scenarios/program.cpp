@@ -344,6 +344,9 @@ Program generate_program(uint64_t seed) {
   for (ModelSpec& m : p.models) {  // drawn last, as above
     if (m.recomputed && maps_rows_to_rows(m, *m.recomputed) && draw.chance(0.5)) m.recomputed->slices = draw.between(2, 3);
   }
+  for (ModelSpec& m : p.models) {  // drawn last, as above
+    if (m.recomputed && draw.chance(0.5)) m.recomputed->keep = draw.chance(0.5) ? Kept::kGemmOutputs : Kept::kSeveralOps;
+  }
   return p;
 }
 
@@ -360,7 +363,10 @@ std::string describe(const Program& p) {
     out << (p.models[m].affine_norms ? "" : "(norms not affine)");
     if (const auto& r = p.models[m].recomputed) {
       out << " blocks " << r->first << ".." << r->last - 1 << " recomputed" << (r->nested ? " (nested)" : "")
-          << (r->slices > 1 ? " in " + std::to_string(r->slices) + " slices" : "");
+          << (r->slices > 1 ? " in " + std::to_string(r->slices) + " slices" : "")
+          << (r->keep == Kept::kGemmOutputs  ? " keeping GEMM outputs"
+              : r->keep == Kept::kSeveralOps ? " keeping GEMM, tanh and layer norm outputs"
+                                             : "");
     }
     out << "\n";
   }

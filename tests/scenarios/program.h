@@ -54,10 +54,14 @@ enum class FaultKind { kInfGradient, kNaNGradient, kNaNLoss };
 // second half of them again inside it; `slices` > 1 (not nested, blocks
 // that map rows to rows): in that many slices of the batch
 // (amp::recompute_in_slices).
+// `keep`: what the recomputed blocks keep for their reruns (amp::Keep):
+// nothing, the GEMMs' outputs, or those of GEMMs, tanh and layer norms.
+enum class Kept { kNothing, kGemmOutputs, kSeveralOps };
 struct RecomputedBlocks {
   size_t first = 0, last = 0;
   bool nested = false;
   int slices = 0;
+  Kept keep = Kept::kNothing;
 };
 
 struct ModelSpec {

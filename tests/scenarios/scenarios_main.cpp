@@ -82,6 +82,9 @@ struct Coverage {
     };
     count["recomputed blocks"] += recomputes(false);
     count["nested recomputation"] += recomputes(true);
+    count["selective recomputation (amp::Keep)"] += std::any_of(p.models.begin(), p.models.end(), [](const ModelSpec& m) {
+      return m.recomputed && m.recomputed->keep != Kept::kNothing;
+    });
     count["recomputation in slices"] += std::any_of(p.models.begin(), p.models.end(), [](const ModelSpec& m) {
       return m.recomputed && m.recomputed->slices > 1;
     });

@@ -2,6 +2,7 @@
 #include "workload.h"
 
 #include <amp/recompute.h>
+#include <amp/selective_recompute.h>
 
 #include <algorithm>
 
@@ -68,15 +69,25 @@ at::Tensor ScenarioModelImpl::forward(at::Tensor x) {
   x = run_blocks(0, r.first, x);
   if (r.slices > 1) {
     x = amp::recompute_in_slices(r.slices, [this, r](const at::Tensor& in) { return run_blocks(r.first, r.last, in); },
-                                 x);
+                                 x, keep_of(r.keep));
   } else {
     x = recompute_blocks(r.first, r.last, r.nested, x);
   }
   return run_blocks(r.last, blocks_.size(), x);
 }
 
+amp::Keep ScenarioModelImpl::keep_of(Kept kept) {
+  switch (kept) {
+    case Kept::kGemmOutputs: return amp::Keep::gemm_outputs();
+    case Kept::kSeveralOps:
+      return amp::Keep::ops({"aten::addmm", "aten::mm", "aten::convolution", "aten::tanh", "aten::native_layer_norm"});
+    case Kept::kNothing: break;
+  }
+  return amp::Keep::nothing();
+}
+
 at::Tensor ScenarioModelImpl::recompute_blocks(size_t begin, size_t end, bool nested, const at::Tensor& x) {
-  return amp::recompute([this, begin, end, nested](const at::Tensor& in) {
+  return amp::recompute(keep_of(spec_.recomputed->keep), [this, begin, end, nested](const at::Tensor& in) {
     if (!nested) return run_blocks(begin, end, in);
     const size_t middle = (begin + end) / 2;
     return recompute_blocks(middle, end, /*nested=*/false, run_blocks(begin, middle, in));

@@ -5,6 +5,8 @@
 
 #include "program.h"
 
+#include <amp/selective_recompute.h>
+
 #include <torch/torch.h>
 
 #include <memory>
@@ -25,6 +27,7 @@ class ScenarioModelImpl : public torch::nn::Module {
   at::Tensor read_table(const at::Tensor& x);
   // Blocks [begin, end) under amp::recompute, their second half again when `nested`.
   at::Tensor recompute_blocks(size_t begin, size_t end, bool nested, const at::Tensor& x);
+  static amp::Keep keep_of(Kept kept);
 
   ModelSpec spec_;
   torch::nn::Embedding embedding_{nullptr};
