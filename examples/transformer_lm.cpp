@@ -43,6 +43,8 @@ ABSL_FLAG(int, recompute_run, 0, "with --recompute, > 1: runs of this many block
           "about sqrt(layers) keeps the fewest block inputs)");
 ABSL_FLAG(int, recompute_slices, 0, "with --recompute, > 1: each block run and rerun in this many slices of the batch "
           "(amp::recompute_in_slices: a slice's activations at once)");
+ABSL_FLAG(bool, recompute_keep_gemms, false, "with --recompute: each block keeps its GEMMs' outputs for its rerun, "
+          "which computes only the rest (selective recomputation: amp::Keep::gemm_outputs)");
 ABSL_FLAG(bool, eight_bit_state, false, "keep AdamW's moments in 8 bits (optimizer_state_dtype uint8; fused optimizer)");
 ABSL_FLAG(bool, step_in_backward, false,
           "apply each update during backward and free its gradient (O4/O6, fused optimizer); no gradient clipping");
@@ -176,6 +178,7 @@ int run() {
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
   config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
+  config.recompute_keep_gemms = absl::GetFlag(FLAGS_recompute_keep_gemms);
   if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
   options.step_in_backward = absl::GetFlag(FLAGS_step_in_backward);
   if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||

@@ -149,15 +149,19 @@ TEST_P(RecomputeLevelTest, TrainsBitIdenticallyToTheModelWithoutRecomputation) {
 INSTANTIATE_TEST_SUITE_P(Levels, RecomputeLevelTest, every_level(), level_case_name);
 
 // On the GPU backward runs on autograd's device thread, and dropout draws
-// from the CUDA generator: the rerun takes both from its forward.
+// from the CUDA generator: the rerun takes both from its forward (and, kept
+// selectively, the outputs forward kept).
 TEST_F(AmpTest, OnCudaRecomputedTrainingIsBitIdentical) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
   for (amp::OptLevel level : {amp::O1, amp::O2, amp::O5}) {
     const RecomputeTrace plain = train(level, Recompute::kNone, 3, c10::kCUDA);
-    const RecomputeTrace recomputed = train(level, Recompute::kNested, 3, c10::kCUDA);
-    expect_bit_equal(plain.grads, recomputed.grads, to_string(level));
-    expect_bit_equal(plain.params, recomputed.params, to_string(level));
-    expect_bit_equal(plain.buffers, recomputed.buffers, to_string(level));
+    for (Recompute mode : {Recompute::kNested, Recompute::kKeepGemms, Recompute::kKeepSeveralOps}) {
+      const RecomputeTrace recomputed = train(level, mode, 3, c10::kCUDA);
+      const std::string what = to_string(level) + " mode " + std::to_string(static_cast<int>(mode));
+      expect_bit_equal(plain.grads, recomputed.grads, what);
+      expect_bit_equal(plain.params, recomputed.params, what);
+      expect_bit_equal(plain.buffers, recomputed.buffers, what);
+    }
   }
 }
 

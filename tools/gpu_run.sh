@@ -231,6 +231,7 @@ if device_stage examples; then
   say "    O6 fashion_mnist: $(example_result 120 fashion_mnist --train_limit=2048 --test_limit=1024 --opt_level=O6)"
   say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
   say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
+  say "    O5 transformer_lm --recompute --recompute_keep_gemms: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute --recompute_keep_gemms)"
   say "    O1 transformer_lm --measured_policy: $(example_result 120 transformer_lm --steps=20 --opt_level=O1 --measured_policy)"
   # Launch-free steps: the whole step captured in a CUDA graph and replayed
   # (--cuda_graph) beside eager O0 and O1: graphed O1 no slower than eager O0.

@@ -3,6 +3,7 @@
 
 #include <amp/linear_cross_entropy.h>
 #include <amp/recompute.h>
+#include <amp/selective_recompute.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
@@ -63,10 +64,10 @@ torch::Tensor CharTransformerImpl::run_blocks(size_t begin, size_t end, torch::T
     auto run = [block](const torch::Tensor& in) { return block->forward(in); };
     if (!config.recompute) {
       x = block->forward(x);
-    } else if (config.recompute_slices > 1) {
-      x = amp::recompute_in_slices(config.recompute_slices, run, x);
     } else {
-      x = amp::recompute(run, x);
+      const amp::Keep keep = config.recompute_keep_gemms ? amp::Keep::gemm_outputs() : amp::Keep::nothing();
+      x = config.recompute_slices > 1 ? amp::recompute_in_slices(config.recompute_slices, run, x, keep)
+                                      : amp::recompute(keep, run, x);
     }
   }
   return x;

@@ -3,8 +3,8 @@
 // position embeddings, pre-norm blocks of causal multi-head attention
 // (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
 // linear head (or the token embedding, tied). Each block may run under
-// amp::recompute (whole, or in slices of the batch), and runs of blocks
-// around them (two levels).
+// amp::recompute (whole, or in slices of the batch, or keeping its GEMMs'
+// outputs), and runs of blocks around them (two levels).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -33,6 +33,9 @@ struct TransformerConfig {
   // the batch (amp::recompute_in_slices): its activations at once are a
   // slice's, for GEMMs of fewer rows.
   int64_t recompute_slices = 0;
+  // With recompute: each block keeps its GEMMs' outputs for its rerun, which
+  // computes only the rest (amp::Keep::gemm_outputs: selective recomputation).
+  bool recompute_keep_gemms = false;
   // The loss through amp::linear_cross_entropy: the head's logits computed
   // and dropped chunk by chunk (what a large vocabulary needs).
   bool fused_loss = false;

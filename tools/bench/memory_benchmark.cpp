@@ -5,7 +5,8 @@
 // learned positions, pre-norm blocks of causal 4-head attention and a 4x
 // GELU MLP, tied head; width 256, context 256, batch 8) takes AdamW steps on
 // Debian's license texts under each configuration: plain LibTorch float32;
-// amp O1, O2, O5; O5 with every block recomputed (amp::recompute); O6 (bf16
+// amp O1, O2, O5; O5 with every block recomputed (amp::recompute), and
+// selectively (its GEMMs' outputs kept, amp::Keep::gemm_outputs); O6 (bf16
 // without masters, stochastic rounding) with recomputation; both with 8-bit
 // optimizer state (optimizer_state_dtype uint8), and with the step in
 // backward (step_in_backward), that also with recomputation in two levels
@@ -120,7 +121,15 @@ struct Config {
   bool two_levels = false;  // with recompute: runs of about sqrt(depth) blocks recomputed around the blocks
   int slices = 0;  // with recompute, > 1: each block run in this many slices of the batch (recompute_in_slices)
   bool fused_loss = false;  // the head and loss through amp::linear_cross_entropy
+  bool keep_gemms = false;  // with recompute: each block keeps its GEMMs' outputs (amp::Keep::gemm_outputs)
 };
+
+// `config` recomputing selectively: its blocks keep their GEMMs' outputs.
+Config selective(Config config) {
+  config.name.replace(config.name.find("recompute"), 9, "selective recompute");
+  config.keep_gemms = true;
+  return config;
+}
 
 // `config` with its loss through amp::linear_cross_entropy.
 Config fused(Config config) {
@@ -143,6 +152,9 @@ std::vector<Config> configs() {
                               false, kSlices},
                              {"amp O6 + recompute in slices + 8-bit state + step in backward", amp::O6, true, 1, false,
                               true, true, false, false, kSlices}};
+  for (const std::string name : {"amp O5 + recompute", "amp O6 + recompute"}) {
+    out.push_back(selective(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
+  }
   for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O6 + recompute",
                                  "amp O6 + recompute + 8-bit state + step in backward"}) {
     out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
@@ -191,6 +203,7 @@ class Trainer {
     shape.tied_head = true;
     shape.recompute = config.recompute;
     shape.recompute_slices = config.slices;
+    shape.recompute_keep_gemms = config.keep_gemms;
     if (config.two_levels) shape.recompute_run = std::lround(std::sqrt(double(layers)));
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);

@@ -50,6 +50,8 @@
 ///   testing.h      host_syncs and test hooks, for benchmarks and tests
 ///   linear_cross_entropy.h  linear_cross_entropy: a language model's output
 ///                  layer and its loss in chunks, never holding the logits
+///   selective_recompute.h  amp::Keep: what a recomputed block keeps for its
+///                  rerun (its GEMMs' outputs), which computes only the rest
 /// ```
 /// internal/ holds what these headers need and programs never name.
 #pragma once
