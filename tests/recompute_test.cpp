@@ -157,10 +157,10 @@ TEST_F(AmpTest, OnCudaRecomputedTrainingIsBitIdentical) {
     const RecomputeTrace plain = train(level, Recompute::kNone, 3, c10::kCUDA);
     for (Recompute mode : {Recompute::kNested, Recompute::kKeepGemms, Recompute::kKeepSeveralOps}) {
       const RecomputeTrace recomputed = train(level, mode, 3, c10::kCUDA);
-      const std::string what = to_string(level) + " mode " + std::to_string(static_cast<int>(mode));
-      expect_bit_equal(plain.grads, recomputed.grads, what);
-      expect_bit_equal(plain.params, recomputed.params, what);
-      expect_bit_equal(plain.buffers, recomputed.buffers, what);
+      const std::string what = std::string(to_string(level)) + " mode " + std::to_string(static_cast<int>(mode));
+      expect_bit_equal(plain.grads, recomputed.grads, what.c_str());
+      expect_bit_equal(plain.params, recomputed.params, what.c_str());
+      expect_bit_equal(plain.buffers, recomputed.buffers, what.c_str());
     }
   }
 }
