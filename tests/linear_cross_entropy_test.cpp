@@ -365,6 +365,98 @@ TEST_F(LinearCrossEntropyTest, OnCudaIsAsAccurateAsTheUnfusedLayer) {
   }
 }
 
+// With the fp8 property the output layer's GEMMs run in float8 in the fused
+// loss as in the unfused layer: as accurate against float64 (within twice
+// its error plus one float8 rounding: a chunk's rows take their own scale
+// before the first guard), unlike the fused loss at O5 (the same bits
+// without float8 would mean the GEMMs never ran in float8), and the layer
+// named among amp::fp8_choices as float8.
+TEST_F(LinearCrossEntropyTest, UnderFp8TheOutputLayersGemmsRunInFloat8AsUnfused) {
+  const double float8_rounding = std::ldexp(1.0, -3);  // e5m2, the gradients' format
+  for (bool tied : {true, false}) {
+    const LevelRun reference = run_level(std::nullopt, tied, /*fused=*/false);
+    const LevelRun plain = run_level(fp8_options(), tied, false);
+    const LevelRun fused = run_level(fp8_options(), tied, true);
+    const LevelRun fused_bf16 = run_level(amp::O5, tied, true);
+    EXPECT_LE(max_diff(fused.loss, reference.loss),
+              2 * max_diff(plain.loss, reference.loss) + float8_rounding * reference.loss.abs().item<double>());
+    bool differs_from_bf16 = false;
+    for (size_t i = 0; i < fused.grads.size(); ++i) {
+      const double scale = reference.grads[i].abs().max().item<double>();
+      EXPECT_LE(max_diff(fused.grads[i], reference.grads[i]),
+                2 * max_diff(plain.grads[i], reference.grads[i]) + float8_rounding * scale)
+          << "tied " << tied << ", gradient " << i;
+      differs_from_bf16 = differs_from_bf16 || !BitEqual(fused.grads[i], fused_bf16.grads[i]);
+    }
+    EXPECT_TRUE(differs_from_bf16) << "tied " << tied << ": the fused loss's gradients are O5's without float8";
+  }
+  TiedLm model(kLmVocabulary, kLmWidth, /*tied=*/false);
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  Handle handle;
+  handle.initialize(model, optimizer, fp8_options());
+  const at::Tensor tokens = torch::randint(0, kLmVocabulary, {3, 7});
+  model->loss(tokens, torch::randint(0, kLmVocabulary, {3, 7}), /*fused=*/true).backward();
+  const auto choices = amp::fp8_choices();
+  const auto head = std::find_if(choices.begin(), choices.end(), [](const Fp8LayerChoice& c) { return c.layer == "head.weight"; });
+  ASSERT_NE(head, choices.end());
+  EXPECT_TRUE(head->float8);
+  EXPECT_EQ(head->rows, 21);
+  EXPECT_EQ(head->out, kLmVocabulary);
+}
+
+// Where the rule keeps the layer in bfloat16 (its intensity below
+// min_gemm_intensity) the fused loss is O5's, bit for bit.
+TEST_F(LinearCrossEntropyTest, UnderFp8ALayerTheRuleKeepsInBfloat16IsO5s) {
+  amp::Options options = fp8_options();
+  options.fp8_scaling.min_gemm_intensity = 1e9;
+  const LevelRun kept = run_level(options, /*tied=*/false, /*fused=*/true);
+  const LevelRun o5 = run_level(amp::O5, false, true);
+  EXPECT_TRUE(BitEqual(kept.loss, o5.loss));
+  expect_bit_equal(kept.grads, o5.grads, "gradient");
+}
+
+// Three iterations under delayed scaling (the scales from the amax
+// histories, rolled by each guard): the fused float8 loss follows the
+// unfused float8 layer within float8 roundings, its backward (recomputing
+// each chunk's logits for a loss without reduction's gradients computed in
+// forward) included.
+TEST_F(LinearCrossEntropyTest, UnderFp8DelayedScalingFollowsTheUnfusedLayer) {
+  auto train = [](bool fused) {
+    torch::manual_seed(5);
+    TiedLm model(kLmVocabulary, kLmWidth, /*tied=*/false);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    Handle handle;
+    handle.initialize(model, optimizer, fp8_options());
+    std::vector<at::Tensor> losses;
+    for (int step = 0; step < 3; ++step) {
+      const at::Tensor tokens = torch::randint(0, kLmVocabulary, {4, 8});
+      const at::Tensor target = torch::randint(0, kLmVocabulary, {4, 8});
+      optimizer.zero_grad();
+      const at::Tensor h = model->hidden(tokens);
+      const F::CrossEntropyFuncOptions none = F::CrossEntropyFuncOptions().reduction(torch::kNone);
+      const at::Tensor per_token =
+          fused ? amp::linear_cross_entropy(h, model->head->weight, model->head->bias, target, none, 8)
+                : F::cross_entropy(F::linear(h, model->head->weight, model->head->bias).reshape({-1, kLmVocabulary}),
+                                   target.reshape({-1}), none);
+      const at::Tensor loss = per_token.to(at::kFloat).mean();
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+      }
+      optimizer.step();
+      losses.push_back(loss.detach());
+    }
+    return std::make_pair(losses, model->head->weight.detach().to(at::kFloat).clone());
+  };
+  const auto [fused_losses, fused_weight] = train(true);
+  const auto [plain_losses, plain_weight] = train(false);
+  for (size_t i = 0; i < fused_losses.size(); ++i) {
+    EXPECT_NEAR(fused_losses[i].item<double>(), plain_losses[i].item<double>(), 0.02 * plain_losses[i].item<double>())
+        << "step " << i;
+  }
+  EXPECT_LE(max_diff(fused_weight, plain_weight), 0.01 * plain_weight.abs().max().item<double>());
+}
+
 TEST_F(LinearCrossEntropyTest, RefusesBadInputBeforeComputingAnything) {
   const at::Tensor h = torch::randn({2, 3, 8}, torch::requires_grad());
   const at::Tensor w = torch::randn({10, 8}, torch::requires_grad());

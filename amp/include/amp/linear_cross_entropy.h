@@ -30,6 +30,12 @@
 /// unfused linear + cross_entropy within float rounding: each chunk's GEMM
 /// rounds its own part of the weight's gradient, so the weight's gradient
 /// carries one rounding of its dtype per chunk where the unfused GEMM has one.
+/// With the fp8 property (O5), where `weight` is a layer's weight and the
+/// rule chooses float8 for it (its intensity over all tokens; on CUDA a
+/// chunk whose rows are not a multiple of 16 runs in bfloat16), the three
+/// GEMMs run in float8 as a float8 linear layer's do: the weight quantized
+/// once an iteration, each chunk's hidden rows and logit gradients with the
+/// layer's scales; amp::fp8_choices lists the weight.
 ///
 /// When the gradients are computed: with reduction mean or sum and GEMMs in
 /// bfloat16, float32 or float64, forward computes them (as Liger's fused

@@ -72,16 +72,16 @@ std::shared_ptr<Fp8Site> Fp8Gemms::make_site() const {
   return std::make_shared<Fp8Site>(recipe_, forward_, backward_, tally_);
 }
 
+std::shared_ptr<Fp8Site> Fp8Gemms::site_for(const c10::TensorImpl* layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& slot = sites_[layer];
+  if (!slot) slot = make_site();
+  return slot;
+}
+
 at::Tensor Fp8Gemms::linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const c10::TensorImpl* layer, bool rerun) {
-  std::shared_ptr<Fp8Site> site;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = sites_[layer];
-    if (!slot) slot = make_site();
-    site = slot;
-  }
-  return fp8_linear(input, weight, bias, std::move(site), rerun);
+  return fp8_linear(input, weight, bias, site_for(layer), rerun);
 }
 
 void Fp8Gemms::update() {

@@ -62,6 +62,9 @@ class Fp8Gemms {
   void load(torch::serialize::InputArchive& archive, const Names& names);
   static bool is_entry(const std::string& key) { return key == "fp8"; }
 
+  // The site of `layer` (its weight parameter), made at its first use.
+  std::shared_ptr<Fp8Site> site_for(const c10::TensorImpl* layer);
+
   int64_t sites() const;
   // The site of the layer whose weight parameter is `weight`, or null before
   // its first forward.

@@ -59,11 +59,11 @@ struct Fp8LinearBackward final : Node {
     } else {
       std::tie(grad8, grad_inv) = site->grad_output.quantize(grad2);
     }
-    if (task_should_compute_output(0)) {  // [N, out] . [out, in]
-      out[0] = scaled_mm(grad8, column_major(weight8), grad_inv, weight_inv, input_dtype).reshape(input_sizes);
+    if (task_should_compute_output(0)) {
+      out[0] = fp8_input_gradient_gemm({grad8, grad_inv}, {weight8, weight_inv}, input_dtype).reshape(input_sizes);
     }
-    if (task_should_compute_output(1)) {  // [out, N] . [N, in]
-      out[1] = scaled_mm(grad8_t, column_major(input8), grad_inv, input_inv, weight_dtype);
+    if (task_should_compute_output(1)) {
+      out[1] = fp8_weight_gradient_gemm({grad8_t, grad_inv}, {input8, input_inv}, weight_dtype);
     }
     if (task_should_compute_output(2)) out[2] = at::sum_to(grad2, bias_sizes).to(bias_dtype);
     return out;
@@ -71,6 +71,18 @@ struct Fp8LinearBackward final : Node {
 };
 
 }  // namespace
+
+at::Tensor fp8_forward_gemm(const Fp8Operand& input, const Fp8Operand& weight, at::ScalarType dtype) {
+  return scaled_mm(input.values, weight.values.t(), input.inverse_scale, weight.inverse_scale, dtype);
+}
+
+at::Tensor fp8_input_gradient_gemm(const Fp8Operand& grad, const Fp8Operand& weight, at::ScalarType dtype) {
+  return scaled_mm(grad.values, column_major(weight.values), grad.inverse_scale, weight.inverse_scale, dtype);
+}
+
+at::Tensor fp8_weight_gradient_gemm(const Fp8Operand& grad_t, const Fp8Operand& input, at::ScalarType dtype) {
+  return scaled_mm(grad_t.values, column_major(input.values), grad_t.inverse_scale, input.inverse_scale, dtype);
+}
 
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       std::shared_ptr<Fp8Site> site, bool rerun) {
@@ -80,7 +92,7 @@ at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const s
   at::Tensor output;
   {
     at::NoGradGuard no_grad;
-    output = scaled_mm(input8, weight8.t(), input_inv, weight_inv, input.scalar_type());
+    output = fp8_forward_gemm({input8, input_inv}, {weight8, weight_inv}, input.scalar_type());
     if (bias && bias->defined()) output.add_(*bias);
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes.back() = weight.size(0);

@@ -55,6 +55,22 @@ struct Fp8Site {
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       std::shared_ptr<Fp8Site> site, bool rerun = false);
 
+// An operand in float8 and the inverse of the scale it was quantized with.
+struct Fp8Operand {
+  at::Tensor values, inverse_scale;
+};
+
+// A linear layer's three float8 GEMMs on 2-D operands, as fp8_linear runs
+// them, for code that computes a layer's forward and gradients itself
+// (amp::linear_cross_entropy, a chunk of tokens at a time); each in `dtype`.
+// input [n, in] . weight [out, in]^T -> [n, out]
+at::Tensor fp8_forward_gemm(const Fp8Operand& input, const Fp8Operand& weight, at::ScalarType dtype);
+// grad [n, out] . weight [out, in] -> [n, in]
+at::Tensor fp8_input_gradient_gemm(const Fp8Operand& grad, const Fp8Operand& weight, at::ScalarType dtype);
+// grad_t [out, n] (the gradient's transpose, as quantize_transposed writes
+// it) . input [n, in] -> [out, in]
+at::Tensor fp8_weight_gradient_gemm(const Fp8Operand& grad_t, const Fp8Operand& input, at::ScalarType dtype);
+
 // Whether the device's float8 kernel takes an input [..., in] times a
 // weight [out, in]: on CUDA every GEMM of the forward and backward needs
 // its inner and outer dimensions multiples of 16 - in, out and the rows of

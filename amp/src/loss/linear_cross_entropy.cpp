@@ -8,7 +8,10 @@
 
 #include <amp/casting_scope.h>
 
+#include "fp8/fp8_gemms.h"
+#include "interception/casting_session.h"
 #include "interception/dispatch/cast.h"
+#include "interception/dispatch/fp8_call.h"
 #include "loss/logits_chunk.h"
 
 #include <ATen/ATen.h>
@@ -44,6 +47,15 @@ struct LossCall {
   at::ScalarType acc = at::kFloat;
   bool bias = false;  // else the bias argument is an empty stand-in (autograd takes no undefined input)
   std::array<bool, 3> needed = {false, false, false};  // gradients of hidden, weight, bias
+  // The fp8 property: the weight's site, when its GEMMs run in float8 (a
+  // chunk whose shapes the device's kernel does not take runs in bfloat16).
+  std::shared_ptr<Fp8Site> fp8;
+};
+
+// LossCall::fp8 kept in the autograd context until backward.
+struct Fp8SiteHolder : torch::CustomClassHolder {
+  explicit Fp8SiteHolder(std::shared_ptr<Fp8Site> s) : site(std::move(s)) {}
+  std::shared_ptr<Fp8Site> site;
 };
 
 // The GEMM dtype's accumulation dtype: float32, or float64 for float64.
@@ -62,9 +74,26 @@ void for_each_chunk(int64_t tokens, int64_t chunk, Fn&& fn) {
   for (int64_t begin = 0; begin < tokens; begin += chunk) fn(TokenChunk{begin, std::min(tokens, begin + chunk)});
 }
 
-// One chunk's logits in the accumulation dtype, from GEMMs in the inputs' dtype.
-at::Tensor chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias, const LossCall& call) {
-  return at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc);
+// One chunk's logits in the accumulation dtype, from GEMMs in the inputs'
+// dtype, or in float8 (the hidden rows' float8 values kept for the weight's
+// gradient). `tally`: the hidden rows' amax counts for their scale (not
+// when backward computes the logits again).
+struct ChunkLogits {
+  at::Tensor logits;
+  Fp8Operand hidden8;  // defined: the chunk ran in float8
+};
+
+ChunkLogits chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                         const LossCall& call, bool tally) {
+  if (!call.fp8 || !fp8_shapes_fit(hidden, weight.size(0))) {
+    return {at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc)};
+  }
+  auto [values, inverse_scale] = call.fp8->input.quantize(hidden.contiguous(), tally);
+  const Fp8Operand hidden8{std::move(values), std::move(inverse_scale)};
+  auto [weight8, weight_inv] = call.fp8->quantized_weight(weight);
+  at::Tensor logits = fp8_forward_gemm(hidden8, {weight8, weight_inv}, hidden.scalar_type());
+  if (bias.defined()) logits.add_(bias);
+  return {logits.to(call.acc), hidden8};
 }
 
 // The gradients of the inputs, summed over chunks.
@@ -81,17 +110,37 @@ struct ChunkedGradients {
   // Adds one chunk's, from its `logits` [C, V] (accumulation dtype,
   // overwritten by their gradient) and log-sum-exp, for its hidden rows
   // `h` [C, H]; `row_scale` [C]: the incoming gradient of each token's loss.
-  void add(const TokenChunk& rows, at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
+  void add(const TokenChunk& rows, ChunkLogits& chunk, const at::Tensor& lse, const ChunkTargets& targets,
            const LossCall& call, const at::Tensor& row_scale, const at::Tensor& h, const at::Tensor& w) {
+    at::Tensor& logits = chunk.logits;
     logits_to_gradient_(logits, lse, targets, call.terms, row_scale);
     const at::Tensor& grad_logits = logits;
     const at::Tensor g = grad_logits.to(w.scalar_type());
-    if (hidden.defined()) {
-      at::Tensor out = rows.of(hidden);
-      at::mm_out(out, g, w);
+    if (chunk.hidden8.values.defined()) {
+      add_in_float8(rows, g, chunk.hidden8, *call.fp8, w);
+    } else {
+      if (hidden.defined()) {
+        at::Tensor out = rows.of(hidden);
+        at::mm_out(out, g, w);
+      }
+      if (weight.defined()) weight.addmm_(g.t(), h);
     }
-    if (weight.defined()) weight.addmm_(g.t(), h);
     if (bias.defined()) bias.add_(grad_logits.sum(0));
+  }
+
+  // The hidden rows' and the weight's gradients from the chunk's logit
+  // gradient `g` in float8, as a float8 linear layer's backward computes them.
+  void add_in_float8(const TokenChunk& rows, const at::Tensor& g, const Fp8Operand& hidden8, Fp8Site& site,
+                     const at::Tensor& w) {
+    auto [weight8, weight_inv] = site.quantized_weight(w);
+    if (weight.defined()) {
+      auto [g8, g_inv, g8_t] = site.grad_output.quantize_transposed(g.contiguous());
+      if (hidden.defined()) rows.of(hidden).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden.scalar_type()));
+      weight.add_(fp8_weight_gradient_gemm({g8_t, g_inv}, hidden8, weight.scalar_type()));
+    } else if (hidden.defined()) {
+      auto [g8, g_inv] = site.grad_output.quantize(g.contiguous());
+      rows.of(hidden).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden.scalar_type()));
+    }
   }
 
   variable_list finish(const at::Tensor& b) {
@@ -122,12 +171,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const at::Tensor row_scale = denominator.reciprocal();  // forward's gradients: an incoming 1
     for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
-      at::Tensor logits = chunk_logits(h, weight, bias, call);
-      const at::Tensor chunk_lse = logits.logsumexp(1);
+      ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/true);
+      const at::Tensor chunk_lse = chunk.logits.logsumexp(1);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
-      rows.of(losses).copy_(token_losses(logits, chunk_lse, targets, call.terms));
+      rows.of(losses).copy_(token_losses(chunk.logits, chunk_lse, targets, call.terms));
       if (lse.defined()) rows.of(lse).copy_(chunk_lse);
-      if (grads) grads->add(rows, logits, chunk_lse, targets, call, row_scale.expand({h.size(0)}), h, weight);
+      if (grads) grads->add(rows, chunk, chunk_lse, targets, call, row_scale.expand({h.size(0)}), h, weight);
     });
     ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
     ctx->saved_data["in_forward"] = in_forward;
@@ -139,6 +188,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       ctx->saved_data["ignore_index"] = call.terms.ignore_index;
       ctx->saved_data["smoothing"] = call.terms.smoothing;
       ctx->saved_data["chunk"] = call.chunk;
+      if (call.fp8) ctx->saved_data["fp8"] = c10::IValue::make_capsule(c10::make_intrusive<Fp8SiteHolder>(call.fp8));
     }
     if (call.reduction == LossReduction::kNone) return losses;
     const at::Tensor total = losses.sum();
@@ -168,6 +218,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     call.reduction = reduction;
     call.chunk = ctx->saved_data["chunk"].toInt();
     call.acc = lse.scalar_type();
+    if (ctx->saved_data.count("fp8")) {
+      call.fp8 = c10::static_intrusive_pointer_cast<Fp8SiteHolder>(ctx->saved_data["fp8"].toCapsule())->site;
+    }
     // The incoming gradient of each token's loss, in float32 before any
     // float16 GEMM (the loss scale keeps small gradients in range).
     at::Tensor token_scale = g.to(call.acc);
@@ -177,11 +230,11 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                     call.acc);
     for_each_chunk(hidden.size(0), call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
-      at::Tensor logits = chunk_logits(h, weight, bias, call);
+      ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
       const at::Tensor scale = reduction == LossReduction::kNone ? rows.of(token_scale)
                                                                  : token_scale.expand({h.size(0)});
-      grads.add(rows, logits, rows.of(lse), targets, call, scale, h, weight);
+      grads.add(rows, chunk, rows.of(lse), targets, call, scale, h, weight);
     });
     const variable_list g3 = grads.finish(bias);
     std::copy(g3.begin(), g3.end(), out.begin());
@@ -215,6 +268,21 @@ at::ScalarType gemm_dtype(const at::Tensor& hidden, const at::Tensor& weight, co
               " differ in dtype and amp does not cast here. Cast them to one dtype, or call it where amp's "
               "casts are on.");
   return weight.scalar_type();
+}
+
+// The weight's float8 site where the fp8 property runs this layer's GEMMs
+// in float8 - a layer's weight whose GEMMs would run in bfloat16 and pay by
+// the rule (Fp8Gemms::choose, over all tokens) - or null.
+std::shared_ptr<Fp8Site> fp8_site(const at::Tensor& hidden, const at::Tensor& weight, at::ScalarType compute) {
+  if (compute != at::kBFloat16 || !is_layer_weight(weight)) return nullptr;
+  const std::shared_ptr<CastingSession> session = live_casting_session();
+  if (!session || !CastingState::current().casts()) return nullptr;
+  for (const DeviceCasting& casting : session->casting()) {
+    if (casting.device != weight.device().type() || casting.fp8 == nullptr) continue;
+    if (!casting.fp8->choose(hidden, weight.size(0), weight_key(weight))) return nullptr;
+    return casting.fp8->site_for(weight_key(weight));
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -282,6 +350,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   const at::Tensor h = cast(hidden).reshape({tokens, width});
   const at::Tensor w = cast(weight_read), b = cast(bias_read);
   const at::Tensor flat_target = target.reshape({tokens}).to(at::kLong);
+  call.fp8 = fp8_site(h, weight, compute);
   at::Tensor loss;
   {
     disable_casts no_casts;
