@@ -189,15 +189,8 @@ int run() {
   if (absl::GetFlag(FLAGS_batch_size) < 1) throw std::invalid_argument("--batch_size must be >= 1");
   if (absl::GetFlag(FLAGS_epochs) < 0) throw std::invalid_argument("--epochs must be >= 0");
   const bool cuda_graph = absl::GetFlag(FLAGS_cuda_graph);
-  // --cuda_graph steps with the fused optimizer unless told otherwise (and then refuses).
-  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options) ||
-                     (cuda_graph && absl::GetFlag(FLAGS_optimizer).empty());
-  if (cuda_graph) {
-    examples::check_cuda_graph(device, fused,
-                               !absl::GetFlag(FLAGS_inject_non_finite).empty() ? "--inject_non_finite"
-                               : options.measured_policy                      ? "--measured_policy"
-                                                                              : "");
-  }
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options, cuda_graph);
+  if (cuda_graph) examples::check_cuda_graph(device, fused, options, absl::GetFlag(FLAGS_inject_non_finite));
 
   const auto train_set = examples::load_fashion_mnist(absl::GetFlag(FLAGS_data_dir), true,
                                                       absl::GetFlag(FLAGS_train_limit));

@@ -188,15 +188,8 @@ int run() {
                                 "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
   }
   const bool cuda_graph = absl::GetFlag(FLAGS_cuda_graph);
-  // --cuda_graph steps with the fused optimizer unless told otherwise (and then refuses).
-  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options) ||
-                     (cuda_graph && absl::GetFlag(FLAGS_optimizer).empty());
-  if (cuda_graph) {
-    examples::check_cuda_graph(device, fused,
-                               !absl::GetFlag(FLAGS_inject_non_finite).empty() ? "--inject_non_finite"
-                               : options.measured_policy                      ? "--measured_policy"
-                                                                              : "");
-  }
+  const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options, cuda_graph);
+  if (cuda_graph) examples::check_cuda_graph(device, fused, options, absl::GetFlag(FLAGS_inject_non_finite));
   const std::string corpus = examples::read_license_corpus(absl::GetFlag(FLAGS_corpus_dir));
   const at::Tensor bytes = examples::corpus_tokens(corpus, config.vocab);  // bytes, or byte pairs
 

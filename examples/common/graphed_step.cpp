@@ -45,7 +45,8 @@ void GraphedStep::operator()() {
 #endif
 }
 
-void check_cuda_graph(c10::Device device, bool fused_optimizer, const std::string& host_flag) {
+void check_cuda_graph(c10::Device device, bool fused_optimizer, const amp::Options& options,
+                      const std::string& inject_non_finite) {
 #ifndef AMP_EXAMPLES_WITH_CUDA
   throw std::invalid_argument("--cuda_graph: this build's LibTorch has no CUDA; build against a CUDA LibTorch, "
                               "or run without --cuda_graph");
@@ -59,6 +60,9 @@ void check_cuda_graph(c10::Device device, bool fused_optimizer, const std::strin
                                 "--cuda_graph): LibTorch's reads the overflow verdict on the host every step, which "
                                 "a replay cannot");
   }
+  const std::string host_flag = !inject_non_finite.empty() ? "--inject_non_finite"
+                                : options.measured_policy   ? "--measured_policy"
+                                                            : "";
   if (!host_flag.empty()) {
     throw std::invalid_argument("--cuda_graph cannot replay " + host_flag +
                                 ", whose work happens on the host every step: use one or the other");

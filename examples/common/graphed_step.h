@@ -51,10 +51,11 @@ class GraphedStep {
 
 // Throws std::invalid_argument, naming the flag and what to do, where
 // --cuda_graph cannot run: not on CUDA, LibTorch's optimizer (--optimizer=
-// libtorch: it reads the overflow verdict on the host every step), or
-// `host_flag` set (a flag whose work happens on the host each step: its
-// name). What amp itself cannot capture it refuses at the capture, with
-// the cause.
-void check_cuda_graph(c10::Device device, bool fused_optimizer, const std::string& host_flag = "");
+// libtorch: it reads the overflow verdict on the host every step), or a
+// flag whose work happens on the host every step (--inject_non_finite, the
+// value of `inject_non_finite`; --measured_policy, options.measured_policy).
+// What amp itself cannot capture it refuses at the capture, with the cause.
+void check_cuda_graph(c10::Device device, bool fused_optimizer, const amp::Options& options,
+                      const std::string& inject_non_finite);
 
 }  // namespace examples

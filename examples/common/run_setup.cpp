@@ -89,12 +89,12 @@ std::string level_name(const amp::Options& options) {
   return std::string(amp::to_string(options.opt_level)) + (options.fp8.value_or(false) ? "+fp8" : "");
 }
 
-bool use_fused_optimizer(const std::string& flag, const amp::Options& options) {
+bool use_fused_optimizer(const std::string& flag, const amp::Options& options, bool cuda_graph) {
   if (flag == "fused") return true;
   if (flag == "libtorch") return false;
-  // Where only amp's fused optimizers apply: O6's rounding, 8-bit state, the step in backward.
+  // Where only amp's fused optimizers apply: a graphed step, O6's rounding, 8-bit state, the step in backward.
   if (flag.empty()) {
-    return (options.opt_level == amp::O6 && options.stochastic_rounding.value_or(true)) ||
+    return cuda_graph || (options.opt_level == amp::O6 && options.stochastic_rounding.value_or(true)) ||
            options.optimizer_state_dtype == c10::kByte || options.step_in_backward.value_or(false);
   }
   throw std::invalid_argument("--optimizer must be fused or libtorch, got '" + flag + "'");

@@ -31,8 +31,9 @@ int run_main(int argc, char** argv, const char* usage, const std::function<int()
 
 // Whether the --optimizer flag asks for amp's fused optimizer: "fused" yes,
 // "libtorch" no; "" picks it where the level needs it (O6's stochastic
-// rounding happens in amp's fused optimizers) and LibTorch's own otherwise.
-bool use_fused_optimizer(const std::string& flag, const amp::Options& options);
+// rounding happens in amp's fused optimizers), or the whole step is captured
+// in a CUDA graph (`cuda_graph`), and LibTorch's own otherwise.
+bool use_fused_optimizer(const std::string& flag, const amp::Options& options, bool cuda_graph = false);
 
 // The process's peak resident memory so far, in MiB.
 double peak_rss_mib();
