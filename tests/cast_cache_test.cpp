@@ -138,6 +138,36 @@ TEST_F(CastCacheTest, ViewOfACachedWeightGivesTheSameValuesAndGradients) {
   EXPECT_TRUE(BitEqual(x_grad, x.grad()));
 }
 
+// weight.t() (nn::Linear's addmm operand) is served as the cached copy's
+// transpose, whose backward transposes the gradient back - not as an
+// as_strided view, whose backward zero-fills and scatters a weight-sized
+// tensor. Another view of the weight is still served with its geometry,
+// with its values and gradient.
+TEST_F(CastCacheTest, ATransposedWeightIsServedAsATransposeOtherViewsAsStrided) {
+  const auto x = torch::randn({3, 4}, torch::requires_grad());
+  const auto y = torch::addmm(bias, x, weight.t());
+  std::vector<std::string> operand_nodes;
+  for (const auto& edge : y.grad_fn()->next_edges()) {
+    if (edge.function) operand_nodes.push_back(edge.function->name());
+  }
+  EXPECT_THAT(operand_nodes, ::testing::Contains("TBackward0"));
+  EXPECT_THAT(operand_nodes, ::testing::Not(::testing::Contains("AsStridedBackward0")));
+
+  const auto columns = weight.slice(/*dim=*/1, 1, 3);  // [6, 2], strides (4, 1), offset 1
+  const auto a = torch::randn({5, 6});
+  const auto z = torch::mm(a, columns);
+  EXPECT_EQ(z.scalar_type(), at::kBFloat16);
+  z.to(at::kFloat).sum().backward();
+  const at::Tensor grad = weight.grad().clone();
+  weight.mutable_grad() = at::Tensor();
+  {
+    disable_casts exact;
+    torch::mm(a.to(at::kBFloat16), weight.slice(1, 1, 3).to(at::kBFloat16)).to(at::kFloat).sum().backward();
+  }
+  EXPECT_TRUE(BitEqual(grad.slice(1, 1, 3), weight.grad().slice(1, 1, 3)));
+  EXPECT_TRUE(grad.slice(1, 0, 1).eq(0).all().item<bool>() && grad.slice(1, 3, 4).eq(0).all().item<bool>());
+}
+
 TEST_F(CastCacheTest, InferenceModeCastsAreNotCached) {
   {
     c10::InferenceMode inference;

@@ -238,10 +238,22 @@ bool is_cacheable(const at::Tensor& t, at::ScalarType to) {
          !c10::InferenceMode::is_enabled() && at::autocast::is_autocast_cache_enabled();
 }
 
+// Whether `view` is `base` (2-D) transposed: weight.t(), as nn::Linear
+// passes it to addmm.
+bool is_transpose_of(const at::Tensor& view, const at::TensorBase& base) {
+  return base.dim() == 2 && view.dim() == 2 && view.storage_offset() == base.storage_offset() &&
+         view.sizes()[0] == base.sizes()[1] && view.sizes()[1] == base.sizes()[0] &&
+         view.strides()[0] == base.strides()[1] && view.strides()[1] == base.strides()[0];
+}
+
 at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
   if (!t.is_view()) return cache().get_or_cast(t, to);
   const at::Tensor base(t._base());
   const at::Tensor copy = cache().get_or_cast(base, to);  // contiguous, like its base
+  // The transpose as a transpose: its backward transposes the gradient back,
+  // where as_strided's zero-fills a tensor of the weight's size and scatters
+  // into it (a fill and a copy per weight and backward, the kernels included).
+  if (is_transpose_of(t, base)) return copy.t();
   return copy.as_strided(t.sizes(), t.strides(), t.storage_offset() - base.storage_offset());
 }
 
