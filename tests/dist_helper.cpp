@@ -61,6 +61,10 @@
 //     hidden=N                the hidden layer's width (16)
 //     evaluate=0|1            1: after each step every rank runs a forward
 //                             under no_grad, whose output joins the trace (0)
+//     static_scale=0|1        1: the level's own loss scale (O6: static 1),
+//                             and no rank overflows (0: a dynamic scale, the
+//                             last rank overflowing at step 2)
+//     step_in_backward=0|1    Options::step_in_backward (needs static_scale=1) (0)
 //
 // Writes one tensor per step (every parameter's float32 master flattened,
 // after the step), then the number of skipped steps and the final loss scale.
@@ -178,7 +182,9 @@ int run(int rank, int world, const std::string& store_path, const std::string& o
   }
   amp::Options options = flags["level"];
   options.verbosity = 0;
-  options.loss_scale = amp::LossScale::Dynamic();  // O5 too, so that every level skips the overflow
+  const bool static_scale = flags["static_scale"] == "1";
+  if (!static_scale) options.loss_scale = amp::LossScale::Dynamic();  // O5 too, so that every level skips the overflow
+  options.step_in_backward = flags["step_in_backward"] == "1";
   if (flags["fp8"] == "1") options.fp8 = true;
   if (flags["state8"] == "1") options.optimizer_state_dtype = at::kByte;  // 8-bit optimizer state
   if (reduce == "builtin") {
@@ -217,7 +223,7 @@ int run(int rank, int world, const std::string& store_path, const std::string& o
   for (int step = flags["resume"] == "1" ? save_after + 1 : 0; step < 5; ++step) {
     torch::manual_seed(100 + step);
     const auto x = torch::randn({24, 6}).to(device), y = torch::randn({24, 2}).to(device);
-    const bool overflow_here = step == 2 && rank == world - 1;
+    const bool overflow_here = step == 2 && rank == world - 1 && !static_scale;
     optimizer->zero_grad();
     for (int micro = 0; micro < micro_batches; ++micro) {
       const int64_t first = rank * rows + micro * micro_rows;
@@ -317,7 +323,7 @@ int main(int argc, char** argv) {
                                            {"lone", "1"}, {"group_timeout_ms", "1800000"},
                                            {"fp8", "0"}, {"positions", "none"}, {"state8", "0"}, {"hidden", "16"},
                                            {"evaluate", "0"}, {"backend", "gloo"}, {"phases", "1"},
-                                           {"optimizers", ""}};
+                                           {"optimizers", ""}, {"static_scale", "0"}, {"step_in_backward", "0"}};
   for (int i = 5; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');

@@ -515,6 +515,27 @@ TEST_F(RanksAsProcesses, ShardedWeightsTrainBitForBitAsShardedMasters) {
   }
 }
 
+// The step inside backward with sharding: each rank steps its pieces of a
+// bucket as soon as the bucket's reduce-scatter is averaged, during
+// backward. At world size 2 ZeRO-3 and ZeRO-2 with the step in backward
+// train bit for bit as ZeRO-2's ordinary step: O6 with AdamW (8-bit state
+// too) and SGD, recomputed or not; uneven shards at world 3.
+TEST_F(RanksAsProcesses, ShardedStepInBackwardTrainsBitForBitAsTheOrdinaryStep) {
+  const std::vector<std::pair<int, std::string>> runs = {
+      {2, "optimizer=fused_adamw recompute=1"},
+      {2, "optimizer=fused_adamw recompute=0 state8=1 hidden=2048 bucket_bytes=1048576"},
+      {3, "optimizer=fused_sgd recompute=1 bucket_bytes=1"},
+  };
+  for (const auto& [world, run] : runs) {
+    SCOPED_TRACE(run);
+    const std::string args = "level=O6 static_scale=1 shard=1 " + run;
+    const auto ordinary = run_ranks(world, args);
+    EXPECT_FALSE(BitEqual(ordinary[0].steps.back(), ordinary[0].steps.front())) << "the steps moved the weights";
+    expect_same_bits(run_ranks(world, args + " shard_weights=1 step_in_backward=1"), ordinary, "ZeRO-3");
+    expect_same_bits(run_ranks(world, args + " step_in_backward=1"), ordinary, "ZeRO-2");
+  }
+}
+
 // A ZeRO-3 run saves after step 1 (whole weights and state, as one process
 // writes them); resumed at world sizes 3 and 1, sharded or not, it trains
 // on as an unsharded run resumed from the same file, bit for bit.
@@ -1269,6 +1290,70 @@ TEST_F(AmpTest, ShardedZeroGradThroughTheModelOrTheOptimizerTrainsAlike) {
     finals.push_back(torch::cat(parts));
   }
   EXPECT_TRUE(BitEqual(finals[0], finals[1]));
+  }
+}
+
+// ---- The step inside backward, sharded ---------------------------------------
+
+// O6 + step_in_backward sharded (ZeRO-2, and ZeRO-3 with shard_weights):
+// each bucket's pieces are stepped as soon as the bucket's reduction is
+// averaged, while backward goes on, and their gradients go with the chunk.
+// The pieces train bit for bit as ZeRO-2's ordinary step (8-bit state too),
+// and when backward returns a rank holds a few buckets' gradients, not its
+// part of every gradient (2 bytes a parameter at world size 1).
+TEST_F(AmpTest, ShardedStepInBackwardStepsEachBucketAsItIsReduced) {
+  amp::track_allocations();
+  const int64_t params = 32 * (64 * 64 + 64);
+  const at::Tensor x = torch::randn({2, 64});
+  struct Run {
+    bool in_backward, shard_weights, eight_bit;
+  };
+  auto train = [&](Run run, int64_t* held_after_backward) {
+    torch::manual_seed(0);
+    torch::nn::Sequential model;
+    for (int i = 0; i < 32; ++i) model->push_back(torch::nn::Linear(64, 64));
+    amp::optim::FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    Options options = fake_sharded(O6);
+    options.data_parallel.bucket_bytes = 16 * 1024;  // 2 layers a bucket
+    options.data_parallel.shard_weights = run.shard_weights;
+    options.step_in_backward = run.in_backward;
+    if (run.eight_bit) options.optimizer_state_dtype = at::kByte;
+    Handle handle;
+    handle.initialize(model, optimizer, options);
+    std::vector<at::Tensor> steps;
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      const at::Tensor loss = model->forward(x).to(at::kFloat).pow(2).mean();
+      const int64_t before = allocated_bytes().current;
+      {
+        scale_loss scaled(loss, optimizer);
+        scaled.backward();
+        if (held_after_backward) *held_after_backward = allocated_bytes().current - before;
+      }
+      optimizer.step();
+      std::vector<at::Tensor> parts;
+      for (const auto& p : master_params(optimizer)) {
+        EXPECT_FALSE(run.in_backward && p.grad().defined()) << "applied gradients are freed";
+        parts.push_back(p.detach().to(at::kFloat).flatten().clone());
+      }
+      steps.push_back(torch::cat(parts));
+    }
+    return steps;
+  };
+  for (const bool eight_bit : {false, true}) {
+    SCOPED_TRACE(eight_bit ? "8-bit state" : "bfloat16 state");
+    const std::vector<at::Tensor> ordinary = train({false, false, eight_bit}, nullptr);
+    for (const bool shard_weights : {false, true}) {
+      SCOPED_TRACE(shard_weights ? "ZeRO-3" : "ZeRO-2");
+      int64_t held = 0;
+      const std::vector<at::Tensor> in_backward = train({true, shard_weights, eight_bit}, &held);
+      for (size_t step = 0; step < ordinary.size(); ++step) {
+        EXPECT_TRUE(BitEqual(in_backward[step], ordinary[step])) << "step " << step;
+      }
+      EXPECT_FALSE(BitEqual(in_backward.back(), in_backward.front())) << "the steps moved the weights";
+      // 16 buckets of 2 layers; at most 3 wait for their reduction.
+      EXPECT_LT(held, params / 2) << "bytes held when backward returned";
+    }
   }
 }
 

@@ -7,6 +7,7 @@
 // they are applied (the allocator's bytes); what cannot step in backward is
 // refused with its error.
 #include "test_util.h"
+#include "world_of_one.h"
 
 #include <amp/memory.h>
 
@@ -407,6 +408,9 @@ TEST_F(AmpTest, StepInBackwardRefusesWhatCannotStepDuringBackward) {
   Options reduced = options(O4);
   reduced.reduce_overflow = [](at::Tensor&) {};
   EXPECT_AMP_ERROR(initialize(model, optimizer, reduced), "every rank's backward");
+  Options replicated = options(O6);
+  replicated.data_parallel.group = c10::make_intrusive<WorldOfOne>();
+  EXPECT_AMP_ERROR(initialize(model, optimizer, replicated), "Set data_parallel.shard");
   EXPECT_FALSE(is_initialized());
 
   Handle handle;

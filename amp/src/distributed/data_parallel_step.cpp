@@ -94,7 +94,11 @@ std::unique_ptr<GuardPart> DataParallelParticipant::open(Guard& guard) {
     if (!guard.options().delay_unscale || reducer_->config().shard_gradients) {
       std::vector<GradientReducer::ShardedOwner> owners;
       for (OptimizerStep* step : guard.steps()) owners.push_back({&sharded_->of(step->optimizer())->buckets(), &step->held()});
-      reduction = reducer_->start_sharded(owners);
+      GradientReducer::PiecesFinal pieces_final;
+      if (guard.session().properties().step_in_backward) {
+        pieces_final = [&guard](const std::vector<at::Tensor>& pieces) { guard.gradients_final(pieces); };
+      }
+      reduction = reducer_->start_sharded(owners, std::move(pieces_final));
     }
   } else if (reducer_ != nullptr && !guard.options().delay_unscale) {
     reduction = reducer_->start(guard.slots());  // delay_unscale: DDP's no_sync, the last guard reduces

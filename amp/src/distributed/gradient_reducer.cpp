@@ -94,7 +94,8 @@ std::unique_ptr<GradientReducer::Reduction> GradientReducer::start(std::vector<G
   return std::make_unique<Reduction>(*this, std::move(buckets), &slots);
 }
 
-std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(const std::vector<ShardedOwner>& owners) {
+std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(const std::vector<ShardedOwner>& owners,
+                                                                            PiecesFinal pieces_final) {
   std::vector<ReduceBucket*> buckets;
   std::vector<const HeldGradients*> sums;
   for (const ShardedOwner& owner : owners) {
@@ -104,12 +105,14 @@ std::unique_ptr<GradientReducer::Reduction> GradientReducer::start_sharded(const
       sums.push_back(owner.sums);
     }
   }
-  return std::make_unique<Reduction>(*this, std::move(buckets), nullptr, std::move(sums));
+  return std::make_unique<Reduction>(*this, std::move(buckets), nullptr, std::move(sums), std::move(pieces_final));
 }
 
 GradientReducer::Reduction::Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets,
-                                      std::vector<GradSlot>* slots, std::vector<const HeldGradients*> sums)
-    : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots), sums_(std::move(sums)) {
+                                      std::vector<GradSlot>* slots, std::vector<const HeldGradients*> sums,
+                                      PiecesFinal pieces_final)
+    : reducer_(reducer), buckets_(std::move(buckets)), slots_(slots), sums_(std::move(sums)),
+      pieces_final_(std::move(pieces_final)), handed_over_(buckets_.size(), false) {
   // Gloo reduce-scatters by all-reducing the whole buffer and keeping the
   // chunk: all-reducing it here costs the same and leaves every rank the
   // whole sums, so the members' "used" flags ride in the bucket and the
@@ -283,8 +286,23 @@ void GradientReducer::Reduction::release_reduced(size_t in_flight) {
     if (whole_sums()) keep_chunk(released_);
     bucket.flat = at::Tensor();  // the chunk holds this rank's part
     average_chunk(bucket);
+    if (pieces_final_ && error_.empty()) hand_over(released_);
     ++released_;
   }
+}
+
+void GradientReducer::Reduction::hand_over(size_t b) {
+  const size_t first = first_member_[b], end = first + buckets_[b]->members.size();
+  for (size_t m = first; m < end; ++m) {
+    // finish() started it: whether the pieces get gradients is the ranks'
+    // agreement, which install_sharded reads.
+    if (!produced_[m]) return;
+  }
+  install_bucket(b, [](size_t) { return true; });
+  std::vector<at::Tensor> pieces;
+  for (const ReduceBucket::Piece& piece : buckets_[b]->pieces) pieces.push_back(piece.stepped);
+  handed_over_[b] = true;
+  if (!pieces.empty()) pieces_final_(pieces);
 }
 
 void GradientReducer::Reduction::average_chunk(ReduceBucket& bucket) {
@@ -312,7 +330,7 @@ void GradientReducer::Reduction::finish() {
         if (earlier_sum(b, j).defined()) flags[first_member_[b] + j] = 1;
       }
     }
-    used = at::tensor(flags).to(buckets_.front()->chunk.device());
+    used = at::tensor(flags).to(buckets_.front()->members.front().device());  // a chunk may be gone (hand_over)
     std::vector<at::Tensor> tensors{used};
     used_work = reducer_.config_.group->allreduce(tensors);
   }
@@ -388,25 +406,29 @@ void GradientReducer::Reduction::install_sharded(const at::Tensor& used) {
   if (!all_local) {  // a piece of a member this rank had no gradient for
     used_on_host = read_to_host({used});
   }
-  at::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    ReduceBucket* bucket = buckets_[b];
-    // The pieces' gradients share the averaged chunk's storage, so a rank
-    // holds its part of the gradients once. They alias it through set_, not
-    // as autograd views, which LibTorch's zero_grad (detach_) refuses.
-    const at::Tensor& chunk = bucket->chunk;
-    for (const ReduceBucket::Piece& piece : bucket->pieces) {
-      const size_t member = first_member_[b] + piece.member;
-      at::Tensor grad;
-      if (local[member] || used_on_host.at(member) > 0) {
-        grad = at::empty({0}, chunk.options());
-        grad.set_(chunk.storage(), chunk.storage_offset() + piece.chunk_offset, {piece.length}, {1});
-      }
-      piece.stepped.mutable_grad() = std::move(grad);
-    }
-    bucket->flat = at::Tensor();  // only the pieces' gradients stay
-    bucket->chunk = at::Tensor();
+    if (handed_over_[b]) continue;  // stepped in backward: its gradients are gone
+    install_bucket(b, [&](size_t member) { return local[member] || used_on_host.at(member) > 0; });
   }
+}
+
+void GradientReducer::Reduction::install_bucket(size_t b, const std::function<bool(size_t member)>& gets) {
+  at::NoGradGuard no_grad;
+  ReduceBucket* bucket = buckets_[b];
+  // The pieces' gradients share the averaged chunk's storage, so a rank
+  // holds its part of the gradients once. They alias it through set_, not
+  // as autograd views, which LibTorch's zero_grad (detach_) refuses.
+  const at::Tensor& chunk = bucket->chunk;
+  for (const ReduceBucket::Piece& piece : bucket->pieces) {
+    at::Tensor grad;
+    if (gets(first_member_[b] + piece.member)) {
+      grad = at::empty({0}, chunk.options());
+      grad.set_(chunk.storage(), chunk.storage_offset() + piece.chunk_offset, {piece.length}, {1});
+    }
+    piece.stepped.mutable_grad() = std::move(grad);
+  }
+  bucket->flat = at::Tensor();  // only the pieces' gradients stay
+  bucket->chunk = at::Tensor();
 }
 
 }  // namespace amp::detail

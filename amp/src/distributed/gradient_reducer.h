@@ -35,6 +35,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,7 +98,14 @@ class GradientReducer {
     std::vector<ReduceBucket>* buckets;
     const HeldGradients* sums;
   };
-  std::unique_ptr<Reduction> start_sharded(const std::vector<ShardedOwner>& owners);
+  // Sharded, Properties::step_in_backward: as soon as a bucket that
+  // backward filled whole is averaged, its pieces take their gradients
+  // (views of the chunk) and are handed to `pieces_final`, which steps them
+  // and drops those gradients; the chunk goes then, so no rank holds its
+  // part of every gradient at the end of backward. Buckets finish() starts
+  // (members backward did not reach) are installed as usual.
+  using PiecesFinal = std::function<void(const std::vector<at::Tensor>& pieces)>;
+  std::unique_ptr<Reduction> start_sharded(const std::vector<ShardedOwner>& owners, PiecesFinal pieces_final = {});
 
  private:
   struct Layout;
@@ -111,7 +119,7 @@ class GradientReducer::Reduction {
   // `slots`: the guard's (replicated); null when sharded, where `sums` holds
   // each bucket's record of earlier sums.
   Reduction(GradientReducer& reducer, std::vector<ReduceBucket*> buckets, std::vector<GradSlot>* slots,
-            std::vector<const HeldGradients*> sums = {});
+            std::vector<const HeldGradients*> sums = {}, PiecesFinal pieces_final = {});
   // Unhooks; reductions already started are waited for by the next start().
   ~Reduction();
   Reduction(const Reduction&) = delete;
@@ -149,11 +157,20 @@ class GradientReducer::Reduction {
   void average_chunk(ReduceBucket& bucket);
   void install_replicated();
   void install_sharded(const at::Tensor& used);
+  // Sharded: bucket `b`'s pieces whose member `gets` (its index among the
+  // guard's members) take their gradients, views of the averaged chunk;
+  // the others none. The reduction lets the chunk go.
+  void install_bucket(size_t b, const std::function<bool(size_t member)>& gets);
+  // step_in_backward: bucket `b` was filled whole by backward and is
+  // averaged - its pieces are stepped now (PiecesFinal).
+  void hand_over(size_t b);
 
   GradientReducer& reducer_;
   std::vector<ReduceBucket*> buckets_;
   std::vector<GradSlot>* slots_;
   std::vector<const HeldGradients*> sums_;  // sharded: per bucket
+  PiecesFinal pieces_final_;            // sharded, step_in_backward
+  std::vector<bool> handed_over_;       // per bucket: its pieces were stepped in backward
   std::vector<size_t> first_member_;    // per bucket: its first member's index below
   std::vector<bool> produced_;          // per member (buckets in order): its accumulator ran
   std::vector<int64_t> missing_;        // per bucket: members not produced yet

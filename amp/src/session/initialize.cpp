@@ -250,10 +250,12 @@ void check_step_in_backward(const Options& o, const Properties& p, const Optimiz
                 "own, whose step() takes all parameters at once. Use amp::optim::FusedAdamW, FusedAdam or FusedSGD "
                 "(same options).");
   }
-  TORCH_CHECK(!o.data_parallel.group && !o.reduce_overflow, "amp: step_in_backward applies each update as soon "
-              "as this rank's gradient is final, but with data_parallel (or reduce_overflow) a gradient is final "
-              "only once every rank's backward has reached it. Leave step_in_backward unset for data-parallel "
-              "training.");
+  TORCH_CHECK((!o.data_parallel.group || o.data_parallel.shard) && !o.reduce_overflow, "amp: step_in_backward "
+              "applies each update as soon as its gradient is final, but with replicated data_parallel (or "
+              "reduce_overflow) a gradient is final only once every rank's backward has reached it, and amp "
+              "averages whole gradients after backward. Set data_parallel.shard (ZeRO-2, or ZeRO-3 with "
+              "shard_weights: each rank steps its pieces as their bucket is reduced), or leave step_in_backward "
+              "unset.");
   TORCH_CHECK(!o.precision_telemetry && !o.overflow_provenance, "amp: precision_telemetry and "
               "overflow_provenance read the gradients after backward, which step_in_backward frees as it applies "
               "them. Turn those options off, or step_in_backward.");

@@ -27,6 +27,8 @@ class BackwardStep final : public GuardPart {
   // The guard ends well: what backward did not reach but held a gradient
   // from before the guard is stepped now.
   void before_unscale(Guard& guard) override;
+  // Sharded: a bucket's averaged pieces, handed over by the reduction.
+  void gradients_final(Guard&, const std::vector<at::Tensor>& params) override;
   void unwind(Guard&) noexcept override { hooks_.clear(); }
 
  private:
@@ -44,6 +46,7 @@ class BackwardStep final : public GuardPart {
   std::vector<std::optional<UpdatePrecision>> precisions_;  // per optimizer
   std::vector<Member> members_;                             // per slot
   std::vector<bool> applied_;                               // per slot
+  std::unordered_map<const c10::TensorImpl*, size_t> slot_of_;
   at::Tensor found_inf_;  // the unscale's flag, never read: a static scale never skips
   AccumulatorHooks hooks_;
 };
@@ -62,12 +65,24 @@ BackwardStep::BackwardStep(Guard& guard) : guard_(guard) {
       for (const at::Tensor& p : optimizer.param_groups()[g].params()) where.emplace(p.unsafeGetTensorImpl(), Member{k, g, key++});
     }
   }
-  for (const GradSlot& slot : guard.slots()) members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
+  for (const GradSlot& slot : guard.slots()) {
+    members_.push_back(where.at(slot.param.unsafeGetTensorImpl()));
+    slot_of_.emplace(slot.param.unsafeGetTensorImpl(), slot_of_.size());
+  }
   applied_.assign(guard.slots().size(), false);
   if (!guard.passthrough()) {
     found_inf_ = at::zeros({1}, guard.session().scaler(guard.options().loss_id).scale_tensor(guard.scaled_loss().device()).options());
   }
+  // Sharded, the slots are the pieces, which no graph reaches: the
+  // reduction hands them over (gradients_final) instead.
   for (size_t i = 0; i < guard.slots().size(); ++i) hooks_.add(guard.slots()[i].param, [this, i] { on_gradient(i); });
+}
+
+void BackwardStep::gradients_final(Guard&, const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    auto it = slot_of_.find(p.unsafeGetTensorImpl());
+    if (it != slot_of_.end() && !applied_[it->second]) apply(it->second);
+  }
 }
 
 void BackwardStep::on_gradient(size_t slot) {

@@ -45,6 +45,9 @@ class Guard {
   // unscale() called by the program: the scaler's state before it, to
   // unwind; over several optimizers, also checks the kept gradients.
   void unscale_by_program();
+  // A participant learned that `params`' gradients are final (GuardPart::
+  // gradients_final): every part hears it.
+  void gradients_final(const std::vector<at::Tensor>& params);
 
   // What participants read.
   StepSession& session() const { return *session_; }

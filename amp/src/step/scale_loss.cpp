@@ -153,6 +153,10 @@ void Guard::check_kept_gradients() {
   flag.copy_(at::maximum(flag, seen));
 }
 
+void Guard::gradients_final(const std::vector<at::Tensor>& params) {
+  for (const auto& part : parts_) part->gradients_final(*this, params);
+}
+
 void Guard::commit() {
   // LibTorch's optimizers step on whatever gradients they find: the host
   // must know the verdict now. amp's fused ones take it on the device.

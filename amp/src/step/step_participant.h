@@ -25,6 +25,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <vector>
 
 namespace amp::detail {
 
@@ -36,6 +37,10 @@ class GuardPart {
  public:
   virtual ~GuardPart() = default;
   virtual void before_unscale(Guard&) {}
+  // During backward, with sharding and Properties::step_in_backward: the
+  // averaged gradients of these optimizer parameters (a bucket's pieces)
+  // are final.
+  virtual void gradients_final(Guard&, const std::vector<at::Tensor>& /*params*/) {}
   virtual void after_unscale(Guard&) {}
   // Only with a dynamic scale, when the guard unscales: combine `found_inf`
   // (this rank's flag, 1 element on the device) with the other ranks'.
