@@ -15,7 +15,9 @@
 // slices of the batch (amp::recompute_in_slices: a slice's activations at
 // once); the O2, O5 and recomputed ones sharded at
 // world sizes 2 and 4 (ZeRO-2 over Gloo, and the recomputed ones with
-// their weights sharded too: ZeRO-3; ranks
+// their weights sharded too: ZeRO-3; O6 + 8-bit state with the step in
+// backward sharded both ways, each rank stepping its pieces as their
+// buckets are reduced; ranks
 // started by this program, bytes per rank), each beside the same
 // configuration replicated (plain data parallel) at the same per-rank
 // batch, which separates sharding's saving from the smaller batch's; and
@@ -176,6 +178,12 @@ std::vector<Config> configs() {
     out.push_back({"amp O6 + recompute + 8-bit state" + zero3, amp::O6, true, world, true, true, false, true});
     out.push_back({"amp O6 + recompute in slices and two levels + 8-bit state" + zero3, amp::O6, true, world, true,
                    true, false, true, true, kSlices});
+    // Each rank steps its pieces as their buckets are reduced.
+    const std::string in_backward = "amp O6 + recompute + 8-bit state + step in backward";
+    out.push_back({in_backward + " sharded x" + std::to_string(world), amp::O6, true, world, true, true, true});
+    out.push_back({in_backward + zero3, amp::O6, true, world, true, true, true, true});
+    out.push_back({"amp O6 + recompute in two levels + 8-bit state + step in backward" + zero3, amp::O6, true, world,
+                   true, true, true, true, true});
   }
   return out;
 }

@@ -23,7 +23,10 @@
 /// Errors (c10::Error, at initialize, nothing changed): both
 /// data_parallel.group and reduce_overflow set; reduce_dtype not float32,
 /// float16 or bfloat16; bucket_bytes < 1; gather_timeout < 1 ms; sparse
-/// gradients (Embedding with sparse=true) with a group. With shard: no group;
+/// gradients (Embedding with sparse=true) with a group; step_in_backward
+/// with a group but without shard (replicated gradients are averaged after
+/// backward; sharded, each rank steps its pieces as their bucket is
+/// reduced). With shard: no group;
 /// a level that steps the model's own weights (not O2, O5 or O6 with
 /// stochastic rounding); no optimizer; an optimizer other than SGD, Adam,
 /// AdamW, Adagrad, RMSprop (or amp's fused ones); a parameter in two groups

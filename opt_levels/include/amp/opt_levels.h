@@ -165,7 +165,9 @@ struct PropertyOverrides {
   /// levels' 1, O4 and O6, or LossScale::Static: as always with a static
   /// scale, inf/NaN gradients are applied, not skipped), no master weights,
   /// amp's fused optimizers, and no gradient clipping (docs/guide.md, "The
-  /// step inside backward").
+  /// step inside backward"). Data parallel: sharded only (ZeRO-2, ZeRO-3),
+  /// where each rank steps its pieces as soon as their bucket's reduction is
+  /// averaged, during backward.
   std::optional<bool> step_in_backward;
 };
 
