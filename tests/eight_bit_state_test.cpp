@@ -8,6 +8,7 @@
 // the bytes; the errors.
 #include "test_util.h"
 
+#include "cpu_capability.h"
 #include "optim/eight_bit_state.h"
 #include "optim/stochastic_rounding.h"
 
@@ -253,6 +254,59 @@ TEST(EightBitStateTest, TheOnePassCodingIsTheAtenOpsBytes) {
     }
   }
 }
+
+// Values on each code, one float32 step either side of it, and on and
+// beside each midpoint between neighbouring codes, in blocks whose
+// maximum is 1 (the codes unscaled) and 2^-40: where the coding's guess of
+// a value's code from its logarithm is corrected by one code either way,
+// and where rounding to nearest ties.
+at::Tensor code_boundaries(bool non_negative) {
+  std::vector<float> values;
+  const std::vector<double> codes = code_values(non_negative);
+  std::vector<float> sorted(codes.begin(), codes.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const float c = sorted[i];
+    for (const float v : {c, std::nextafter(c, -2.0f), std::nextafter(c, 2.0f)}) values.push_back(v);
+    if (i + 1 < sorted.size()) {
+      const float mid = (c + sorted[i + 1]) / 2;
+      for (const float v : {mid, std::nextafter(mid, -2.0f), std::nextafter(mid, 2.0f)}) values.push_back(v);
+    }
+  }
+  at::Tensor v = torch::tensor(values).clamp(non_negative ? 0.0 : -1.0, 1.0);
+  const int64_t per_block = detail::kStateBlock - 1, blocks = (v.numel() + per_block - 1) / per_block;
+  v = torch::cat({v, torch::zeros({blocks * per_block - v.numel()})}).view({blocks, per_block});
+  const at::Tensor unit = torch::cat({torch::ones({blocks, 1}), v}, 1).view(-1);  // each block's maximum 1
+  return torch::cat({unit, unit * std::exp2(-40.0f)});
+}
+
+// The block coding is compiled once per CPU capability
+// (optim/one_pass_kernels.h); each that this CPU runs writes the ATen ops'
+// bytes, to nearest and stochastically.
+class BlockCodingKernelTest : public CpuCapabilityTest {};
+
+TEST_P(BlockCodingKernelTest, WritesTheAtenOpsBytes) {
+  const detail::CodeBlocksFn kernel = kernels().code_blocks;
+  for (const bool non_negative : {false, true}) {
+    SCOPED_TRACE(non_negative ? "non-negative" : "signed");
+    torch::manual_seed(8);
+    const at::Tensor random = torch::randn({300 * detail::kStateBlock + 17}) * torch::exp(torch::randn({1}) * 3) *
+                              torch::exp2(torch::randint(-30, 30, {300 * detail::kStateBlock + 17}));
+    at::Tensor values = torch::cat({coding_cases(non_negative), code_boundaries(non_negative),
+                                    non_negative ? random.abs() : random});
+    for (const bool stochastic : {false, true}) {
+      SCOPED_TRACE(stochastic ? "stochastic" : "to nearest");
+      detail::StochasticRounding by_kernel(/*seed=*/11, /*stream=*/2, /*weights=*/false), by_ops(11, 2, false);
+      at::Tensor packed = torch::empty({detail::packed_blocks(values.numel()), detail::kPackedRow}, at::kByte);
+      detail::pack_state_into_by(kernel, values, packed, non_negative, stochastic ? &by_kernel : nullptr, {3, 4, 1});
+      const at::Tensor aten = detail::pack_state(values, non_negative, stochastic ? &by_ops : nullptr, {3, 4, 1},
+                                                 detail::CpuPath::kAtenOps);
+      EXPECT_TRUE(BitEqual(packed, aten));
+    }
+  }
+}
+
+INSTANTIATE_CPU_CAPABILITY_TEST_SUITE(BlockCodingKernelTest);
 
 // A block holding an inf or NaN has no scale: it unpacks as NaN in all
 // its values, never as finite ones, whichever rounding packed it; the

@@ -6,11 +6,16 @@
 // resumes bit for bit; LibTorch's own optimizers are refused.
 #include "test_util.h"
 
+#include "cpu_capability.h"
+
 #include "optim/stochastic_rounding.h"
 
+#include <ATen/core/PhiloxRNGEngine.h>
 #include <c10/util/bit_cast.h>
 
+#include <array>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -157,20 +162,25 @@ TEST(StochasticRoundingTest, UnbiasedOverRandomValuesAndScalesOfBothSigns) {
   EXPECT_GT(weakened_caught, 0) << "a rounding with 8 random bits passed every value";
 }
 
-// On the CPU a tensor is rounded in one pass, drawing inline what
-// at::randint draws: the same bits as the ATen ops (CUDA's path) for every
-// kind of float32 - every exponent, subnormals, signed zeros, the largest
-// finite values (which may round up to inf), infinities - and NaN for NaN;
-// from a strided source too. Another key draws other bits.
-TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
+// Random float32 bits with every kind of float32 among them - every
+// exponent, subnormals, signed zeros, the largest finite values (which may
+// round up to inf), infinities - and NaN.
+at::Tensor random_float_bits(int64_t n) {
   std::mt19937 draw(9);
-  std::vector<uint32_t> bits(100003);
+  std::vector<uint32_t> bits(n);
   for (uint32_t& b : bits) b = static_cast<uint32_t>(draw());
   const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::quiet_NaN()};
   for (size_t i = 0; i < std::size(specials); ++i) bits[i * 977] = c10::bit_cast<uint32_t>(specials[i]);
-  const at::Tensor src = torch::from_blob(bits.data(), {static_cast<int64_t>(bits.size())}, at::kInt).view(at::kFloat).clone();
+  return torch::from_blob(bits.data(), {n}, at::kInt).view(at::kFloat).clone();
+}
+
+// On the CPU a tensor is rounded in one pass, drawing inline: the same bits
+// as the ATen ops (CUDA's path) with the draws of ATen's Philox engine, and
+// NaN for NaN; from a strided source too. Another key draws other bits.
+TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
+  const at::Tensor src = random_float_bits(100003);
   const auto round = [&](const at::Tensor& from, detail::CpuPath path, uint64_t tensor) {
     detail::StochasticRounding rounder(/*seed=*/3, /*stream=*/1);
     at::Tensor dst = torch::empty(from.sizes(), at::kBFloat16);
@@ -187,6 +197,52 @@ TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
   EXPECT_TRUE(BitEqual(round(strided, detail::CpuPath::kOnePass, 7).masked_fill(strided.isnan(), 0),
                        round(strided, detail::CpuPath::kAtenOps, 7).masked_fill(strided.isnan(), 0)));
 }
+
+// The CPU's draws are Philox4x32-10's: ATen's engine, which the ATen ops
+// draw with, gives Random123's known answers (kat_vectors).
+TEST(StochasticRoundingTest, TheCpuDrawsArePhilox4x32_10) {
+  const auto block = [](uint64_t key, uint64_t counter_high, uint64_t counter_low) {
+    at::philox_engine engine(key, counter_high, counter_low);
+    std::array<uint32_t, 4> out{};
+    for (uint32_t& x : out) x = engine();
+    return out;
+  };
+  EXPECT_EQ(block(0, 0, 0), (std::array<uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(block(~uint64_t{0}, ~uint64_t{0}, ~uint64_t{0}),
+            (std::array<uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(block(0x299f31d0a4093822, 0x0370734413198a2e, 0x85a308d3243f6a88),
+            (std::array<uint32_t, 4>{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+  // Draw i of a stream is output i % 4 of counter i / 4.
+  const at::Tensor draws = detail::StochasticRounding::cpu_draws(0, 8);
+  const auto second = block(0, 0, 1);
+  EXPECT_EQ(static_cast<uint32_t>(draws[5].item<int32_t>()), second[1]);
+}
+
+// The rounding is compiled once per CPU capability
+// (optim/one_pass_kernels.h): each that this CPU runs writes the ATen ops'
+// bits, over a whole tensor and over ranges that start inside it.
+class RoundingKernelTest : public CpuCapabilityTest {};
+
+TEST_P(RoundingKernelTest, WritesTheAtenOpsBits) {
+  const at::Tensor src = random_float_bits(100003);
+  detail::StochasticRounding rounder(/*seed=*/3, /*stream=*/1);
+  at::Tensor aten = torch::empty(src.sizes(), at::kBFloat16);
+  rounder.round_into(src, aten, {5, 7, 2}, detail::CpuPath::kAtenOps);
+  const at::Tensor nan = src.isnan();
+  for (const int64_t split : {int64_t{0}, int64_t{4}, int64_t{1028}, int64_t{65536}}) {
+    SCOPED_TRACE("ranges split at " + std::to_string(split));
+    at::Tensor dst = torch::empty(src.sizes(), at::kBFloat16);
+    const auto* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
+    auto* out = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr<at::BFloat16>());
+    const uint64_t seed = rounder.stream_seed({5, 7, 2});
+    kernels().round_to_bfloat16(in, out, 0, split, seed);
+    kernels().round_to_bfloat16(in, out, split, src.numel() - split, seed);
+    EXPECT_TRUE(dst.isnan().equal(nan));
+    EXPECT_TRUE(BitEqual(dst.masked_fill(nan, 0), aten.masked_fill(nan, 0)));
+  }
+}
+
+INSTANTIATE_CPU_CAPABILITY_TEST_SUITE(RoundingKernelTest);
 
 // O6's step widens bfloat16 weights, gradients and state to float32 a chunk
 // at a time, and a tensor larger than a chunk in slices of it: stepping

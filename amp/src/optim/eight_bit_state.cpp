@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "optim/eight_bit_state.h"
 
+#include "optim/one_pass_kernels.h"
 #include "optim/stochastic_rounding.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
@@ -117,117 +119,50 @@ float power_of_two(int e) {
   return value;
 }
 
-// code_blocks in one pass per block, on the CPU: the same arithmetic in
-// float32 in the same order, so the same bytes.
-class BlockCoder {
- public:
-  BlockCoder(bool non_negative, const at::Tensor& table)
-      : non_negative_(non_negative),
-        table_(table.const_data_ptr<float>()),
-        last_(static_cast<int>(table.numel()) - 1),
-        zero_(non_negative ? 0 : static_cast<int>(kSignedZero)),
-        steps_(static_cast<float>(non_negative ? kNonNegativeSteps : kSignedSteps)) {}
+// log2(1 + i / 256): a mantissa's logarithm by its first 8 bits, made once.
+const std::array<float, 256>& log2_of_mantissa() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / t.size()));
+    return t;
+  }();
+  return table;
+}
 
-  // Codes `count` values (<= 256; the rest of the block zeros) into `row`.
-  // `draws` (null: to nearest): the block's 256 32-bit draws, each value's
-  // noise at::rand's float of its draw.
-  void code(const float* values, int64_t count, const uint32_t* draws, uint8_t* row) const {
-    float x[kStateBlock] = {};
-    std::copy_n(values, count, x);
-    bool non_finite = false;
-    float max = 0;
-    for (const float v : x) {
-      non_finite = non_finite || !std::isfinite(v);
-      max = std::max(max, std::abs(v));
+// The CPU's tables, made once.
+const CodeTable& code_table(bool non_negative) {
+  static const std::array<CodeTable, 2> tables = [] {
+    std::array<CodeTable, 2> t{};
+    for (const bool n : {false, true}) {
+      const at::Tensor& values = code_values(n, c10::Device(c10::kCPU));
+      t[n] = {values.const_data_ptr<float>(), log2_of_mantissa().data(), static_cast<int>(values.numel()) - 1,
+              n ? 0 : static_cast<int>(kSignedZero), static_cast<int>(n ? kNonNegativeSteps : kSignedSteps), n};
     }
-    if (non_finite) {  // no scale: codes 0, the exponent byte kNonFiniteBlock (its draws are drawn all the same)
-      std::fill_n(row, kStateBlock, uint8_t{0});
-      row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(kNonFiniteBlock));
-      return;
-    }
-    int exponent = 0;
-    const float mantissa = std::frexp(max, &exponent);
-    int e = std::clamp(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent, kMaxExponent);
-    const float scale = power_of_two(e);
-    int codes[kStateBlock];
-    float chosen_max = 0;
-    for (int64_t i = 0; i < kStateBlock; ++i) {
-      const float y = std::min(std::max(x[i] / scale, non_negative_ ? 0.0f : -1.0f), 1.0f);
-      const int lo = floor_code(y);
-      const float a = table_[lo], b = table_[std::min(lo + 1, last_)];
-      // Indexed rather than branched on: the noise makes `up` unpredictable.
-      const int up = draws != nullptr ? static_cast<float>(draws[i] & 0xFFFFFFu) * 0x1p-24f * (b - a) < (y - a)
-                                      : (y - a) > (b - y);
-      codes[i] = lo + up;
-      chosen_max = std::max(chosen_max, std::abs(table_[lo + up]));
-    }
-    const bool halve = chosen_max == 0.5f && e > kMinExponent;
-    for (int64_t i = 0; i < kStateBlock; ++i) {
-      int c = codes[i];
-      if (halve) c += non_negative_ ? (c > 0) * kNonNegativeSteps : ((c > kSignedZero) - (c < kSignedZero)) * kSignedSteps;
-      row[i] = static_cast<uint8_t>(c);
-    }
-    e -= halve ? 1 : 0;
-    row[kStateBlock] = static_cast<uint8_t>(static_cast<int8_t>(e));
-  }
+    return t;
+  }();
+  return tables[non_negative];
+}
 
- private:
-  // The largest code whose value is <= y (y in the table's range): a guess
-  // from y's binary logarithm (its exponent, and its mantissa's first 8
-  // bits' logarithm from a table: within 0.006), corrected against the
-  // table where a code falls between the guess and y.
-  int floor_code(float y) const {
-    int lo = zero_;
-    if (y != 0) {
-      uint32_t bits;
-      std::memcpy(&bits, &y, sizeof bits);
-      const float log2 = static_cast<float>(static_cast<int>((bits >> 23) & 0xFF) - 127) +
-                         log2_of_mantissa()[(bits >> 15) & 0xFF];
-      // Code value 2^(-k / steps): the largest at most y is k's ceiling
-      // above 0, its floor below.
-      const float k = std::min(-log2 * steps_, static_cast<float>(last_));
-      lo = y > 0 ? std::max(last_ - static_cast<int>(std::ceil(k)), zero_) : std::min(static_cast<int>(k), zero_ - 1);
-    }
-    while (lo < last_ && table_[lo + 1] <= y) ++lo;
-    while (lo > 0 && table_[lo] > y) --lo;
-    return lo;
-  }
+// Blocks coded a task at a time on ATen's threads.
+constexpr int64_t kBlocksPerTask = 64;
 
-  // log2(1 + i / 256): a mantissa's logarithm by its first 8 bits, made once.
-  static const std::array<float, 256>& log2_of_mantissa() {
-    static const std::array<float, 256> table = [] {
-      std::array<float, 256> t{};
-      for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / t.size()));
-      return t;
-    }();
-    return table;
-  }
-
-  bool non_negative_;
-  const float* table_;
-  int last_, zero_;
-  float steps_;
-};
-
-// Each block's draws in order, as at::rand draws the noise tensor: one
-// stream, so serial, as ATen's draws are.
-void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool non_negative, at::mt19937* engine) {
-  const BlockCoder coder(non_negative, code_values(non_negative, values.device()));
+// code_blocks in one pass per block on the CPU (one_pass_kernels.h), the
+// blocks coded in parallel: each block's draws are its own counters'.
+void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                      std::optional<uint64_t> seed, CodeBlocksFn code) {
+  const CodeTable& table = code_table(non_negative);
   const float* x = values.const_data_ptr<float>();
   uint8_t* rows = packed.mutable_data_ptr<uint8_t>();
   const int64_t numel = values.numel();
-  uint32_t draws[kStateBlock];
-  for (int64_t block = 0; block < packed.size(0); ++block) {
-    if (engine != nullptr) std::generate_n(draws, kStateBlock, [&] { return (*engine)(); });
-    const int64_t first = block * kStateBlock;
-    coder.code(x + first, std::min(kStateBlock, numel - first), engine ? draws : nullptr, rows + block * kPackedRow);
-  }
+  at::parallel_for(0, packed.size(0), kBlocksPerTask, [&](int64_t first, int64_t last) {
+    code(table, x, numel, first, last - first, seed ? &*seed : nullptr, rows);
+  });
 }
 
 void unpack_in_one_pass(const at::Tensor& packed, const at::Tensor& values, bool non_negative) {
-  const at::Tensor& codes = code_values(non_negative, packed.device());
-  const float* table = codes.const_data_ptr<float>();
-  const int64_t last = codes.numel() - 1;
+  const CodeTable& codes = code_table(non_negative);
+  const float* table = codes.values;
+  const int64_t last = codes.last;
   float* out = values.mutable_data_ptr<float>();
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
   const int64_t numel = values.numel();
@@ -257,14 +192,21 @@ at::Tensor unpack_by_aten_ops(const at::Tensor& packed, at::IntArrayRef sizes, b
 
 }  // namespace
 
+void pack_state_into_by(CodeBlocksFn kernel, const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                        StochasticRounding* rounder, RoundingKey key) {
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && packed.size(0) == packed_blocks(values.numel()) &&
+                        values.scalar_type() == at::kFloat && values.is_cpu() && packed.is_contiguous());
+  std::optional<uint64_t> seed;
+  if (rounder != nullptr) seed = rounder->stream_seed(key);
+  pack_in_one_pass(values.contiguous(), packed, non_negative, seed, kernel);
+}
+
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
                      StochasticRounding* rounder, RoundingKey key, CpuPath path) {
   const int64_t blocks = packed.size(0), numel = values.numel();
   TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
   if (path == CpuPath::kOnePass && values.is_cpu() && packed.is_contiguous()) {
-    std::optional<at::mt19937> engine;
-    if (rounder != nullptr) engine = rounder->cpu_engine(key);
-    pack_in_one_pass(values.contiguous(), packed, non_negative, engine ? &*engine : nullptr);
+    pack_state_into_by(one_pass_kernels().code_blocks, values, packed, non_negative, rounder, key);
     return;
   }
   at::Tensor x;

@@ -40,6 +40,7 @@
 // (stochastic_rounding.h): runs are reproducible and resume bit for bit.
 #pragma once
 
+#include "optim/one_pass_kernels.h"
 #include "optim/stochastic_rounding.h"
 
 #include <ATen/core/Tensor.h>
@@ -68,6 +69,11 @@ at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRou
 // Packs `values` (float32, numel of the state's values) into `packed`.
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
                      StochasticRounding* rounder, RoundingKey key = {}, CpuPath path = CpuPath::kOnePass);
+// pack_state_into's one-pass path on the CPU by `kernel`
+// (one_pass_kernels.h: one per CPU capability) rather than the one ATen
+// runs with: the tests compare each that the CPU runs with the ATen ops.
+void pack_state_into_by(CodeBlocksFn kernel, const at::Tensor& values, const at::Tensor& packed, bool non_negative,
+                        StochasticRounding* rounder, RoundingKey key = {});
 // The packed form of `numel` zeros (pack_state's bytes), made without
 // float32 values of that size.
 at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOptions& options);

@@ -1,11 +1,15 @@
 // SPDX-License-Identifier: BSD-3-Clause
 #include "optim/stochastic_rounding.h"
 
-#include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <c10/util/Exception.h>
+#include "optim/one_pass_kernels.h"
 
-#include <vector>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/PhiloxRNGEngine.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <algorithm>
 
 namespace amp::detail {
 namespace {
@@ -26,21 +30,9 @@ std::string device_key(c10::Device device) {
   return device.is_cuda() ? "cuda:" + std::to_string(device.has_index() ? device.index() : 0) : "cpu";
 }
 
-// What the ATen ops below compute, in one pass: each value's bits plus one
-// draw's low 16 bits (at::randint(0, 2^16) draws random() % 2^16), cut to
-// bfloat16's. The cut bits are zero, so the narrowing is the shift. Serial,
-// as ATen's draws are: the draws are one stream in order.
-void round_in_one_pass(const at::Tensor& src, const at::Tensor& dst, at::mt19937 engine) {
-  const auto* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
-  auto* out = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr<at::BFloat16>());
-  constexpr uint16_t kNaN = 0x7FC0;
-  constexpr uint32_t kExponentBits = 0x7F800000u, kMantissaBits = 0x007FFFFFu;
-  for (int64_t i = 0, n = src.numel(); i < n; ++i) {
-    const uint32_t bits = (in[i] + (engine() & 0xFFFFu)) & static_cast<uint32_t>(kKeptBits);
-    const bool nan = (bits & kExponentBits) == kExponentBits && (bits & kMantissaBits) != 0;
-    out[i] = nan ? kNaN : static_cast<uint16_t>(bits >> 16);
-  }
-}
+// Values rounded a task at a time on ATen's threads (a multiple of 4: a
+// task's draws start at a counter's first).
+constexpr int64_t kRoundedPerTask = 1 << 14;
 
 }  // namespace
 
@@ -49,39 +41,59 @@ int64_t StochasticRounding::next_step() {
   return ++steps_;
 }
 
+uint64_t StochasticRounding::stream_seed_locked(RoundingKey key) const {
+  // A first slice draws what the whole tensor drew before tensors were sliced.
+  const uint64_t tensor = key.part == 0 ? mix(key.tensor) : mix(key.tensor ^ mix(key.part));
+  return mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(key.step) ^ tensor)));
+}
+
+uint64_t StochasticRounding::stream_seed(RoundingKey key) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stream_seed_locked(key);
+}
+
 at::Generator StochasticRounding::seeded(c10::Device device, RoundingKey key) {
+  TORCH_INTERNAL_ASSERT(!device.is_cpu());
   const std::string name = device_key(device);
   auto it = generators_.find(name);
   if (it == generators_.end()) {
-    at::Generator g = device.is_cpu() ? at::make_generator<at::CPUGeneratorImpl>()
-                                      : at::globalContext().defaultGenerator(c10::Device(name)).clone();
-    it = generators_.emplace(name, g).first;
+    it = generators_.emplace(name, at::globalContext().defaultGenerator(c10::Device(name)).clone()).first;
   }
   at::Generator& g = it->second;
   std::lock_guard<std::mutex> g_lock(g.mutex());
-  // A first slice draws what the whole tensor drew before tensors were sliced.
-  const uint64_t tensor = key.part == 0 ? mix(key.tensor) : mix(key.tensor ^ mix(key.part));
-  g.set_current_seed(mix(seed_ ^ mix(stream_ ^ mix(static_cast<uint64_t>(key.step) ^ tensor))));
-  if (!device.is_cpu()) g.set_offset(0);
+  g.set_current_seed(stream_seed_locked(key));
+  g.set_offset(0);
   return g;
 }
 
-at::mt19937 StochasticRounding::cpu_engine(RoundingKey key) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  at::Generator g = seeded(c10::Device(c10::kCPU), key);
-  std::lock_guard<std::mutex> g_lock(g.mutex());
-  return at::check_generator<at::CPUGeneratorImpl>(g)->engine();
+at::Tensor StochasticRounding::cpu_draws(uint64_t seed, int64_t numel) {
+  at::Tensor draws = at::empty({numel}, at::kInt);
+  auto* out = reinterpret_cast<uint32_t*>(draws.mutable_data_ptr<int32_t>());
+  at::philox_engine engine(seed);
+  for (int64_t i = 0; i < numel; ++i) out[i] = engine();
+  return draws;
 }
 
 void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key, CpuPath path) {
   TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kFloat && dst.scalar_type() == at::kBFloat16 &&
                         src.sizes() == dst.sizes());
+  const int64_t numel = src.numel();
   if (path == CpuPath::kOnePass && src.is_cpu() && dst.is_contiguous()) {
-    round_in_one_pass(src.contiguous(), dst, cpu_engine(key));
+    const at::Tensor values = src.contiguous();
+    const auto* in = reinterpret_cast<const uint32_t*>(values.const_data_ptr<float>());
+    auto* out = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr<at::BFloat16>());
+    const uint64_t seed = stream_seed(key);
+    const RoundFn round = one_pass_kernels().round_to_bfloat16;
+    at::parallel_for(0, (numel + kRoundedPerTask - 1) / kRoundedPerTask, 1, [&](int64_t first, int64_t last) {
+      const int64_t begin = first * kRoundedPerTask, end = std::min(last * kRoundedPerTask, numel);
+      round(in, out, begin, end - begin, seed);
+    });
     return;
   }
   at::Tensor noise;
-  {
+  if (src.is_cpu()) {
+    noise = cpu_draws(stream_seed(key), numel).bitwise_and_(0xFFFF).view(src.sizes());
+  } else {
     std::lock_guard<std::mutex> lock(mutex_);
     noise = at::randint(0, 1 << 16, src.sizes(), seeded(src.device(), key), src.options().dtype(at::kInt));
   }
@@ -90,6 +102,13 @@ void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst
 }
 
 at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key) {
+  if (device.is_cpu()) {  // at::rand's float of a draw: its low 24 bits over 2^24
+    return cpu_draws(stream_seed(key), c10::multiply_integers(sizes))
+        .bitwise_and_(0xFFFFFF)
+        .to(at::kFloat)
+        .mul_(1.0 / (1 << 24))
+        .view(sizes);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   return at::rand(sizes, seeded(device, key), at::TensorOptions().dtype(at::kFloat).device(device));
 }

@@ -9,12 +9,14 @@
 // bits below bf16's cut to the float32 pattern and truncate them.
 //
 // The noise comes from streams counted by optimizer step: each tensor a
-// step rounds draws from a generator seeded anew from (seed, stream, step,
+// step rounds draws from a stream seeded anew from (seed, stream, step,
 // the tensor's key and, for a tensor stepped in slices, the slice's), so
 // the whole rounding state is two numbers, and what a
 // tensor draws does not depend on which tensors were rounded before it (a
 // step applied parameter by parameter during backward rounds bit for bit
-// as the whole step). The seed is the CPU default
+// as the whole step). On the CPU a stream is Philox4x32-10's
+// (one_pass_kernels.h), computed where it is used; on CUDA it is the
+// device generator's, seeded with the stream's seed. The seed is the CPU default
 // generator's at initialize (torch::manual_seed; rank 0's under
 // data_parallel), so runs are reproducible and the program's own random
 // streams (dropout, data) are the same with and without O6. Replicas draw
@@ -25,7 +27,6 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
-#include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
 #include <torch/serialize/archive.h>
 
@@ -38,10 +39,11 @@
 namespace amp::detail {
 
 // How a CPU tensor is rounded or coded: in one pass over its values
-// (kOnePass, the CPU's path), or by the composition of ATen ops that every
-// device runs (kAtenOps: CUDA's path, and the one-pass kernels' reference in
-// the tests). Both draw the same noise and write the same bits; NaN is
-// written as bfloat16's canonical NaN by the one-pass kernel, and as ATen's
+// (kOnePass, the CPU's path: one_pass_kernels.h), or by the composition of
+// ATen ops that every device runs (kAtenOps: CUDA's path, and the one-pass
+// kernels' reference in the tests, drawing by ATen's own Philox engine).
+// Both draw the same noise and write the same bits; NaN is written as
+// bfloat16's canonical NaN by the one-pass kernel, and as ATen's
 // vectorized conversion writes it by the ATen ops.
 enum class CpuPath { kOnePass, kAtenOps };
 
@@ -68,12 +70,14 @@ class StochasticRounding {
   void round_into(const at::Tensor& src, const at::Tensor& dst, RoundingKey key,
                   CpuPath path = CpuPath::kOnePass);
   // Uniform float32 noise in [0, 1) of `sizes` on `device` (8-bit
-  // optimizer state's rounding: eight_bit_state.h).
+  // optimizer state's rounding: eight_bit_state.h), as at::rand makes a
+  // float of each 32-bit draw.
   at::Tensor uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key);
-  // The CPU generator's engine seeded for `key`: its draws, in order, are
-  // those at::randint and uniform's at::rand make on the CPU (one 32-bit
-  // draw a value), for the one-pass kernels to draw inline.
-  at::mt19937 cpu_engine(RoundingKey key);
+  // The seed of `key`'s stream.
+  uint64_t stream_seed(RoundingKey key) const;
+  // The first `numel` draws of the CPU stream seeded `seed` (int32 bits),
+  // by ATen's at::philox_engine: the one-pass kernels' reference.
+  static at::Tensor cpu_draws(uint64_t seed, int64_t numel);
 
   // Entry "stochastic_rounding" (rounding weights) or "state_rounding"
   // (8-bit state only): the seed and the steps taken.
@@ -88,14 +92,15 @@ class StochasticRounding {
   static bool is_weights_entry(const std::string& key);
 
  private:
-  // The device's generator seeded for `key`; mutex_ held.
+  // The CUDA device's generator seeded for `key`; mutex_ held.
   at::Generator seeded(c10::Device device, RoundingKey key);
+  uint64_t stream_seed_locked(RoundingKey key) const;
 
-  mutable std::mutex mutex_;  // held from seeding a generator to its draw
+  mutable std::mutex mutex_;  // held from seeding a CUDA generator to its draw
   uint64_t seed_, stream_;
   bool weights_;
   int64_t steps_ = 0;
-  std::map<std::string, at::Generator> generators_;  // by device ("cpu", "cuda:0")
+  std::map<std::string, at::Generator> generators_;  // by CUDA device ("cuda:0")
 };
 
 }  // namespace amp::detail

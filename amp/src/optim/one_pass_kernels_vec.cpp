@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Compiled once per CPU capability (CPU_CAPABILITY: DEFAULT, AVX2, AVX512;
+// one_pass_kernels.h). The arithmetic is the ATen ops' of
+// stochastic_rounding.cpp and eight_bit_state.cpp, in float32, value by
+// value in the same order: the same bits.
+#include "optim/one_pass_kernels.h"
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+namespace amp::detail::CPU_CAPABILITY {
+namespace {
+
+using Floats = at::vec::Vectorized<float>;
+using Ints = at::vec::Vectorized<int32_t>;
+constexpr int64_t kBlock = 256, kRow = kBlock + 1;
+constexpr int kMinExponent = -126, kMaxExponent = 127, kNonFiniteBlock = -128;
+static_assert(kBlock % Floats::size() == 0 && Floats::size() == Ints::size());
+
+Ints as_ints(const Floats& v) { return at::vec::cast<int32_t>(v); }
+Floats as_floats(const Ints& v) { return at::vec::cast<float>(v); }
+Floats where(const Floats& mask, const Floats& then, const Floats& otherwise) {
+  return Floats::blendv(otherwise, then, mask);
+}
+Ints where(const Ints& mask, const Ints& then, const Ints& otherwise) { return Ints::blendv(otherwise, then, mask); }
+Floats gather(const float* table, const Ints& index) { return at::vec::gather<sizeof(float)>(table, index); }
+
+// Philox4x32-10 (one_pass_kernels.h): the draws of counters
+// [first_counter, first_counter + counters), four each, into `out`. A
+// plain loop over the counters, its rounds unrolled, which the compiler
+// runs a vector register of counters at a time.
+void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32_t* __restrict out) {
+  const uint32_t key0 = static_cast<uint32_t>(seed), key1 = static_cast<uint32_t>(seed >> 32);
+  for (int64_t j = 0; j < counters; ++j) {
+    const uint64_t counter = static_cast<uint64_t>(first_counter + j);
+    uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = 0, c3 = 0;
+    uint32_t k0 = key0, k1 = key1;
+#pragma GCC unroll 10
+    for (int round = 0; round < 10; ++round) {
+      const uint64_t p0 = uint64_t{0xD2511F53u} * c0, p1 = uint64_t{0xCD9E8D57u} * c2;
+      c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+      c1 = static_cast<uint32_t>(p1);
+      c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+      c3 = static_cast<uint32_t>(p0);
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    out[4 * j] = c0;
+    out[4 * j + 1] = c1;
+    out[4 * j + 2] = c2;
+    out[4 * j + 3] = c3;
+  }
+}
+
+// One block: `x` its 256 values (zeros past the tensor's end).
+void code_block(const CodeTable& t, const float* x, const uint32_t* draws, uint8_t* row) {
+  // The largest magnitude as bits (ordered as the values are); an inf or
+  // NaN is above every finite one.
+  Ints max_bits(0);
+  for (int64_t i = 0; i < kBlock; i += Floats::size()) {
+    max_bits = at::vec::maximum(max_bits, as_ints(Floats::loadu(x + i)) & Ints(0x7FFFFFFF));
+  }
+  std::array<int32_t, Ints::size()> lanes;
+  max_bits.store(lanes.data());
+  const int32_t max_magnitude = *std::max_element(lanes.begin(), lanes.end());
+  if (max_magnitude >= 0x7F800000) {  // no scale: codes 0, the exponent byte kNonFiniteBlock
+    std::fill_n(row, kBlock, uint8_t{0});
+    row[kBlock] = static_cast<uint8_t>(static_cast<int8_t>(kNonFiniteBlock));
+    return;
+  }
+  float max;
+  std::memcpy(&max, &max_magnitude, sizeof max);
+  int exponent = 0;
+  const float mantissa = std::frexp(max, &exponent);
+  int e = std::clamp(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent, kMaxExponent);
+  const Floats scale(as_floats(Ints((e + 127) << 23)));
+
+  const Floats low(t.non_negative ? 0.0f : -1.0f), one(1.0f), zero_value(0.0f);
+  const Floats steps(static_cast<float>(t.steps)), last_value(static_cast<float>(t.last));
+  const Ints last(t.last), zero(t.zero), below_zero(t.zero - 1), ones(1), none(0);
+  std::array<int32_t, kBlock> codes;
+  Ints chosen_max(0);
+  for (int64_t i = 0; i < kBlock; i += Floats::size()) {
+    // y = min(max(x / scale, low), 1), as std::max and std::min compare.
+    Floats y = Floats::loadu(x + i) / scale;
+    y = where(y < low, low, y);
+    y = where(one < y, one, y);
+    // The largest code <= y: a guess from y's binary logarithm (its
+    // exponent, and its mantissa's first 8 bits' logarithm: within 0.006,
+    // so within one code), then one step up or down against the table.
+    const Ints bits = as_ints(y);
+    const Floats log2 = at::vec::convert_to_fp_of_same_size<float>(((bits >> Ints(23)) & Ints(0xFF)) - Ints(127)) +
+                        gather(t.log2_of_mantissa, (bits >> Ints(15)) & Ints(0xFF));
+    Floats k = log2.neg() * steps;
+    k = where(last_value < k, last_value, k);
+    const Ints above = at::vec::maximum(last - at::vec::convert_to_int_of_same_size(k.ceil()), zero);
+    const Ints below = at::vec::minimum(at::vec::convert_to_int_of_same_size(k), below_zero);
+    Ints lo = where(as_ints(y < zero_value), below, where(as_ints(y > zero_value), above, zero));
+    lo = lo - ((lo < last) & as_ints(gather(t.values, at::vec::minimum(lo + ones, last)) <= y));
+    lo = lo + ((lo > none) & as_ints(gather(t.values, lo) > y));
+    // Between its codes a <= y <= b: up with probability (y - a) / (b - a).
+    const Ints hi = at::vec::minimum(lo + ones, last);
+    const Floats a = gather(t.values, lo), b = gather(t.values, hi);
+    Floats up;
+    if (draws != nullptr) {
+      const Ints draw = Ints::loadu(draws + i) & Ints(0xFFFFFF);
+      up = at::vec::convert_to_fp_of_same_size<float>(draw) * Floats(0x1p-24f) * (b - a) < (y - a);
+    } else {
+      up = (y - a) > (b - y);
+    }
+    (lo - as_ints(up)).store(codes.data() + i);
+    chosen_max = at::vec::maximum(chosen_max, as_ints(where(up, b, a)) & Ints(0x7FFFFFFF));
+  }
+  // A block whose largest chosen code is 0.5 is coded one exponent down.
+  chosen_max.store(lanes.data());
+  const bool halve = *std::max_element(lanes.begin(), lanes.end()) == 0x3F000000 && e > kMinExponent;
+  if (halve) {
+    for (int32_t& c : codes) {
+      c += t.non_negative ? (c > 0) * t.steps : ((c > t.zero) - (c < t.zero)) * t.steps;
+    }
+    e -= 1;
+  }
+  std::copy(codes.begin(), codes.end(), row);
+  row[kBlock] = static_cast<uint8_t>(static_cast<int8_t>(e));
+}
+
+void code_blocks(const CodeTable& table, const float* values, int64_t numel, int64_t first_block, int64_t blocks,
+                 const uint64_t* seed, uint8_t* rows) {
+  std::array<float, kBlock> padded;
+  alignas(64) std::array<uint32_t, kBlock> draws;
+  for (int64_t block = first_block; block < first_block + blocks; ++block) {
+    const int64_t first = block * kBlock, count = std::min(kBlock, numel - first);
+    const float* x = values + first;
+    if (count < kBlock) {
+      std::fill(std::copy_n(x, count, padded.begin()), padded.end(), 0.0f);
+      x = padded.data();
+    }
+    if (seed != nullptr) philox_draws(*seed, first / 4, kBlock / 4, draws.data());
+    code_block(table, x, seed != nullptr ? draws.data() : nullptr, rows + block * kRow);
+  }
+}
+
+void round_to_bfloat16(const uint32_t* src, uint16_t* dst, int64_t first, int64_t count, uint64_t seed) {
+  constexpr int64_t kDraws = 1024;
+  constexpr uint32_t kExponentBits = 0x7F800000u, kMantissaBits = 0x007FFFFFu, kKeptBits = 0xFFFF0000u;
+  alignas(64) std::array<uint32_t, kDraws> draws;
+  for (int64_t done = 0; done < count; done += kDraws) {
+    const int64_t n = std::min(kDraws, count - done);
+    philox_draws(seed, (first + done) / 4, kDraws / 4, draws.data());
+    const uint32_t* __restrict in = src + first + done;
+    uint16_t* __restrict out = dst + first + done;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = (in[i] + (draws[i] & 0xFFFFu)) & kKeptBits;
+      const bool nan = (bits & kExponentBits) == kExponentBits && (bits & kMantissaBits) != 0;
+      out[i] = nan ? uint16_t{0x7FC0} : static_cast<uint16_t>(bits >> 16);
+    }
+  }
+}
+
+}  // namespace
+
+const OnePassKernels kOnePassKernels{&code_blocks, &round_to_bfloat16};
+
+}  // namespace amp::detail::CPU_CAPABILITY
