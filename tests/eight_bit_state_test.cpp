@@ -306,6 +306,33 @@ TEST_P(BlockCodingKernelTest, WritesTheAtenOpsBytes) {
   }
 }
 
+// A sweep over float32: every 64th value from 2^-17 to 1 and its negative
+// (signed), every 512th from 2^-66 to 1 (non-negative), in blocks whose
+// maximum is 1 - each value coded as the ATen ops code it, to nearest and
+// stochastically. (Every second value of the signed sweep and every 16th of
+// the non-negative one were checked the same way once, in 8 s.)
+TEST_P(BlockCodingKernelTest, ASweepOverFloat32CodesAsTheAtenOps) {
+  for (const bool non_negative : {false, true}) {
+    SCOPED_TRACE(non_negative ? "non-negative" : "signed");
+    const int64_t first = non_negative ? 0x1E800000 : 0x37000000, stride = non_negative ? 512 : 64;
+    at::Tensor y = torch::arange(first, 0x3F800000 + 1, stride, at::kInt).view(at::kFloat);
+    if (!non_negative) y = torch::cat({y, y.neg()});
+    const int64_t per_block = detail::kStateBlock - 1, blocks = (y.numel() + per_block - 1) / per_block;
+    y = torch::cat({y, torch::zeros({blocks * per_block - y.numel()})}).view({blocks, per_block});
+    const at::Tensor values = torch::cat({torch::ones({blocks, 1}), y}, 1).view(-1);
+    for (const bool stochastic : {false, true}) {
+      SCOPED_TRACE(stochastic ? "stochastic" : "to nearest");
+      detail::StochasticRounding by_kernel(/*seed=*/5, /*stream=*/1, /*weights=*/false), by_ops(5, 1, false);
+      at::Tensor packed = torch::empty({blocks, detail::kPackedRow}, at::kByte);
+      detail::pack_state_into_by(kernels().code_blocks, values, packed, non_negative, stochastic ? &by_kernel : nullptr,
+                                 {1, 2});
+      const at::Tensor aten = detail::pack_state(values, non_negative, stochastic ? &by_ops : nullptr, {1, 2},
+                                                 detail::CpuPath::kAtenOps);
+      EXPECT_EQ(packed.ne(aten).sum().item<int64_t>(), 0);
+    }
+  }
+}
+
 INSTANTIATE_CPU_CAPABILITY_TEST_SUITE(BlockCodingKernelTest);
 
 // A block holding an inf or NaN has no scale: it unpacks as NaN in all

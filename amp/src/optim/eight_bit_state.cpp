@@ -119,23 +119,13 @@ float power_of_two(int e) {
   return value;
 }
 
-// log2(1 + i / 256): a mantissa's logarithm by its first 8 bits, made once.
-const std::array<float, 256>& log2_of_mantissa() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<float>(std::log2(1.0 + static_cast<double>(i) / t.size()));
-    return t;
-  }();
-  return table;
-}
-
 // The CPU's tables, made once.
 const CodeTable& code_table(bool non_negative) {
   static const std::array<CodeTable, 2> tables = [] {
     std::array<CodeTable, 2> t{};
     for (const bool n : {false, true}) {
       const at::Tensor& values = code_values(n, c10::Device(c10::kCPU));
-      t[n] = {values.const_data_ptr<float>(), log2_of_mantissa().data(), static_cast<int>(values.numel()) - 1,
+      t[n] = {values.const_data_ptr<float>(), static_cast<int>(values.numel()) - 1,
               n ? 0 : static_cast<int>(kSignedZero), static_cast<int>(n ? kNonNegativeSteps : kSignedSteps), n};
     }
     return t;

@@ -24,11 +24,10 @@
 namespace amp::detail {
 
 // A code table and what codes against it: its values ascending (float32),
-// log2(1 + i / 256) for i < 256, the last index, the index of 0, and the
-// codes per octave (a code's value is 2^(-k / steps)).
+// the last index, the index of 0, and the codes per octave (a code's value
+// is 2^(-k / steps)).
 struct CodeTable {
   const float* values;
-  const float* log2_of_mantissa;
   int last, zero;
   int steps;
   bool non_negative;

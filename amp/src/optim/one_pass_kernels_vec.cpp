@@ -56,6 +56,13 @@ void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32
   }
 }
 
+// log2(1 + m) ~ m (c0 + m (c1 + m c2)) over m in [0, 1): within 0.0014
+// (least squares), so a code guessed from it is within 0.011 of k(y).
+constexpr float kLog2Fit[3] = {1.4234952f, -0.5877732f, 0.1655934f};
+// The guess's margin: larger than the fit's error in codes (0.011) and a
+// code's float32 rounding (1e-6), smaller than one code less both.
+constexpr float kGuessMargin = 0.05f;
+
 // One block: `x` its 256 values (zeros past the tensor's end).
 void code_block(const CodeTable& t, const float* x, const uint32_t* draws, uint8_t* row) {
   // The largest magnitude as bits (ordered as the values are); an inf or
@@ -77,34 +84,42 @@ void code_block(const CodeTable& t, const float* x, const uint32_t* draws, uint8
   int exponent = 0;
   const float mantissa = std::frexp(max, &exponent);
   int e = std::clamp(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent, kMaxExponent);
-  const Floats scale(as_floats(Ints((e + 127) << 23)));
+  // x / 2^e as x * 2^-e: the same real value, rounded once either way.
+  const Floats inverse_scale(std::ldexp(1.0f, -e));
 
   const Floats low(t.non_negative ? 0.0f : -1.0f), one(1.0f), zero_value(0.0f);
-  const Floats steps(static_cast<float>(t.steps)), last_value(static_cast<float>(t.last));
-  const Ints last(t.last), zero(t.zero), below_zero(t.zero - 1), ones(1), none(0);
+  const Floats steps(static_cast<float>(t.steps)), margin(kGuessMargin);
+  const Ints last(t.last), zero(t.zero), below_zero(t.zero - 1), ones(1), twos(2), none(0);
   std::array<int32_t, kBlock> codes;
   Ints chosen_max(0);
   for (int64_t i = 0; i < kBlock; i += Floats::size()) {
     // y = min(max(x / scale, low), 1), as std::max and std::min compare.
-    Floats y = Floats::loadu(x + i) / scale;
+    Floats y = Floats::loadu(x + i) * inverse_scale;
     y = where(y < low, low, y);
     y = where(one < y, one, y);
-    // The largest code <= y: a guess from y's binary logarithm (its
-    // exponent, and its mantissa's first 8 bits' logarithm: within 0.006,
-    // so within one code), then one step up or down against the table.
-    const Ints bits = as_ints(y);
-    const Floats log2 = at::vec::convert_to_fp_of_same_size<float>(((bits >> Ints(23)) & Ints(0xFF)) - Ints(127)) +
-                        gather(t.log2_of_mantissa, (bits >> Ints(15)) & Ints(0xFF));
-    Floats k = log2.neg() * steps;
-    k = where(last_value < k, last_value, k);
-    const Ints above = at::vec::maximum(last - at::vec::convert_to_int_of_same_size(k.ceil()), zero);
-    const Ints below = at::vec::minimum(at::vec::convert_to_int_of_same_size(k), below_zero);
-    Ints lo = where(as_ints(y < zero_value), below, where(as_ints(y > zero_value), above, zero));
-    lo = lo - ((lo < last) & as_ints(gather(t.values, at::vec::minimum(lo + ones, last)) <= y));
-    lo = lo + ((lo > none) & as_ints(gather(t.values, lo) > y));
+    // The largest code <= y (code k's magnitude 2^(-k / steps)): guessed
+    // from y's binary logarithm within 0.0014, in codes k = -log2|y| * steps
+    // within 0.011, then moved off by kGuessMargin so that the guess is
+    // the code or the one below it - whatever the table's float32 rounding
+    // of a code near y. One comparison with the next code settles it.
+    const Ints magnitude = as_ints(y) & Ints(0x7FFFFFFF);
+    const Floats m = as_floats((magnitude & Ints(0x7FFFFF)) | Ints(0x3F800000)) - one;  // mantissa - 1, exactly
+    const Floats log2 =
+        at::vec::convert_to_fp_of_same_size<float>(((magnitude >> Ints(23)) & Ints(0xFF)) - Ints(127)) +
+        m * (Floats(kLog2Fit[0]) + m * (Floats(kLog2Fit[1]) + m * Floats(kLog2Fit[2])));
+    const Floats k = log2.neg() * steps;
+    // Above 0 the code of the smallest k >= k(y), below 0 of the largest
+    // k <= k(y): rounded away from y's code by the margin, never past it.
+    const Ints above = at::vec::maximum(last - at::vec::convert_to_int_of_same_size((k + margin).ceil()), zero);
+    const Ints below = at::vec::minimum(
+        at::vec::convert_to_int_of_same_size(at::vec::maximum(k - margin, zero_value)), below_zero);
+    const Ints guess = where(as_ints(y < zero_value), below, where(as_ints(y > zero_value), above, zero));
+    const Floats g0 = gather(t.values, guess), g1 = gather(t.values, at::vec::minimum(guess + ones, last)),
+                 g2 = gather(t.values, at::vec::minimum(guess + twos, last));
+    const Ints step_up = (guess < last) & as_ints(g1 <= y);
+    const Ints lo = guess - step_up;
+    const Floats a = where(as_floats(step_up), g1, g0), b = where(as_floats(step_up), g2, g1);
     // Between its codes a <= y <= b: up with probability (y - a) / (b - a).
-    const Ints hi = at::vec::minimum(lo + ones, last);
-    const Floats a = gather(t.values, lo), b = gather(t.values, hi);
     Floats up;
     if (draws != nullptr) {
       const Ints draw = Ints::loadu(draws + i) & Ints(0xFFFFFF);
