@@ -40,9 +40,10 @@ struct CodeTable {
 using CodeBlocksFn = void (*)(const CodeTable& table, const float* values, int64_t numel, int64_t first_block,
                               int64_t blocks, const uint64_t* seed, uint8_t* rows);
 // dst[i] = src[i] (float32 bits) rounded stochastically into bfloat16 bits
-// for i in [first, first + count), first a multiple of 4: the bits plus
-// the low 16 bits of the stream's draw i, cut to bfloat16's; NaN as
-// bfloat16's canonical NaN.
+// for i in [first, first + count), first a multiple of 8: the bits plus
+// 16 random bits, cut to bfloat16's; a NaN as bfloat16's canonical NaN. The
+// 16 bits are half of a draw: value i's are the uint16 at i in the
+// stream's draws' memory (so draw i / 2 gives values i and i + 1 theirs).
 using RoundFn = void (*)(const uint32_t* src, uint16_t* dst, int64_t first, int64_t count, uint64_t seed);
 
 struct OnePassKernels {

@@ -10,6 +10,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace amp::detail {
 namespace {
@@ -30,7 +31,7 @@ std::string device_key(c10::Device device) {
   return device.is_cuda() ? "cuda:" + std::to_string(device.has_index() ? device.index() : 0) : "cpu";
 }
 
-// Values rounded a task at a time on ATen's threads (a multiple of 4: a
+// Values rounded a task at a time on ATen's threads (a multiple of 8: a
 // task's draws start at a counter's first).
 constexpr int64_t kRoundedPerTask = 1 << 14;
 
@@ -92,13 +93,21 @@ void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst
   }
   at::Tensor noise;
   if (src.is_cpu()) {
-    noise = cpu_draws(stream_seed(key), numel).bitwise_and_(0xFFFF).view(src.sizes());
+    // 16 bits a value, two from a draw (one_pass_kernels.h).
+    noise = cpu_draws(stream_seed(key), (numel + 1) / 2)
+                .view(at::kShort)
+                .narrow(0, 0, numel)
+                .to(at::kInt)
+                .bitwise_and_(0xFFFF)
+                .view(src.sizes());
   } else {
     std::lock_guard<std::mutex> lock(mutex_);
     noise = at::randint(0, 1 << 16, src.sizes(), seeded(src.device(), key), src.options().dtype(at::kInt));
   }
   const at::Tensor bits = src.contiguous().view(at::kInt).add(noise).bitwise_and_(kKeptBits);
-  dst.copy_(bits.view(at::kFloat));  // exact: the cut bits are zero
+  // Exact: the cut bits are zero. A NaN's bits plus noise may carry into
+  // inf, or past the sign into a small number: NaN stays NaN.
+  dst.copy_(bits.view(at::kFloat).masked_fill_(src.isnan(), std::numeric_limits<float>::quiet_NaN()));
 }
 
 at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key) {

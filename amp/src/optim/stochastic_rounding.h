@@ -42,7 +42,7 @@ namespace amp::detail {
 // (kOnePass, the CPU's path: one_pass_kernels.h), or by the composition of
 // ATen ops that every device runs (kAtenOps: CUDA's path, and the one-pass
 // kernels' reference in the tests, drawing by ATen's own Philox engine).
-// Both draw the same noise and write the same bits; NaN is written as
+// Both draw the same noise and write the same bits; a NaN is written as
 // bfloat16's canonical NaN by the one-pass kernel, and as ATen's
 // vectorized conversion writes it by the ATen ops.
 enum class CpuPath { kOnePass, kAtenOps };
