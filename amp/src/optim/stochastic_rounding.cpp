@@ -27,8 +27,9 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// A CUDA device's name with its index ("cuda:0"): its generator's key.
 std::string device_key(c10::Device device) {
-  return device.is_cuda() ? "cuda:" + std::to_string(device.has_index() ? device.index() : 0) : "cpu";
+  return "cuda:" + std::to_string(device.has_index() ? device.index() : 0);
 }
 
 // Values rounded a task at a time on ATen's threads (a multiple of 8: a
@@ -54,7 +55,7 @@ uint64_t StochasticRounding::stream_seed(RoundingKey key) const {
 }
 
 at::Generator StochasticRounding::seeded(c10::Device device, RoundingKey key) {
-  TORCH_INTERNAL_ASSERT(!device.is_cpu());
+  TORCH_INTERNAL_ASSERT(device.is_cuda());
   const std::string name = device_key(device);
   auto it = generators_.find(name);
   if (it == generators_.end()) {
