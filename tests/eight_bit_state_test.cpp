@@ -335,6 +335,44 @@ TEST_P(BlockCodingKernelTest, ASweepOverFloat32CodesAsTheAtenOps) {
 
 INSTANTIATE_CPU_CAPABILITY_TEST_SUITE(BlockCodingKernelTest);
 
+// The decoding too: each kernel this CPU runs reads the ATen ops' values
+// (a non-finite block's NaNs, a last block short of 256 values among them),
+// and finds a damaged code.
+class BlockDecodingKernelTest : public CpuCapabilityTest {};
+
+TEST_P(BlockDecodingKernelTest, ReadsTheAtenOpsValues) {
+  for (const bool non_negative : {false, true}) {
+    SCOPED_TRACE(non_negative ? "non-negative" : "signed");
+    torch::manual_seed(9);
+    at::Tensor values = torch::randn({40 * detail::kStateBlock + 100}) *
+                        torch::exp2(torch::randint(-40, 40, {40 * detail::kStateBlock + 100}));
+    if (non_negative) values = values.abs();
+    values[3 * detail::kStateBlock + 7] = std::numeric_limits<float>::infinity();
+    detail::StochasticRounding rounder(/*seed=*/2, /*stream=*/0, /*weights=*/false);
+    const at::Tensor packed = detail::pack_state(values, non_negative, &rounder, {1, 1});
+    const at::Tensor aten = detail::unpack_state(packed, values.sizes(), non_negative, detail::CpuPath::kAtenOps);
+    at::Tensor decoded = torch::empty_like(values);
+    detail::unpack_state_into_by(kernels().decode_blocks, packed, decoded, non_negative);
+    EXPECT_TRUE(decoded.isnan().equal(aten.isnan()));
+    EXPECT_EQ(decoded.isnan().sum().item<int64_t>(), detail::kStateBlock);
+    EXPECT_TRUE(BitEqual(decoded.nan_to_num(0), aten.nan_to_num(0)));
+  }
+  // The signed code has 255 codes: a byte of 255 is damage, refused by index.
+  torch::manual_seed(10);
+  const at::Tensor packed = detail::pack_state(torch::randn({600}), /*non_negative=*/false, nullptr);
+  packed[1][5] = 255;
+  at::Tensor decoded = torch::empty({600});
+  try {
+    detail::unpack_state_into_by(kernels().decode_blocks, packed, decoded, false);
+    ADD_FAILURE() << "a damaged code was decoded";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                ::testing::HasSubstr("holds code 255, which the signed code has not (0..254): the state is damaged"));
+  }
+}
+
+INSTANTIATE_CPU_CAPABILITY_TEST_SUITE(BlockDecodingKernelTest);
+
 // A block holding an inf or NaN has no scale: it unpacks as NaN in all
 // its values, never as finite ones, whichever rounding packed it; the
 // other blocks are as without it, and the block packs again into the same

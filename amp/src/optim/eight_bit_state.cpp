@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -111,14 +110,6 @@ void code_blocks(const at::Tensor& x, const at::Tensor& noise, const at::Tensor&
   packed.narrow(1, kStateBlock, 1).copy_(e.to(at::kChar).view(at::kByte));
 }
 
-// 2^e as float32 from its bit pattern (e in [-126, 127]).
-float power_of_two(int e) {
-  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
 // The CPU's tables, made once.
 const CodeTable& code_table(bool non_negative) {
   static const std::array<CodeTable, 2> tables = [] {
@@ -149,24 +140,15 @@ void pack_in_one_pass(const at::Tensor& values, const at::Tensor& packed, bool n
   });
 }
 
-void unpack_in_one_pass(const at::Tensor& packed, const at::Tensor& values, bool non_negative) {
+void unpack_in_one_pass(const at::Tensor& packed, const at::Tensor& values, bool non_negative,
+                        DecodeBlocksFn decode = one_pass_kernels().decode_blocks) {
   const CodeTable& codes = code_table(non_negative);
-  const float* table = codes.values;
-  const int64_t last = codes.last;
-  float* out = values.mutable_data_ptr<float>();
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
-  const int64_t numel = values.numel();
-  for (int64_t block = 0; block * kStateBlock < numel; ++block) {
-    const uint8_t* row = rows + block * kPackedRow;
-    const int e = static_cast<int8_t>(row[kStateBlock]);
-    const float scale =
-        e == kNonFiniteBlock ? std::numeric_limits<float>::quiet_NaN() : power_of_two(std::max(e, kMinExponent));
-    for (int64_t i = 0, n = std::min(kStateBlock, numel - block * kStateBlock); i < n; ++i) {
-      TORCH_CHECK(row[i] <= last, "amp: packed 8-bit state holds code ", static_cast<int>(row[i]),
-                  ", which the signed code has not (0..254): the state is damaged");
-      out[block * kStateBlock + i] = table[row[i]] * scale;
-    }
-  }
+  const int64_t damaged = decode(codes, rows, values.numel(), 0, packed.size(0), values.mutable_data_ptr<float>());
+  TORCH_CHECK(damaged < 0, "amp: packed 8-bit state holds code ",
+              damaged < 0 ? 0 : static_cast<int>(rows[damaged / kStateBlock * kPackedRow + damaged % kStateBlock]),
+              ", which the ", non_negative ? "non-negative" : "signed", " code has not (0..", codes.last,
+              "): the state is damaged");
 }
 
 at::Tensor unpack_by_aten_ops(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative) {
@@ -227,6 +209,13 @@ at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOption
   at::Tensor packed = at::zeros({packed_blocks(numel), kPackedRow}, options.dtype(at::kByte));  // exponent 0
   packed.narrow(1, 0, kStateBlock).fill_(non_negative ? 0 : kSignedZero);
   return packed;
+}
+
+void unpack_state_into_by(DecodeBlocksFn kernel, const at::Tensor& packed, const at::Tensor& values, bool non_negative) {
+  TORCH_INTERNAL_ASSERT(is_packed_state(packed) && packed.size(0) == packed_blocks(values.numel()) &&
+                        values.scalar_type() == at::kFloat && packed.is_cpu() && packed.is_contiguous() &&
+                        values.is_contiguous());
+  unpack_in_one_pass(packed, values, non_negative, kernel);
 }
 
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative, CpuPath path) {

@@ -85,6 +85,10 @@ at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool no
 void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool non_negative,
                        CpuPath path = CpuPath::kOnePass);
 
+// unpack_state_into's one-pass path on the CPU by `kernel`, as
+// pack_state_into_by.
+void unpack_state_into_by(DecodeBlocksFn kernel, const at::Tensor& packed, const at::Tensor& values, bool non_negative);
+
 // A state tensor's values in its parameter's shape: packed state unpacked
 // to float32, any other as it is.
 at::Tensor state_values(const at::Tensor& state, const at::Tensor& param, bool non_negative);

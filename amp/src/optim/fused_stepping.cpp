@@ -2,6 +2,7 @@
 #include "optim/fused_stepping.h"
 
 #include "optim/eight_bit_state.h"
+#include "optim/one_pass_kernels.h"
 #include "optim/optimizer_kinds.h"
 #include "support/host_read.h"
 #include "support/trace_range.h"
@@ -70,11 +71,23 @@ at::Tensor shaped(const at::Tensor& piece, const std::vector<int64_t>& shape) {
   return shape.size() == 1 ? piece : piece.view(shape);
 }
 
+// `buffer`'s values from `offset`, shaped `shape`: a view made without the
+// dispatcher, where a view op costs the host about 3K instructions - the
+// step's float32 temporaries have no autograd history to record.
+at::Tensor piece_of(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(), buffer.dtype());
+  impl->set_storage_offset(buffer.storage_offset() + offset);
+  impl->set_sizes_contiguous(shape);
+  return at::Tensor(std::move(impl));
+}
+
 // One column's `parts` of a chunk in float32, each shaped `shapes[i]`:
-// float32 ones as they are; the bfloat16 ones widened together (one cat
-// and one conversion) and the packed ones unpacked into one buffer, so the
-// ops a chunk runs do not grow with the number of tensors in it (on a GPU,
-// its kernel launches: widening a tensor at a time launched one each).
+// float32 ones as they are, the others widened into one buffer, so the ops
+// a chunk runs do not grow with the number of tensors in it (on a GPU, its
+// kernel launches: widening a tensor at a time launched one each). On the
+// CPU the bfloat16 ones are widened by amp's loop (one_pass_kernels.h)
+// into pieces of the buffer; on other devices by one `cat` and one
+// conversion. Packed state is unpacked into its piece on every device.
 std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::vector<std::vector<int64_t>>& shapes,
                               bool non_negative) {
   std::vector<at::Tensor> wide(parts.size()), narrow;
@@ -83,7 +96,7 @@ std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::v
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].scalar_type() == at::kBFloat16) {
       narrow_at.push_back(i);
-      narrow.push_back(parts[i].dim() == 1 ? parts[i] : parts[i].view(-1));
+      narrow.push_back(parts[i]);
       narrow_lengths.push_back(parts[i].numel());
     } else if (detail::is_packed_state(parts[i])) {
       packed_at.push_back(i);
@@ -92,20 +105,35 @@ std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::v
       wide[i] = parts[i];
     }
   }
-  if (!narrow.empty()) {
+  if (parts.empty()) return wide;
+  const bool on_cpu = parts[0].is_cpu();
+  if (!narrow.empty() && !on_cpu) {
+    for (at::Tensor& t : narrow) t = t.dim() == 1 ? t : t.view(-1);
     const at::Tensor joined = narrow.size() == 1 ? narrow[0] : at::cat(narrow);
     const std::vector<at::Tensor> pieces = joined.to(at::kFloat).split_with_sizes(narrow_lengths);
     for (size_t k = 0; k < narrow_at.size(); ++k) wide[narrow_at[k]] = shaped(pieces[k], shapes[narrow_at[k]]);
+    narrow_at.clear();
+    narrow_lengths.clear();
   }
-  if (!packed_at.empty()) {
-    const int64_t total = std::accumulate(packed_lengths.begin(), packed_lengths.end(), int64_t{0});
-    const at::Tensor buffer = at::empty({total}, parts[packed_at[0]].options().dtype(at::kFloat));
-    const std::vector<at::Tensor> pieces = buffer.split_with_sizes(packed_lengths);
-    for (size_t k = 0; k < packed_at.size(); ++k) {
-      const size_t i = packed_at[k];
-      wide[i] = shaped(pieces[k], shapes[i]);
-      detail::unpack_state_into(parts[i], wide[i], non_negative);
-    }
+  if (narrow_at.empty() && packed_at.empty()) return wide;
+  const int64_t total = std::accumulate(narrow_lengths.begin(), narrow_lengths.end(), int64_t{0}) +
+                        std::accumulate(packed_lengths.begin(), packed_lengths.end(), int64_t{0});
+  const at::Tensor buffer = at::empty({total}, parts[0].options().dtype(at::kFloat));
+  int64_t offset = 0;
+  const detail::WidenFn widen_bfloat16 = on_cpu ? detail::one_pass_kernels().widen_bfloat16 : nullptr;
+  for (size_t k = 0; k < narrow_at.size(); ++k) {  // the CPU's bfloat16 parts
+    const size_t i = narrow_at[k];
+    TORCH_INTERNAL_ASSERT(narrow[k].is_contiguous());
+    wide[i] = piece_of(buffer, offset, shapes[i]);
+    widen_bfloat16(reinterpret_cast<const uint16_t*>(narrow[k].const_data_ptr<at::BFloat16>()),
+                   reinterpret_cast<uint32_t*>(wide[i].mutable_data_ptr<float>()), narrow_lengths[k]);
+    offset += narrow_lengths[k];
+  }
+  for (size_t k = 0; k < packed_at.size(); ++k) {
+    const size_t i = packed_at[k];
+    wide[i] = piece_of(buffer, offset, shapes[i]);
+    detail::unpack_state_into(parts[i], wide[i], non_negative);
+    offset += packed_lengths[k];
   }
   return wide;
 }

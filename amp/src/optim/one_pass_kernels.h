@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Private: the widened step's CPU kernels, in one vectorized pass over the
-// values - O6's stochastic rounding into bfloat16 (stochastic_rounding.h)
-// and 8-bit state's block coding (eight_bit_state.h).
+// values - O6's stochastic rounding into bfloat16 (stochastic_rounding.h),
+// 8-bit state's block coding (eight_bit_state.h), and the widening of
+// bfloat16 values into the step's float32 buffer (fused_stepping.cpp).
 //
 // one_pass_kernels_vec.cpp is compiled once per CPU capability ATen knows
 // (DEFAULT everywhere; AVX2 and AVX512 on x86-64), each with that
@@ -39,6 +40,13 @@ struct CodeTable {
 // value i's noise (at::rand's float of it), or null to round to nearest.
 using CodeBlocksFn = void (*)(const CodeTable& table, const float* values, int64_t numel, int64_t first_block,
                               int64_t blocks, const uint64_t* seed, uint8_t* rows);
+// Decodes blocks [first_block, first_block + blocks) of `rows` into their
+// values of `values` (numel float32): a code's table value times the
+// block's 2^e (NaN for a block of a non-finite value). Returns the index of
+// the first value whose code is past the table's last (damaged state;
+// the blocks before it are decoded), or -1.
+using DecodeBlocksFn = int64_t (*)(const CodeTable& table, const uint8_t* rows, int64_t numel, int64_t first_block,
+                                   int64_t blocks, float* values);
 // dst[i] = src[i] (float32 bits) rounded stochastically into bfloat16 bits
 // for i in [first, first + count), first a multiple of 8: the bits plus
 // 16 random bits, cut to bfloat16's; a NaN as bfloat16's canonical NaN. The
@@ -46,9 +54,15 @@ using CodeBlocksFn = void (*)(const CodeTable& table, const float* values, int64
 // stream's draws' memory (so draw i / 2 gives values i and i + 1 theirs).
 using RoundFn = void (*)(const uint32_t* src, uint16_t* dst, int64_t first, int64_t count, uint64_t seed);
 
+// dst[i] = src[i] (bfloat16 bits) as float32 bits, for i in [0, count):
+// exact, as ATen's conversion (a NaN keeps its payload).
+using WidenFn = void (*)(const uint16_t* src, uint32_t* dst, int64_t count);
+
 struct OnePassKernels {
   CodeBlocksFn code_blocks;
+  DecodeBlocksFn decode_blocks;
   RoundFn round_to_bfloat16;
+  WidenFn widen_bfloat16;
 };
 
 namespace DEFAULT {

@@ -7,10 +7,15 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace amp::detail::CPU_CAPABILITY {
 namespace {
@@ -31,9 +36,8 @@ Floats gather(const float* table, const Ints& index) { return at::vec::gather<si
 
 // Philox4x32-10 (one_pass_kernels.h): the draws of counters
 // [first_counter, first_counter + counters), four each, into `out`. A
-// plain loop over the counters, its rounds unrolled, which the compiler
-// runs a vector register of counters at a time.
-void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32_t* __restrict out) {
+// plain loop over the counters, its rounds unrolled.
+void philox_draws_serial(uint64_t seed, int64_t first_counter, int64_t counters, uint32_t* __restrict out) {
   const uint32_t key0 = static_cast<uint32_t>(seed), key1 = static_cast<uint32_t>(seed >> 32);
   for (int64_t j = 0; j < counters; ++j) {
     const uint64_t counter = static_cast<uint64_t>(first_counter + j);
@@ -55,6 +59,99 @@ void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32
     out[4 * j + 3] = c3;
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// The same rounds a vector register of counters at a time (one counter a
+// 32-bit lane): the compiler cannot see that a 32 x 32 -> 64-bit product's
+// halves are two instructions' lanes, so they are written out here.
+#if defined(CPU_CAPABILITY_AVX512)
+using Words = __m512i;
+constexpr int64_t kLanes = 16;
+Words splat(uint32_t v) { return _mm512_set1_epi32(static_cast<int32_t>(v)); }
+Words lane_index() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+Words add(Words a, Words b) { return _mm512_add_epi32(a, b); }
+Words exclusive_or(Words a, Words b) { return _mm512_xor_si512(a, b); }
+Words low_product(Words a, Words m) { return _mm512_mullo_epi32(a, m); }
+// The high halves of a * m (m the same in every lane): even lanes' products
+// moved down, odd lanes' in place.
+Words high_product(Words a, Words m) {
+  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(_mm512_mul_epu32(a, m), 32),
+                                 _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m));
+}
+// Lane j of c0..c3 to out[4 j .. 4 j + 3].
+void store_interleaved(Words c0, Words c1, Words c2, Words c3, uint32_t* out) {
+  const Words t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+  const Words t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+  // u_k's 128-bit lanes hold counters k, k + 4, k + 8, k + 12.
+  const Words u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);
+  const Words u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);
+  const Words v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);  // 0 4 1 5, 2 6 3 7
+  const Words v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);  // 8 12 9 13, ...
+  _mm512_storeu_si512(out, _mm512_shuffle_i32x4(v0, v1, 0x88));
+  _mm512_storeu_si512(out + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
+  _mm512_storeu_si512(out + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
+  _mm512_storeu_si512(out + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+}
+#else
+using Words = __m256i;
+constexpr int64_t kLanes = 8;
+Words splat(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
+Words lane_index() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+Words add(Words a, Words b) { return _mm256_add_epi32(a, b); }
+Words exclusive_or(Words a, Words b) { return _mm256_xor_si256(a, b); }
+Words low_product(Words a, Words m) { return _mm256_mullo_epi32(a, m); }
+Words high_product(Words a, Words m) {
+  return _mm256_blend_epi32(_mm256_srli_epi64(_mm256_mul_epu32(a, m), 32),
+                            _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m), 0xAA);
+}
+void store_interleaved(Words c0, Words c1, Words c2, Words c3, uint32_t* out) {
+  const Words t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+  const Words t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+  // u_k's 128-bit halves hold counters k and k + 4.
+  const Words u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const Words u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  auto* words = reinterpret_cast<__m256i*>(out);
+  _mm256_storeu_si256(words, _mm256_permute2x128_si256(u0, u1, 0x20));
+  _mm256_storeu_si256(words + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+  _mm256_storeu_si256(words + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+  _mm256_storeu_si256(words + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
+}
+#endif
+
+void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32_t* __restrict out) {
+  const uint64_t first = static_cast<uint64_t>(first_counter);
+  int64_t j = 0;
+  // Lanes add to the counter's low word; a run that would carry into the
+  // high word is left to the serial loop.
+  if (((first + static_cast<uint64_t>(counters)) >> 32) == (first >> 32)) {
+    Words k0[10], k1[10];
+    for (int round = 0; round < 10; ++round) {
+      k0[round] = splat(static_cast<uint32_t>(seed) + 0x9E3779B9u * static_cast<uint32_t>(round));
+      k1[round] = splat(static_cast<uint32_t>(seed >> 32) + 0xBB67AE85u * static_cast<uint32_t>(round));
+    }
+    const Words m0 = splat(0xD2511F53u), m1 = splat(0xCD9E8D57u), zero = splat(0);
+    const Words high = splat(static_cast<uint32_t>(first >> 32)), lanes = lane_index();
+    for (; j + kLanes <= counters; j += kLanes) {
+      Words c0 = add(splat(static_cast<uint32_t>(first + j)), lanes), c1 = high, c2 = zero, c3 = zero;
+#pragma GCC unroll 10
+      for (int round = 0; round < 10; ++round) {
+        const Words next0 = exclusive_or(exclusive_or(high_product(c2, m1), c1), k0[round]);
+        const Words next2 = exclusive_or(exclusive_or(high_product(c0, m0), c3), k1[round]);
+        c1 = low_product(c2, m1);
+        c3 = low_product(c0, m0);
+        c0 = next0;
+        c2 = next2;
+      }
+      store_interleaved(c0, c1, c2, c3, out + 4 * j);
+    }
+  }
+  philox_draws_serial(seed, first_counter + j, counters - j, out + 4 * j);
+}
+#else
+void philox_draws(uint64_t seed, int64_t first_counter, int64_t counters, uint32_t* __restrict out) {
+  philox_draws_serial(seed, first_counter, counters, out);
+}
+#endif
 
 // log2(1 + m) ~ m (c0 + m (c1 + m c2)) over m in [0, 1): within 0.0014
 // (least squares), so a code guessed from it is within 0.011 of k(y).
@@ -178,8 +275,44 @@ void round_to_bfloat16(const uint32_t* src, uint16_t* dst, int64_t first, int64_
   }
 }
 
+// Ints::size() codes from `codes`, widened.
+Ints load_codes(const uint8_t* codes) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return at::vec::convert_to_int32<uint8_t>(codes);
+#else
+  std::array<int32_t, Ints::size()> wide;
+  std::copy_n(codes, wide.size(), wide.begin());
+  return Ints::loadu(wide.data());
+#endif
+}
+
+int64_t decode_blocks(const CodeTable& t, const uint8_t* rows, int64_t numel, int64_t first_block, int64_t blocks,
+                      float* values) {
+  for (int64_t block = first_block; block < first_block + blocks; ++block) {
+    const uint8_t* row = rows + block * kRow;
+    const int64_t first = block * kBlock, count = std::min(kBlock, numel - first);
+    uint8_t max_code = 0;
+    for (int64_t i = 0; i < count; ++i) max_code = std::max(max_code, row[i]);
+    if (max_code > t.last) return first + (std::find_if(row, row + count, [&](uint8_t c) { return c > t.last; }) - row);
+    const int e = static_cast<int8_t>(row[kBlock]);
+    const float scale = e == kNonFiniteBlock ? std::numeric_limits<float>::quiet_NaN()
+                                             : std::ldexp(1.0f, std::max(e, kMinExponent));
+    float* out = values + first;
+    int64_t i = 0;
+    for (; i + Ints::size() <= count; i += Ints::size()) {
+      (gather(t.values, load_codes(row + i)) * Floats(scale)).store(out + i);
+    }
+    for (; i < count; ++i) out[i] = t.values[row[i]] * scale;
+  }
+  return -1;
+}
+
+void widen_bfloat16(const uint16_t* __restrict src, uint32_t* __restrict dst, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = uint32_t{src[i]} << 16;
+}
+
 }  // namespace
 
-const OnePassKernels kOnePassKernels{&code_blocks, &round_to_bfloat16};
+const OnePassKernels kOnePassKernels{&code_blocks, &decode_blocks, &round_to_bfloat16, &widen_bfloat16};
 
 }  // namespace amp::detail::CPU_CAPABILITY
