@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <vector>
 
 namespace amp::testing {
 namespace {
@@ -241,6 +242,26 @@ TEST_P(RoundingKernelTest, WritesTheAtenOpsBits) {
     const at::Tensor nan = src.isnan();
     EXPECT_TRUE(dst.isnan().equal(nan));
     EXPECT_TRUE(BitEqual(dst.masked_fill(nan, 0), aten.masked_fill(nan, 0)));
+  }
+}
+
+// A range whose counters cross 2^32 (a tensor of over 2^35 values): the
+// draws go on into the counter's high word, as ATen's engine's do.
+TEST_P(RoundingKernelTest, DrawsOnPastTheCountersLowWord) {
+  const at::Tensor src = random_float_bits(512);
+  const auto* in = reinterpret_cast<const uint32_t*>(src.const_data_ptr<float>());
+  const int64_t first = 8 * ((int64_t{1} << 32) - 13);  // counters 2^32 - 13 to 2^32 + 51
+  const uint64_t seed = 0x243F6A8885A308D3ull;
+  std::vector<uint16_t> out(src.numel());
+  kernels().round_to_bfloat16(in - first, out.data() - first, first, src.numel(), seed);
+  at::philox_engine engine(seed, /*subsequence=*/0, /*offset=*/first / 8);
+  for (int64_t i = 0; i < src.numel(); i += 2) {
+    const uint32_t draw = engine();
+    for (const int64_t k : {i, i + 1}) {
+      const uint32_t noise = k == i ? draw & 0xFFFF : draw >> 16;
+      const bool nan = (in[k] & 0x7FFFFFFFu) > 0x7F800000u;
+      ASSERT_EQ(out[k], nan ? 0x7FC0 : static_cast<uint16_t>((in[k] + noise) >> 16)) << "value " << k;
+    }
   }
 }
 
