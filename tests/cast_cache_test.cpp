@@ -138,34 +138,65 @@ TEST_F(CastCacheTest, ViewOfACachedWeightGivesTheSameValuesAndGradients) {
   EXPECT_TRUE(BitEqual(x_grad, x.grad()));
 }
 
-// weight.t() (nn::Linear's addmm operand) is served as the cached copy's
-// transpose, whose backward transposes the gradient back - not as an
-// as_strided view, whose backward zero-fills and scatters a weight-sized
+// weight.t() (nn::Linear's addmm operand) met first is cast as it is - one
+// op, as native autocast casts it, no transpose or as_strided of a copy -
+// and the weight met after it in the iteration is served that copy's
+// transpose, whose backward transposes the gradient back: one cast in all.
+// Met after the weight, weight.t() is the weight's copy's transpose. Never
+// an as_strided view, whose backward zero-fills and scatters a weight-sized
 // tensor. Another view of the weight is still served with its geometry,
 // with its values and gradient.
 TEST_F(CastCacheTest, ATransposedWeightIsServedAsATransposeOtherViewsAsStrided) {
-  const auto x = torch::randn({3, 4}, torch::requires_grad());
+  auto operand_nodes = [](const at::Tensor& out) {
+    std::vector<std::string> names;
+    for (const auto& edge : out.grad_fn()->next_edges()) {
+      if (edge.function) names.push_back(edge.function->name());
+    }
+    return names;
+  };
+  const auto x = torch::randn({3, 4}, torch::requires_grad()), a = torch::randn({2, 6});
+  const CastCounts before = cast_counts();
   const auto y = torch::addmm(bias, x, weight.t());
-  std::vector<std::string> operand_nodes;
-  for (const auto& edge : y.grad_fn()->next_edges()) {
-    if (edge.function) operand_nodes.push_back(edge.function->name());
-  }
-  EXPECT_THAT(operand_nodes, ::testing::Contains("TBackward0"));
-  EXPECT_THAT(operand_nodes, ::testing::Not(::testing::Contains("AsStridedBackward0")));
-
-  const auto columns = weight.slice(/*dim=*/1, 1, 3);  // [6, 2], strides (4, 1), offset 1
-  const auto a = torch::randn({5, 6});
-  const auto z = torch::mm(a, columns);
-  EXPECT_EQ(z.scalar_type(), at::kBFloat16);
-  z.to(at::kFloat).sum().backward();
+  EXPECT_THAT(operand_nodes(y), ::testing::Each(::testing::Eq("ToCopyBackward0")));
+  const auto plain = torch::mm(a, weight);
+  EXPECT_EQ(delta(before).cache_hits, 1);
+  EXPECT_THAT(operand_nodes(plain), ::testing::Contains("TBackward0"));
+  (y.to(at::kFloat).sum() + plain.to(at::kFloat).sum()).backward();
   const at::Tensor grad = weight.grad().clone();
   weight.mutable_grad() = at::Tensor();
   {
-    disable_casts exact;
-    torch::mm(a.to(at::kBFloat16), weight.slice(1, 1, 3).to(at::kBFloat16)).to(at::kFloat).sum().backward();
+    disable_casts exact;  // one copy, the transpose's, both gradients summed in it
+    const at::Tensor w_t = weight.t().to(at::kBFloat16);
+    EXPECT_TRUE(BitEqual(plain, torch::mm(a.to(at::kBFloat16), w_t.t())));
+    (torch::addmm(bias.to(at::kBFloat16), x.to(at::kBFloat16), w_t).to(at::kFloat).sum() +
+     torch::mm(a.to(at::kBFloat16), w_t.t()).to(at::kFloat).sum())
+        .backward();
   }
-  EXPECT_TRUE(BitEqual(grad.slice(1, 1, 3), weight.grad().slice(1, 1, 3)));
-  EXPECT_TRUE(grad.slice(1, 0, 1).eq(0).all().item<bool>() && grad.slice(1, 3, 4).eq(0).all().item<bool>());
+  EXPECT_TRUE(BitEqual(grad, weight.grad()));
+  weight.mutable_grad() = at::Tensor();
+
+  clear_cast_cache();  // the other order
+  torch::mm(a, weight);
+  const auto z = torch::addmm(bias, x, weight.t());
+  EXPECT_THAT(operand_nodes(z), ::testing::Contains("TBackward0"));
+  EXPECT_THAT(operand_nodes(z), ::testing::Not(::testing::Contains("AsStridedBackward0")));
+  EXPECT_TRUE(BitEqual(z, y));
+
+  weight.mutable_grad() = at::Tensor();
+  const auto columns = weight.slice(/*dim=*/1, 1, 3);  // [6, 2], strides (4, 1), offset 1
+  const auto b = torch::randn({5, 6});
+  const auto c = torch::mm(b, columns);
+  EXPECT_EQ(c.scalar_type(), at::kBFloat16);
+  c.to(at::kFloat).sum().backward();
+  const at::Tensor columns_grad = weight.grad().clone();
+  weight.mutable_grad() = at::Tensor();
+  {
+    disable_casts exact;
+    torch::mm(b.to(at::kBFloat16), weight.slice(1, 1, 3).to(at::kBFloat16)).to(at::kFloat).sum().backward();
+  }
+  EXPECT_TRUE(BitEqual(columns_grad.slice(1, 1, 3), weight.grad().slice(1, 1, 3)));
+  EXPECT_TRUE(columns_grad.slice(1, 0, 1).eq(0).all().item<bool>() &&
+              columns_grad.slice(1, 3, 4).eq(0).all().item<bool>());
 }
 
 TEST_F(CastCacheTest, InferenceModeCastsAreNotCached) {

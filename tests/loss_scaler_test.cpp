@@ -406,6 +406,20 @@ void ExpectBFloat16FallbackMatchesATen(c10::Device device) {
   }
 }
 
+// The unscale multiplies by float32's reciprocal of the scale, where
+// GradScaler takes the double reciprocal rounded to float: the same float
+// for any float32 scale (loss_scaler.cpp says why; all 2^31 positive
+// scales were checked once). Here 2^22 random scales over every exponent,
+// subnormals and powers of two among them.
+TEST(InverseScale, Float32ReciprocalIsGradScalersDoubleReciprocal) {
+  torch::manual_seed(4);
+  const at::Tensor bits = torch::cat({torch::randint(1, 0x7F800000, {1 << 22}, at::kInt),
+                                      torch::arange(0, 255, at::kInt).mul_(1 << 23).add_(1 << 23).clamp_max_(0x7F000000)});
+  const at::Tensor scale = bits.view(at::kFloat);
+  const at::Tensor ours = scale.reciprocal(), grad_scaler = scale.to(at::kDouble).reciprocal().to(at::kFloat);
+  EXPECT_EQ(ours.view(at::kInt).ne(grad_scaler.view(at::kInt)).sum().item<int64_t>(), 0);
+}
+
 TEST(BFloat16UnscaleFallback, MatchesATensKernelOnTheCpu) { ExpectBFloat16FallbackMatchesATen(torch::kCPU); }
 
 TEST(CudaBFloat16Unscale, MatchesATensCpuKernelOnTheDevice) {

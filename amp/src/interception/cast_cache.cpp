@@ -126,23 +126,36 @@ struct Entry {
   // Keeps the weight's TensorImpl allocated, so its address (the key) cannot
   // be reused by another tensor while the entry lives.
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;
-  at::Tensor copy;
+  at::Tensor copy;  // the weight's cast, or its transpose's (`transposed`)
   int64_t weight_version;  // the weight's version counter when copied
+  bool transposed = false;
+
+  // The cast in the weight's own layout, or in its transpose's.
+  at::Tensor as(bool transpose) const { return transposed == transpose ? copy : copy.t(); }
 };
 
 // ServeCopies: the copies a rerun meets instead of the cache's, by key.
 struct ServedCopy {
   at::Tensor weight, served;
+  bool transposed;  // `served` stands for the weight's transpose's cast
 };
 using Served = ska::flat_hash_map<Key, ServedCopy, KeyHash>;
 thread_local const Served* t_served = nullptr;
 
 class CastCache {
  public:
-  at::Tensor get_or_cast(const at::Tensor& t, at::ScalarType to) {
+  // The cast of weight `t`; of its transpose `view` (weight.t()) where
+  // `view` is given. A cast is made once an iteration per weight, of what
+  // was asked first - the transpose itself as one op, as native autocast
+  // casts nn::Linear's weight.t() - and the other form is its transpose.
+  at::Tensor get_or_cast(const at::Tensor& t, at::ScalarType to, const at::Tensor* view = nullptr) {
     const Key key{t.unsafeGetTensorImpl(), to};
+    const bool transpose = view != nullptr;
     if (C10_UNLIKELY(t_served != nullptr)) {
-      if (auto it = t_served->find(key); it != t_served->end()) return it->second.served;
+      if (auto it = t_served->find(key); it != t_served->end()) {
+        const ServedCopy& c = it->second;
+        return c.transposed == transpose ? c.served : c.served.t();
+      }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -150,13 +163,13 @@ class CastCache {
       if (it != entries_.end() && is_fresh(it->second, t)) {
         count(&ThreadCounts::hits);
         CallRecord::note_cache_hit();
-        return it->second.copy;
+        return it->second.as(transpose);
       }
     }
     at::Tensor copy;
     {
       AMP_TRACE_RANGE("amp::cast (cached weight)", t);
-      copy = t.to(to);  // outside the lock: casts of other weights run in parallel
+      copy = (transpose ? *view : t).to(to);  // outside the lock: casts of other weights run in parallel
     }
     count(&ThreadCounts::casts);
     CallRecord::note_cast(copy);
@@ -164,7 +177,7 @@ class CastCache {
     entries_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl,
                                                                  c10::UndefinedTensorImpl>(
                                              t.getIntrusivePtr()),
-                                         copy, t._version()});
+                                         copy, t._version(), transpose});
     return copy;
   }
 
@@ -185,13 +198,13 @@ class CastCache {
   std::vector<CachedCopy> copies() {
     std::vector<CachedCopy> out;
     if (t_served != nullptr) {
-      for (const auto& [key, copy] : *t_served) out.push_back({copy.weight, key.to, copy.served});
+      for (const auto& [key, copy] : *t_served) out.push_back({copy.weight, key.to, copy.served, copy.transposed});
     }
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [key, entry] : entries_) {
       if (t_served != nullptr && t_served->count(key)) continue;
       at::Tensor weight(entry.weight.lock());
-      if (weight.defined()) out.push_back({std::move(weight), key.to, entry.copy});
+      if (weight.defined()) out.push_back({std::move(weight), key.to, entry.copy, entry.transposed});
     }
     return out;
   }
@@ -249,11 +262,11 @@ bool is_transpose_of(const at::Tensor& view, const at::TensorBase& base) {
 at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to) {
   if (!t.is_view()) return cache().get_or_cast(t, to);
   const at::Tensor base(t._base());
-  const at::Tensor copy = cache().get_or_cast(base, to);  // contiguous, like its base
   // The transpose as a transpose: its backward transposes the gradient back,
   // where as_strided's zero-fills a tensor of the weight's size and scatters
   // into it (a fill and a copy per weight and backward, the kernels included).
-  if (is_transpose_of(t, base)) return copy.t();
+  if (is_transpose_of(t, base)) return cache().get_or_cast(base, to, &t);
+  const at::Tensor copy = cache().get_or_cast(base, to);  // contiguous, like its base
   return copy.as_strided(t.sizes(), t.strides(), t.storage_offset() - base.storage_offset());
 }
 
@@ -276,7 +289,8 @@ ServeCopies::ServeCopies(const std::vector<CachedCopy>& copies, const std::vecto
   TORCH_INTERNAL_ASSERT(t_served == nullptr, "amp: ServeCopies scopes do not nest");
   auto map = std::make_unique<Served>();
   for (size_t i = 0; i < copies.size(); ++i) {
-    map->emplace(Key{copies[i].weight.unsafeGetTensorImpl(), copies[i].to}, ServedCopy{copies[i].weight, served[i]});
+    map->emplace(Key{copies[i].weight.unsafeGetTensorImpl(), copies[i].to},
+                 ServedCopy{copies[i].weight, served[i], copies[i].transposed});
   }
   t_served = map.release();
 }

@@ -18,18 +18,21 @@ bool is_cacheable(const at::Tensor& t, at::ScalarType to);
 // grad mode now needs).
 at::Tensor cached_cast(const at::Tensor& t, at::ScalarType to);
 
-// One entry of the cache: weight `weight`'s copy in dtype `to`.
+// One entry of the cache: weight `weight`'s copy in dtype `to` - or, where
+// `transposed`, the copy of its transpose (the form a cast first met:
+// nn::Linear's weight.t()); casts of the other form are its transpose.
 struct CachedCopy {
   at::Tensor weight;
   at::ScalarType to;
   at::Tensor copy;
+  bool transposed = false;
 };
 // What casts on this thread would meet, in no particular order: the
 // entries whose weights still live, or what a ServeCopies scope serves.
 std::vector<CachedCopy> cached_copies();
 
 // RAII, on this thread: casts of each `copies[i].weight` to its dtype are
-// served `served[i]` instead (a recomputed block's rerun, which must meet
+// served `served[i]` instead (in copies[i]'s form) (a recomputed block's rerun, which must meet
 // the copies its forward met). Scopes do not nest.
 class [[nodiscard]] ServeCopies {
  public:

@@ -105,6 +105,7 @@ std::pair<std::vector<size_t>, at::Tensor> unresolved(const Verdicts& verdicts) 
     which.push_back(i);
     snapshots.push_back(verdicts[i]->snapshot);
   }
+  if (snapshots.size() == 1) return {which, snapshots[0]};
   return {which, snapshots.empty() ? at::Tensor() : at::cat(snapshots)};
 }
 
@@ -137,7 +138,7 @@ std::shared_ptr<const OverflowReport> report_of(const Verdicts& verdicts) {
 bool read_verdicts(const Verdicts& verdicts) {
   const auto [which, snapshots] = unresolved(verdicts);
   if (!which.empty()) {
-    const at::Tensor host = snapshots.cpu();  // the one host sync of the step
+    const at::Tensor host = snapshots.is_cpu() ? snapshots : snapshots.cpu();  // the one host sync of the step
     count_host_read();
     resolve_from(verdicts, which, host.data_ptr<float>());
   }
