@@ -22,6 +22,7 @@ struct LossCase {
   F::CrossEntropyFuncOptions options;
   bool bias = true;
   int64_t chunk = 3;
+  int64_t vocab_chunk = 0;  // 0: the whole vocabulary at once
 };
 void PrintTo(const LossCase& c, std::ostream* os) { *os << c.name; }
 
@@ -46,7 +47,7 @@ TEST_P(LinearCrossEntropyOptionsTest, EqualsLinearAndCrossEntropyInFloat64) {
   at::Tensor target = torch::randint(0, 11, {2, 5});
   target.index_put_({0, 1}, c.options.ignore_index());
   target.index_put_({1, 3}, 7);  // ignored where ignore_index is 7
-  const at::Tensor fused = amp::linear_cross_entropy(hidden, weight, bias, target, c.options, c.chunk);
+  const at::Tensor fused = amp::linear_cross_entropy(hidden, weight, bias, target, c.options, c.chunk, c.vocab_chunk);
   const at::Tensor logits = F::linear(hidden, weight, bias).reshape({10, 11});
   const at::Tensor plain = F::cross_entropy(logits, target.reshape({10}), c.options).reshape(fused.sizes());
   ASSERT_EQ(fused.sizes(), plain.sizes());
@@ -79,7 +80,20 @@ INSTANTIATE_TEST_SUITE_P(
                                                              .label_smoothing(0.25)
                                                              .reduction(torch::kNone)},
                       LossCase{"ignore_index_7", F::CrossEntropyFuncOptions().ignore_index(7).label_smoothing(0.1)},
-                      LossCase{"one_chunk", {}, true, 0}, LossCase{"chunks_of_one", {}, true, 1}),
+                      LossCase{"one_chunk", {}, true, 0}, LossCase{"chunks_of_one", {}, true, 1},
+                      // The vocabulary (11) in windows of 4, 4 and 3 classes, or of one.
+                      LossCase{"vocabulary_windows", {}, true, 3, 4},
+                      LossCase{"vocabulary_windows_of_one_sum", F::CrossEntropyFuncOptions().reduction(torch::kSum),
+                               false, 4, 1},
+                      LossCase{"vocabulary_windows_weights_smoothing_none",
+                               F::CrossEntropyFuncOptions()
+                                   .weight(torch::rand({11}, at::kDouble) + 0.1)
+                                   .label_smoothing(0.25)
+                                   .reduction(torch::kNone),
+                               true, 3, 4},
+                      LossCase{"vocabulary_windows_ignore_index_7_smoothing",
+                               F::CrossEntropyFuncOptions().ignore_index(7).label_smoothing(0.1), true, 0, 5},
+                      LossCase{"vocabulary_window_past_it", {}, true, 3, 50}),
     [](const auto& info) { return info.param.name; });
 
 // A tiny language model: tokens -> embedding -> a tanh layer -> the output
@@ -95,9 +109,9 @@ struct TiedLmImpl : torch::nn::Module {
   at::Tensor hidden(const at::Tensor& tokens) { return torch::tanh(body(embed(tokens))); }
   at::Tensor out_weight() { return tied ? embed->weight : head->weight; }
   at::Tensor out_bias() { return tied ? at::Tensor() : head->bias; }
-  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& target, bool fused) {
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& target, bool fused, int64_t vocab_chunk = 0) {
     const at::Tensor h = hidden(tokens);
-    if (fused) return amp::linear_cross_entropy(h, out_weight(), out_bias(), target, {}, /*chunk_tokens=*/5);
+    if (fused) return amp::linear_cross_entropy(h, out_weight(), out_bias(), target, {}, /*chunk_tokens=*/5, vocab_chunk);
     const at::Tensor logits = F::linear(h, out_weight(), out_bias());
     return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
   }
@@ -117,7 +131,7 @@ constexpr int64_t kLmVocabulary = 37, kLmWidth = 16;
 // One iteration at `options` (fused or not): the loss, and the gradients
 // the optimizer would step after the scale_loss guard. With no options, in
 // float64 without amp: the reference.
-LevelRun run_level(const std::optional<amp::Options>& options, bool tied, bool fused) {
+LevelRun run_level(const std::optional<amp::Options>& options, bool tied, bool fused, int64_t vocab_chunk = 0) {
   torch::manual_seed(3);
   TiedLm model(kLmVocabulary, kLmWidth, tied);
   const at::Tensor tokens = torch::randint(0, kLmVocabulary, {3, 7});
@@ -132,7 +146,7 @@ LevelRun run_level(const std::optional<amp::Options>& options, bool tied, bool f
   LevelRun run;
   if (!options) {
     model->to(at::kDouble);
-    run.loss = model->loss(tokens, target, fused);
+    run.loss = model->loss(tokens, target, fused, vocab_chunk);
     run.loss.backward();
     for (const auto& p : model->parameters()) run.grads.push_back(p.grad().clone());
     return run;
@@ -141,7 +155,7 @@ LevelRun run_level(const std::optional<amp::Options>& options, bool tied, bool f
   o.verbosity = 0;
   amp::Handle handle;
   handle.initialize(model, optimizer, o);
-  run.loss = model->loss(tokens, target, fused);
+  run.loss = model->loss(tokens, target, fused, vocab_chunk);
   {
     amp::scale_loss scaled(run.loss, optimizer);
     scaled.backward();
@@ -156,16 +170,18 @@ class LinearCrossEntropyLevelTest : public AmpTest, public ::testing::WithParamI
 // and gradients are as accurate as the unfused layer's - within twice its
 // error, plus one rounding of the GEMMs' dtype (GEMMs over chunks of rows
 // take other kernels, whose roundings differ) - tied or not, with the loss
-// scale of the level (float16's dynamic scale included).
+// scale of the level (float16's dynamic scale included); with the
+// vocabulary (37) whole and in windows of 10 classes.
 TEST_P(LinearCrossEntropyLevelTest, AsAccurateAsLinearAndCrossEntropyAgainstFloat64) {
   const amp::Options options = GetParam().options();
   const at::ScalarType gemm = GetParam().level == amp::O0 ? at::kFloat : options.cpu_dtype.value_or(at::kBFloat16);
   const double rounding = gemm == at::kFloat ? std::ldexp(1.0, -24) : gemm == at::kHalf ? std::ldexp(1.0, -11)
                                                                                        : std::ldexp(1.0, -8);
-  for (bool tied : {true, false}) {
+  for (const auto& [tied, vocab_chunk] : {std::pair{true, 0}, {false, 0}, {true, 10}, {false, 10}}) {
+    SCOPED_TRACE("vocabulary windows of " + std::to_string(vocab_chunk));
     const LevelRun reference = run_level(std::nullopt, tied, /*fused=*/false);
     const LevelRun plain = run_level(options, tied, false);
-    const LevelRun fused = run_level(options, tied, true);
+    const LevelRun fused = run_level(options, tied, true, vocab_chunk);
     EXPECT_EQ(fused.loss.scalar_type(), at::kFloat);
     const double loss_error = max_diff(fused.loss, reference.loss);
     EXPECT_LE(loss_error, 2 * max_diff(plain.loss, reference.loss) + rounding * reference.loss.abs().item<double>())
@@ -262,6 +278,10 @@ TEST_F(LinearCrossEntropyTest, ItsPeakIsBoundedByTheChunkNotByTokensTimesVocabul
     // Forward's gradients are held once more while backward scales them.
     EXPECT_LT(fused, 4 * chunk_bytes + 2 * gradient_bytes + (1 << 16)) << "unfused " << plain;
     EXPECT_LT(fused * 10, plain);
+    // Windows of 512 classes: chunks of 256 tokens in the same bound.
+    const int64_t windowed =
+        peak_of([&] { return amp::linear_cross_entropy(h, w, {}, y, options, 8 * kChunk, kVocab / 8).sum(); });
+    EXPECT_LT(windowed, 4 * chunk_bytes + 2 * gradient_bytes + (1 << 16)) << "unfused " << plain;
   }
 }
 
@@ -471,6 +491,7 @@ TEST_F(LinearCrossEntropyTest, RefusesBadInputBeforeComputingAnything) {
   EXPECT_AMP_ERROR(amp::linear_cross_entropy(h, w, {}, y, F::CrossEntropyFuncOptions().label_smoothing(1.5)),
                    "label smoothing must be in [0, 1]");
   EXPECT_AMP_ERROR(amp::linear_cross_entropy(h, w, {}, y, {}, -1), "chunk_tokens must be >= 0");
+  EXPECT_AMP_ERROR(amp::linear_cross_entropy(h, w, {}, y, {}, 0, -2), "chunk_vocabulary must be >= 0");
   EXPECT_AMP_ERROR(amp::linear_cross_entropy(h, w, {}, y, F::CrossEntropyFuncOptions().weight(torch::ones({9}))),
                    "class weights must be a floating [10] tensor");
   EXPECT_AMP_ERROR(amp::linear_cross_entropy(
@@ -482,6 +503,7 @@ TEST_F(LinearCrossEntropyTest, RefusesBadInputBeforeComputingAnything) {
 
 TEST_F(LinearCrossEntropyTest, PicksChunksOfAtMost32MiBOfFloat32Logits) {
   EXPECT_EQ(amp::default_loss_chunk_tokens(8192, 50304), 128);
+  EXPECT_EQ(amp::default_loss_chunk_tokens(8192, 8192), 1024);  // a window of 8192 classes
   EXPECT_EQ(amp::default_loss_chunk_tokens(8192, 256), 8192);
   EXPECT_EQ(amp::default_loss_chunk_tokens(100, 10), 100);
   EXPECT_EQ(amp::default_loss_chunk_tokens(4096, 1 << 24), 1);

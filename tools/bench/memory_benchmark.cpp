@@ -83,6 +83,8 @@ ABSL_FLAG(int, vocab, 256, "output classes: 256 byte tokens, or more (50304: GPT
 ABSL_FLAG(int, width, 256, "model width (768: GPT-2-small's)");
 ABSL_FLAG(bool, loss_layer, false, "only the output layer and its loss, bfloat16, batch x context tokens: the "
           "allocator's peak above its inputs, unfused against amp::linear_cross_entropy");
+ABSL_FLAG(int, loss_vocab_window, 8192, "--loss_layer: the classes of a window of the vocabulary in its third row "
+          "(amp::linear_cross_entropy's chunk_vocabulary)");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
@@ -589,8 +591,10 @@ int loss_layer_table() {
   const at::Tensor h = torch::randn({tokens, width}).to(at::kBFloat16).requires_grad_();
   const at::Tensor w = (torch::randn({vocab, width}) * 0.02).to(at::kBFloat16).requires_grad_();
   const at::Tensor y = torch::randint(0, vocab, {tokens});
+  const int64_t window = absl::GetFlag(FLAGS_loss_vocab_window);
   double unfused_mib = 0, unfused_ms = 0;
-  for (bool fused : {false, true}) {
+  for (int way = 0; way < 3; ++way) {  // unfused, fused, fused in windows of the vocabulary
+    const bool fused = way > 0;
     std::vector<double> ms;
     double mib = 0;
     for (int i = 0; i < 3; ++i) {
@@ -599,15 +603,20 @@ int loss_layer_table() {
       amp::reset_peak_allocated();
       const int64_t before = amp::allocated_bytes().current;
       const auto start = std::chrono::steady_clock::now();
-      const at::Tensor loss = fused ? amp::linear_cross_entropy(h, w, {}, y)
+      const at::Tensor loss = fused ? amp::linear_cross_entropy(h, w, {}, y, {}, 0, way == 2 ? window : 0)
                                     : torch::cross_entropy_loss(at::linear(h, w).to(at::kFloat), y);
       loss.backward();
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
       mib = (amp::allocated_bytes().peak - before) / 1048576.0;
     }
     if (!fused) unfused_mib = mib, unfused_ms = bench::median(ms);
-    std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", fused ? "amp::linear_cross_entropy" : "linear + cross_entropy",
-                mib, mib / unfused_mib, bench::median(ms), bench::median(ms) / unfused_ms);
+    const std::string name = !fused ? "linear + cross_entropy"
+                             : way == 1 ? "amp::linear_cross_entropy"
+                                        : "amp::linear_cross_entropy, vocabulary in windows of " + std::to_string(window) +
+                                              " (chunks of " +
+                                              std::to_string(amp::default_loss_chunk_tokens(tokens, window)) + " tokens)";
+    std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", name.c_str(), mib, mib / unfused_mib, bench::median(ms),
+                bench::median(ms) / unfused_ms);
   }
   std::printf("\nBoth include the gradients of hidden (%.1f MiB) and weight (%.1f MiB) in bfloat16.\n",
               tokens * width * 2 / 1048576.0, vocab * width * 2 / 1048576.0);

@@ -11,6 +11,15 @@
 /// bfloat16 for GPT-2-small at batch 8, sequence 1024) and their gradient
 /// never exist in any dtype; the loss layer's peak is set by one chunk.
 ///
+/// With `chunk_vocabulary`, a chunk of tokens also walks the vocabulary in
+/// windows of that many classes, joining their log-sum-exps (as Cut
+/// Cross-Entropy does): the peak is set by tokens x window, so a large
+/// vocabulary (256k) keeps chunks of many tokens - GEMMs that read the
+/// weight once per chunk - in the same memory. Where forward computes the
+/// gradients, each window's logits are computed twice (once for the
+/// log-sum-exp, once for the gradient): one more GEMM per chunk. The hidden
+/// rows' gradient is summed over windows in float32.
+///
 /// ```
 ///   at::Tensor h = model->body(tokens);                        // [batch, sequence, width]
 ///   at::Tensor loss = amp::linear_cross_entropy(h, model->head->weight, {}, targets);
@@ -35,7 +44,8 @@
 /// chunk whose rows are not a multiple of 16 runs in bfloat16), the three
 /// GEMMs run in float8 as a float8 linear layer's do: the weight quantized
 /// once an iteration, each chunk's hidden rows and logit gradients with the
-/// layer's scales; amp::fp8_choices lists the weight.
+/// layer's scales; amp::fp8_choices lists the weight. With the vocabulary in
+/// windows (chunk_vocabulary below it) the GEMMs run in bfloat16.
 ///
 /// When the gradients are computed: with reduction mean or sum and GEMMs in
 /// bfloat16, float32 or float64, forward computes them (as Liger's fused
@@ -64,7 +74,7 @@
 ///     cast, of different dtypes (cast them, or compute under amp's casts);
 ///   - class weights (options.weight()) not floating, not [vocabulary], or
 ///     requiring grad (they are constants here);
-///   - label smoothing outside [0, 1]; chunk_tokens < 0;
+///   - label smoothing outside [0, 1]; chunk_tokens or chunk_vocabulary < 0;
 ///   - in backward: create_graph (double backward).
 #pragma once
 
@@ -82,14 +92,17 @@ namespace amp {
 /// its last dimension. options: class weights, ignore_index, reduction (the
 /// loss of each token, target's shape, for kNone), label smoothing.
 /// chunk_tokens 0 picks the chunk: float32 logits of at most 32 MiB
-/// (128 tokens at vocabulary 50304), whole batches of small vocabularies.
+/// (128 tokens at vocabulary 50304; 1024 with windows of 8192 classes),
+/// whole batches of small vocabularies. chunk_vocabulary: the classes of a
+/// window of the vocabulary; 0 (or the vocabulary or more) for the whole
+/// vocabulary at once.
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& target,
                                 const torch::nn::functional::CrossEntropyFuncOptions& options = {},
-                                int64_t chunk_tokens = 0);
+                                int64_t chunk_tokens = 0, int64_t chunk_vocabulary = 0);
 
 /// The chunk linear_cross_entropy picks for `tokens` tokens of a
-/// `vocabulary`-way output when chunk_tokens is 0: the most tokens, a power
+/// `vocabulary`-way output (or window of it) when chunk_tokens is 0: the most tokens, a power
 /// of two, whose float32 logits fit 32 MiB; at least 1, at most `tokens`.
 int64_t default_loss_chunk_tokens(int64_t tokens, int64_t vocabulary);
 

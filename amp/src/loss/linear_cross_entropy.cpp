@@ -20,7 +20,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <optional>
 #include <variant>
+#include <vector>
 
 namespace amp {
 namespace detail {
@@ -44,6 +46,7 @@ struct LossCall {
   CrossEntropyTerms terms;
   LossReduction reduction = LossReduction::kMean;
   int64_t chunk = 1;
+  int64_t vocab_chunk = 1;  // classes a window of the vocabulary holds (all of them: one window)
   at::ScalarType acc = at::kFloat;
   bool bias = false;  // else the bias argument is an empty stand-in (autograd takes no undefined input)
   std::array<bool, 3> needed = {false, false, false};  // gradients of hidden, weight, bias
@@ -74,6 +77,15 @@ void for_each_chunk(int64_t tokens, int64_t chunk, Fn&& fn) {
   for (int64_t begin = 0; begin < tokens; begin += chunk) fn(TokenChunk{begin, std::min(tokens, begin + chunk)});
 }
 
+// The windows of `call`'s vocabulary (`classes` in all).
+std::vector<ClassWindow> windows_of(int64_t classes, const LossCall& call) {
+  std::vector<ClassWindow> windows;
+  for (int64_t begin = 0; begin < classes; begin += call.vocab_chunk) {
+    windows.push_back({begin, std::min(classes, begin + call.vocab_chunk), classes});
+  }
+  return windows;
+}
+
 // One chunk's logits in the accumulation dtype, from GEMMs in the inputs'
 // dtype, or in float8 (the hidden rows' float8 values kept for the weight's
 // gradient). `tally`: the hidden rows' amax counts for their scale (not
@@ -84,9 +96,16 @@ struct ChunkLogits {
 };
 
 ChunkLogits chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
-                         const LossCall& call, bool tally) {
+                         const LossCall& call, bool tally, const ClassWindow& window) {
+  if (!window.whole()) {  // a window of the vocabulary: never float8 (fp8_site)
+    const at::Tensor w = weight.slice(0, window.begin, window.end);
+    const std::optional<at::Tensor> b = bias.defined() ? std::optional(bias.slice(0, window.begin, window.end))
+                                                       : std::nullopt;
+    return {at::linear(hidden, w, b).to(call.acc), {}};
+  }
   if (!call.fp8 || !fp8_shapes_fit(hidden, weight.size(0))) {
-    return {at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc)};
+    return {at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc),
+            {}};
   }
   auto [values, inverse_scale] = call.fp8->input.quantize(hidden.contiguous(), tally);
   const Fp8Operand hidden8{std::move(values), std::move(inverse_scale)};
@@ -107,26 +126,43 @@ struct ChunkedGradients {
     if (needed[2] && b.defined()) bias = at::zeros(b.sizes(), b.options().dtype(acc));
   }
 
-  // Adds one chunk's, from its `logits` [C, V] (accumulation dtype,
-  // overwritten by their gradient) and log-sum-exp, for its hidden rows
-  // `h` [C, H]; `row_scale` [C]: the incoming gradient of each token's loss.
-  void add(const TokenChunk& rows, ChunkLogits& chunk, const at::Tensor& lse, const ChunkTargets& targets,
-           const LossCall& call, const at::Tensor& row_scale, const at::Tensor& h, const at::Tensor& w) {
+  // Adds one chunk's, from its logits of `window` [C, width]
+  // (accumulation dtype, overwritten by their gradient) and the tokens'
+  // log-sum-exp, for its hidden rows `h` [C, H]; `row_scale` [C]: the
+  // incoming gradient of each token's loss. The hidden rows' gradient over
+  // several windows is summed in `hidden_sum` ([C, H], accumulation dtype)
+  // and written by finish_rows.
+  void add(const TokenChunk& rows, const ClassWindow& window, ChunkLogits& chunk, const at::Tensor& lse,
+           const ChunkTargets& targets, const LossCall& call, const at::Tensor& row_scale, const at::Tensor& h,
+           const at::Tensor& w) {
     at::Tensor& logits = chunk.logits;
-    logits_to_gradient_(logits, lse, targets, call.terms, row_scale);
+    logits_to_gradient_(logits, window, lse, targets, call.terms, row_scale);
     const at::Tensor& grad_logits = logits;
     const at::Tensor g = grad_logits.to(w.scalar_type());
     if (chunk.hidden8.values.defined()) {
       add_in_float8(rows, g, chunk.hidden8, *call.fp8, w);
     } else {
-      if (hidden.defined()) {
+      const at::Tensor w_window = window.whole() ? w : w.slice(0, window.begin, window.end);
+      if (hidden.defined() && window.whole()) {
         at::Tensor out = rows.of(hidden);
-        at::mm_out(out, g, w);
+        at::mm_out(out, g, w_window);
+      } else if (hidden.defined()) {
+        const at::Tensor part = at::mm(g, w_window);
+        hidden_sum = hidden_sum.defined() ? hidden_sum.add_(part) : part.to(call.acc);
       }
-      if (weight.defined()) weight.addmm_(g.t(), h);
+      if (weight.defined()) (window.whole() ? weight : weight.slice(0, window.begin, window.end)).addmm_(g.t(), h);
     }
-    if (bias.defined()) bias.add_(grad_logits.sum(0));
+    if (bias.defined()) (window.whole() ? bias : bias.slice(0, window.begin, window.end)).add_(grad_logits.sum(0));
   }
+
+  // Writes the hidden rows' gradient summed over windows.
+  void finish_rows(const TokenChunk& rows) {
+    if (!hidden_sum.defined()) return;
+    rows.of(hidden).copy_(hidden_sum);
+    hidden_sum = at::Tensor();
+  }
+
+  at::Tensor hidden_sum;
 
   // The hidden rows' and the weight's gradients from the chunk's logit
   // gradient `g` in float8, as a float8 linear layer's backward computes them.
@@ -169,14 +205,31 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     std::optional<ChunkedGradients> grads;
     if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc);
     const at::Tensor row_scale = denominator.reciprocal();  // forward's gradients: an incoming 1
+    const std::vector<ClassWindow> windows = windows_of(weight.size(0), call);
     for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
-      ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/true);
-      const at::Tensor chunk_lse = chunk.logits.logsumexp(1);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
-      rows.of(losses).copy_(token_losses(chunk.logits, chunk_lse, targets, call.terms));
+      // The log-sum-exp over all windows first; with one window its logits
+      // stay for the gradient, with several each is computed again.
+      at::Tensor chunk_lse;
+      LogitSums sums;
+      std::optional<ChunkLogits> kept;
+      for (const ClassWindow& window : windows) {
+        ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/true, window);
+        const at::Tensor window_lse = chunk.logits.logsumexp(1);
+        chunk_lse = chunk_lse.defined() ? at::logaddexp(chunk_lse, window_lse) : window_lse;
+        sums.add(chunk.logits, window, targets, call.terms);
+        if (windows.size() == 1) kept = std::move(chunk);
+      }
+      rows.of(losses).copy_(token_losses(chunk_lse, sums, targets, call.terms, weight.size(0)));
       if (lse.defined()) rows.of(lse).copy_(chunk_lse);
-      if (grads) grads->add(rows, chunk, chunk_lse, targets, call, row_scale.expand({h.size(0)}), h, weight);
+      if (!grads) return;
+      const at::Tensor scale = row_scale.expand({h.size(0)});
+      for (const ClassWindow& window : windows) {
+        ChunkLogits chunk = kept ? std::move(*kept) : chunk_logits(h, weight, bias, call, /*tally=*/false, window);
+        grads->add(rows, window, chunk, chunk_lse, targets, call, scale, h, weight);
+      }
+      grads->finish_rows(rows);
     });
     ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
     ctx->saved_data["in_forward"] = in_forward;
@@ -188,6 +241,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       ctx->saved_data["ignore_index"] = call.terms.ignore_index;
       ctx->saved_data["smoothing"] = call.terms.smoothing;
       ctx->saved_data["chunk"] = call.chunk;
+      ctx->saved_data["vocab_chunk"] = call.vocab_chunk;
       if (call.fp8) ctx->saved_data["fp8"] = c10::IValue::make_capsule(c10::make_intrusive<Fp8SiteHolder>(call.fp8));
     }
     if (call.reduction == LossReduction::kNone) return losses;
@@ -217,6 +271,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     call.terms = {ctx->saved_data["ignore_index"].toInt(), ctx->saved_data["smoothing"].toDouble(), saved[6]};
     call.reduction = reduction;
     call.chunk = ctx->saved_data["chunk"].toInt();
+    call.vocab_chunk = ctx->saved_data["vocab_chunk"].toInt();
     call.acc = lse.scalar_type();
     if (ctx->saved_data.count("fp8")) {
       call.fp8 = c10::static_intrusive_pointer_cast<Fp8SiteHolder>(ctx->saved_data["fp8"].toCapsule())->site;
@@ -228,13 +283,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     ChunkedGradients grads(hidden, weight, bias,
                     {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
                     call.acc);
+    const std::vector<ClassWindow> windows = windows_of(weight.size(0), call);
     for_each_chunk(hidden.size(0), call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
-      ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false);
       const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
       const at::Tensor scale = reduction == LossReduction::kNone ? rows.of(token_scale)
                                                                  : token_scale.expand({h.size(0)});
-      grads.add(rows, chunk, rows.of(lse), targets, call, scale, h, weight);
+      for (const ClassWindow& window : windows) {
+        ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false, window);
+        grads.add(rows, window, chunk, rows.of(lse), targets, call, scale, h, weight);
+      }
+      grads.finish_rows(rows);
     });
     const variable_list g3 = grads.finish(bias);
     std::copy(g3.begin(), g3.end(), out.begin());
@@ -297,7 +356,8 @@ int64_t default_loss_chunk_tokens(int64_t tokens, int64_t vocabulary) {
 
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& target,
-                                const torch::nn::functional::CrossEntropyFuncOptions& options, int64_t chunk_tokens) {
+                                const torch::nn::functional::CrossEntropyFuncOptions& options, int64_t chunk_tokens,
+                                int64_t chunk_vocabulary) {
   using namespace detail;
   constexpr const char* kName = "amp::linear_cross_entropy: ";
   TORCH_CHECK(weight.defined() && weight.dim() == 2, kName, "weight must be [vocabulary, width], got ",
@@ -319,6 +379,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   const double smoothing = options.label_smoothing();
   TORCH_CHECK(smoothing >= 0.0 && smoothing <= 1.0, kName, "label smoothing must be in [0, 1], got ", smoothing);
   TORCH_CHECK(chunk_tokens >= 0, kName, "chunk_tokens must be >= 0 (0 picks the chunk), got ", chunk_tokens);
+  TORCH_CHECK(chunk_vocabulary >= 0, kName, "chunk_vocabulary must be >= 0 (0: the whole vocabulary at once), got ",
+              chunk_vocabulary);
   const at::Tensor& class_weights = options.weight();
   TORCH_CHECK(!class_weights.defined() || (class_weights.is_floating_point() && class_weights.dim() == 1 &&
                                            class_weights.size(0) == vocabulary),
@@ -340,7 +402,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   if (class_weights.defined()) call.terms.class_weights = class_weights.to(weight.device(), call.acc);
   call.reduction = reduction_of(options);
   const int64_t tokens = target.numel();
-  call.chunk = chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(tokens, vocabulary);
+  call.vocab_chunk = chunk_vocabulary > 0 ? std::min(chunk_vocabulary, vocabulary) : vocabulary;
+  call.chunk = chunk_tokens > 0 ? chunk_tokens : default_loss_chunk_tokens(tokens, call.vocab_chunk);
 
   // Casts as amp casts at::linear's arguments (the weight through the cast
   // cache), recorded by autograd; inside, the ops run in these dtypes.
@@ -350,7 +413,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   const at::Tensor h = cast(hidden).reshape({tokens, width});
   const at::Tensor w = cast(weight_read), b = cast(bias_read);
   const at::Tensor flat_target = target.reshape({tokens}).to(at::kLong);
-  call.fp8 = fp8_site(h, weight, compute);
+  if (call.vocab_chunk == vocabulary) call.fp8 = fp8_site(h, weight, compute);
   at::Tensor loss;
   {
     disable_casts no_casts;

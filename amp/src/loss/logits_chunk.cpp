@@ -15,29 +15,60 @@ ChunkTargets chunk_targets(const at::Tensor& target, const CrossEntropyTerms& te
   return t;
 }
 
+namespace {
+
+// Whether each row's target lies in `window`.
+at::Tensor in_window_of(const ClassWindow& window, const ChunkTargets& targets) {
+  return targets.safe.ge(window.begin).logical_and_(targets.safe.lt(window.end));
+}
+
+// Each row's target as a column of `window` (clamped into it for the rows
+// whose target lies outside, which read or add nothing).
+at::Tensor window_index(const ClassWindow& window, const ChunkTargets& targets) {
+  return (targets.safe - window.begin).clamp_(0, window.width() - 1);
+}
+
+// The target's logit of the rows whose target lies in `window`, 0 for the others.
+at::Tensor window_target_logits(const at::Tensor& logits, const ClassWindow& window, const ChunkTargets& targets) {
+  const at::Tensor z = logits.gather(1, window_index(window, targets).unsqueeze(1)).squeeze(1);
+  return at::where(in_window_of(window, targets), z, at::zeros({}, z.options()));
+}
+
+}  // namespace
+
 at::Tensor mean_denominator(const at::Tensor& target, const CrossEntropyTerms& terms, at::ScalarType acc) {
   return chunk_targets(target, terms, acc).weight.sum();
 }
 
-at::Tensor token_losses(const at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
-                        const CrossEntropyTerms& terms) {
-  const at::Tensor target_logit = logits.gather(1, targets.safe.unsqueeze(1)).squeeze(1);
-  at::Tensor loss = targets.weight * (lse - target_logit);
+void LogitSums::add(const at::Tensor& logits, const ClassWindow& window, const ChunkTargets& targets,
+                    const CrossEntropyTerms& terms) {
+  at::Tensor target = window.whole() ? logits.gather(1, targets.safe.unsqueeze(1)).squeeze(1)
+                                     : window_target_logits(logits, window, targets);
+  target_logit = target_logit.defined() ? target_logit.add_(target) : target;
+  if (terms.smoothing > 0) {
+    const at::Tensor dot = terms.class_weights.defined()
+                               ? logits.mv(terms.class_weights.slice(0, window.begin, window.end))
+                               : logits.sum(1);
+    weighted = weighted.defined() ? weighted.add_(dot) : dot;
+  }
+}
+
+at::Tensor token_losses(const at::Tensor& lse, const LogitSums& sums, const ChunkTargets& targets,
+                        const CrossEntropyTerms& terms, int64_t classes) {
+  at::Tensor loss = targets.weight * (lse - sums.target_logit);
   if (terms.smoothing > 0) {
     // sum_c w[c] (lse - z[c]) = lse * sum w - z . w
-    const int64_t classes = logits.size(1);
-    const at::Tensor smooth = terms.class_weights.defined()
-                                  ? lse * terms.class_weights.sum() - logits.mv(terms.class_weights)
-                                  : lse * static_cast<double>(classes) - logits.sum(1);
+    const at::Tensor smooth = terms.class_weights.defined() ? lse * terms.class_weights.sum() - sums.weighted
+                                                            : lse * static_cast<double>(classes) - sums.weighted;
     loss = loss * (1.0 - terms.smoothing) + smooth * (terms.smoothing / static_cast<double>(classes));
   }
   return at::where(targets.valid, loss, at::zeros({}, loss.options()));
 }
 
-void logits_to_gradient_(at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
-                         const CrossEntropyTerms& terms, const at::Tensor& row_scale) {
+void logits_to_gradient_(at::Tensor& logits, const ClassWindow& window, const at::Tensor& lse,
+                         const ChunkTargets& targets, const CrossEntropyTerms& terms, const at::Tensor& row_scale) {
   const double e = terms.smoothing;
-  const int64_t classes = logits.size(1);
+  const int64_t classes = window.classes;
   const at::Tensor scale = at::where(targets.valid, row_scale.to(logits.scalar_type()),
                                      at::zeros({}, logits.options()));
   logits.sub_(lse.unsqueeze(1)).exp_();  // softmax
@@ -50,10 +81,18 @@ void logits_to_gradient_(at::Tensor& logits, const at::Tensor& lse, const ChunkT
     row = row + weight_sum * (e / static_cast<double>(classes));
   }
   logits.mul_((row * scale).unsqueeze(1));
-  logits.scatter_add_(1, targets.safe.unsqueeze(1), (targets.weight * scale * -(1.0 - e)).unsqueeze(1));
+  at::Tensor target_term = targets.weight * scale * -(1.0 - e);
+  if (window.whole()) {
+    logits.scatter_add_(1, targets.safe.unsqueeze(1), target_term.unsqueeze(1));
+  } else {  // only the rows whose target is in the window
+    const at::Tensor in_window = in_window_of(window, targets);
+    logits.scatter_add_(1, window_index(window, targets).unsqueeze(1),
+                        at::where(in_window, target_term, at::zeros({}, target_term.options())).unsqueeze(1));
+  }
   if (e > 0) {
-    const at::Tensor per_class = terms.class_weights.defined() ? terms.class_weights
-                                                               : at::ones({classes}, logits.options());
+    const at::Tensor per_class = terms.class_weights.defined()
+                                     ? terms.class_weights.slice(0, window.begin, window.end)
+                                     : at::ones({window.width()}, logits.options());
     logits.addr_(scale, per_class, /*beta=*/1, /*alpha=*/-e / static_cast<double>(classes));
   }
 }

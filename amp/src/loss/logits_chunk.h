@@ -35,16 +35,34 @@ ChunkTargets chunk_targets(const at::Tensor& target, const CrossEntropyTerms& te
 // The sum over valid tokens of w[y]: the mean's denominator, as ATen's.
 at::Tensor mean_denominator(const at::Tensor& target, const CrossEntropyTerms& terms, at::ScalarType acc);
 
-// Each token's loss [C] given its logits `logits` [C, V] and their
-// log-sum-exp `lse` [C], both in the accumulation dtype.
-at::Tensor token_losses(const at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
-                        const CrossEntropyTerms& terms);
+// Classes [begin, end) of `classes`: the columns a chunk's logits hold (all
+// of them, or a window of the vocabulary).
+struct ClassWindow {
+  int64_t begin, end, classes;
+  int64_t width() const { return end - begin; }
+  bool whole() const { return begin == 0 && end == classes; }
+};
 
-// Turns `logits` [C, V] (accumulation dtype, overwritten) into
-// row_scale[i] * dloss_i/dlogits, given their log-sum-exp. row_scale [C]:
-// the incoming gradient of each token's loss (and the mean's 1/denominator);
-// ignored tokens' rows become 0.
-void logits_to_gradient_(at::Tensor& logits, const at::Tensor& lse, const ChunkTargets& targets,
-                         const CrossEntropyTerms& terms, const at::Tensor& row_scale);
+// What a token's loss needs of its logits, summed over windows: the target's
+// logit, and with label smoothing sum_c w[c] z[c] (w all 1 without class
+// weights). `add` takes one window's logits [C, width] (accumulation dtype).
+struct LogitSums {
+  at::Tensor target_logit, weighted;  // [C] each; `weighted` undefined without smoothing
+
+  void add(const at::Tensor& logits, const ClassWindow& window, const ChunkTargets& targets,
+           const CrossEntropyTerms& terms);
+};
+
+// Each token's loss [C] from its log-sum-exp `lse` [C] and the sums of its
+// logits over all classes.
+at::Tensor token_losses(const at::Tensor& lse, const LogitSums& sums, const ChunkTargets& targets,
+                        const CrossEntropyTerms& terms, int64_t classes);
+
+// Turns `logits` [C, width] (window `window`'s, accumulation dtype,
+// overwritten) into row_scale[i] * dloss_i/dlogits, given the tokens'
+// log-sum-exp over all classes. row_scale [C]: the incoming gradient of each
+// token's loss (and the mean's 1/denominator); ignored tokens' rows become 0.
+void logits_to_gradient_(at::Tensor& logits, const ClassWindow& window, const at::Tensor& lse,
+                         const ChunkTargets& targets, const CrossEntropyTerms& terms, const at::Tensor& row_scale);
 
 }  // namespace amp::detail
