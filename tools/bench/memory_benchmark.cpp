@@ -126,6 +126,7 @@ struct Config {
   int slices = 0;  // with recompute, > 1: each block run in this many slices of the batch (recompute_in_slices)
   bool fused_loss = false;  // the head and loss through amp::linear_cross_entropy
   bool keep_gemms = false;  // with recompute: each block keeps its GEMMs' outputs (amp::Keep::gemm_outputs)
+  bool fused_adam = false;  // amp's FusedAdamW where LibTorch's AdamW would step
 };
 
 // `config` recomputing selectively: its blocks keep their GEMMs' outputs.
@@ -156,11 +157,14 @@ std::vector<Config> configs() {
                               false, kSlices},
                              {"amp O6 + recompute in slices + 8-bit state + step in backward", amp::O6, true, 1, false,
                               true, true, false, false, kSlices}};
+  Config fused_adam{"amp O5 + recompute + fused AdamW", amp::O5, true};
+  fused_adam.fused_adam = true;  // no step transient of LibTorch's AdamW (a tensor-sized temporary or two)
+  out.push_back(fused_adam);
   for (const std::string name : {"amp O5 + recompute", "amp O6 + recompute"}) {
     out.push_back(selective(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
   }
-  for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O6 + recompute",
-                                 "amp O6 + recompute + 8-bit state + step in backward"}) {
+  for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O5 + recompute + fused AdamW",
+                                 "amp O6 + recompute", "amp O6 + recompute + 8-bit state + step in backward"}) {
     out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
   }
   for (int world : {2, 4}) {
@@ -217,7 +221,7 @@ class Trainer {
     if (config.two_levels) shape.recompute_run = std::lround(std::sqrt(double(layers)));
     torch::manual_seed(0);
     model_ = examples::CharTransformer(shape);
-    if (config.level == amp::O6 || config.state8 || config.in_backward) {
+    if (config.level == amp::O6 || config.state8 || config.in_backward || config.fused_adam) {
       optimizer_ = std::make_shared<amp::optim::FusedAdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
     } else {
       optimizer_ = std::make_shared<torch::optim::AdamW>(model_->parameters(), torch::optim::AdamWOptions(1e-3));
