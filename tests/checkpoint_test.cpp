@@ -410,6 +410,9 @@ TEST_P(FreshProcessResumeTest, ResumedRunIsBitIdenticalToTheUninterruptedOne) {
 // A process killed while it writes a checkpoint leaves the one before (or
 // none), never a torn file: the writer is SIGKILLed at several moments of a
 // loop that rewrites a 48 MB checkpoint, and the file loads every time.
+// The first kills come at fixed times from its start, perhaps before its
+// first checkpoint; the others at offsets after this writer's first one is
+// complete, however long a loaded machine takes to start it.
 TEST_F(CheckpointTest, AWriterKilledMidWriteLeavesTheLastCompleteCheckpoint) {
   const std::string path = temp_path("killed_writer.pt");
   std::remove(path.c_str());
@@ -418,25 +421,31 @@ TEST_F(CheckpointTest, AWriterKilledMidWriteLeavesTheLastCompleteCheckpoint) {
   torch::optim::Adam adam(big->parameters(), 1e-3);
   handle_.deinitialize();  // the fixture's models are not this test's
   handle_.initialize(big, adam, quiet(O2));
-  int loaded = 0;
-  for (const int delay_ms : {150, 400, 650, 900, 1150, 1400}) {
+  auto kill_writer = [&](int delay_ms, bool after_first_checkpoint) {
     const std::string helper = AMP_RESUME_HELPER;
     std::vector<std::string> args = {helper, "O2", "save_forever", path};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    if (after_first_checkpoint) std::remove(path.c_str());
     pid_t pid = 0;
     ASSERT_EQ(posix_spawn(&pid, helper.c_str(), nullptr, nullptr, argv.data(), environ), 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+    while (after_first_checkpoint && !std::filesystem::exists(path) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     kill(pid, SIGKILL);
     int status = 0;
     waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status)) << "the writer ended before it was killed";
-    if (!std::filesystem::exists(path)) continue;  // killed before its first checkpoint
-    EXPECT_NO_THROW(load_checkpoint(path, {big.ptr()}, {adam})) << "killed after " << delay_ms << " ms";
-    ++loaded;
-  }
-  EXPECT_GT(loaded, 0) << "no checkpoint was ever complete: lengthen the delays";
+    ASSERT_TRUE(!after_first_checkpoint || std::filesystem::exists(path)) << "the writer wrote no checkpoint in 2 min";
+    if (!std::filesystem::exists(path)) return;  // killed before its first checkpoint
+    EXPECT_NO_THROW(load_checkpoint(path, {big.ptr()}, {adam}))
+        << "killed " << delay_ms << " ms after " << (after_first_checkpoint ? "its first checkpoint" : "its start");
+  };
+  for (const int delay_ms : {150, 400}) kill_writer(delay_ms, /*after_first_checkpoint=*/false);
+  for (const int delay_ms : {0, 40, 120, 250, 400}) kill_writer(delay_ms, /*after_first_checkpoint=*/true);
   std::remove(path.c_str());
   // The killed writers' folders: ".<name>.partial.<pid>/<name>".
   const std::filesystem::path target(path);
