@@ -102,8 +102,9 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 int64_t chunk_tokens = 0, int64_t chunk_vocabulary = 0);
 
 /// The chunk linear_cross_entropy picks for `tokens` tokens of a
-/// `vocabulary`-way output (or window of it) when chunk_tokens is 0: the most tokens, a power
-/// of two, whose float32 logits fit 32 MiB; at least 1, at most `tokens`.
+/// `vocabulary`-way output (or window of it) when chunk_tokens is 0: the
+/// most tokens, a power of two, whose float32 logits fit 32 MiB; at least 1,
+/// at most `tokens`.
 int64_t default_loss_chunk_tokens(int64_t tokens, int64_t vocabulary);
 
 }  // namespace amp

@@ -122,6 +122,12 @@ struct KeyHash {
   }
 };
 
+// `copy` - a weight's cast, or its transpose's where `transposed` - in the
+// form asked for.
+at::Tensor in_form(const at::Tensor& copy, bool transposed, bool transpose) {
+  return transposed == transpose ? copy : copy.t();
+}
+
 struct Entry {
   // Keeps the weight's TensorImpl allocated, so its address (the key) cannot
   // be reused by another tensor while the entry lives.
@@ -129,9 +135,6 @@ struct Entry {
   at::Tensor copy;  // the weight's cast, or its transpose's (`transposed`)
   int64_t weight_version;  // the weight's version counter when copied
   bool transposed = false;
-
-  // The cast in the weight's own layout, or in its transpose's.
-  at::Tensor as(bool transpose) const { return transposed == transpose ? copy : copy.t(); }
 };
 
 // ServeCopies: the copies a rerun meets instead of the cache's, by key.
@@ -153,8 +156,7 @@ class CastCache {
     const bool transpose = view != nullptr;
     if (C10_UNLIKELY(t_served != nullptr)) {
       if (auto it = t_served->find(key); it != t_served->end()) {
-        const ServedCopy& c = it->second;
-        return c.transposed == transpose ? c.served : c.served.t();
+        return in_form(it->second.served, it->second.transposed, transpose);
       }
     }
     {
@@ -163,7 +165,7 @@ class CastCache {
       if (it != entries_.end() && is_fresh(it->second, t)) {
         count(&ThreadCounts::hits);
         CallRecord::note_cache_hit();
-        return it->second.as(transpose);
+        return in_form(it->second.copy, it->second.transposed, transpose);
       }
     }
     at::Tensor copy;

@@ -32,7 +32,7 @@ struct CachedCopy {
 std::vector<CachedCopy> cached_copies();
 
 // RAII, on this thread: casts of each `copies[i].weight` to its dtype are
-// served `served[i]` instead (in copies[i]'s form) (a recomputed block's rerun, which must meet
+// served `served[i]` instead, in copies[i]'s form (a recomputed block's rerun, which must meet
 // the copies its forward met). Scopes do not nest.
 class [[nodiscard]] ServeCopies {
  public:

@@ -97,15 +97,10 @@ struct ChunkLogits {
 
 ChunkLogits chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
                          const LossCall& call, bool tally, const ClassWindow& window) {
-  if (!window.whole()) {  // a window of the vocabulary: never float8 (fp8_site)
-    const at::Tensor w = weight.slice(0, window.begin, window.end);
-    const std::optional<at::Tensor> b = bias.defined() ? std::optional(bias.slice(0, window.begin, window.end))
-                                                       : std::nullopt;
-    return {at::linear(hidden, w, b).to(call.acc), {}};
-  }
-  if (!call.fp8 || !fp8_shapes_fit(hidden, weight.size(0))) {
-    return {at::linear(hidden, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt).to(call.acc),
-            {}};
+  // A window of the vocabulary never runs in float8 (fp8_site).
+  if (!window.whole() || !call.fp8 || !fp8_shapes_fit(hidden, weight.size(0))) {
+    const std::optional<at::Tensor> b = bias.defined() ? std::optional(window.rows_of(bias)) : std::nullopt;
+    return {at::linear(hidden, window.rows_of(weight), b).to(call.acc), {}};
   }
   auto [values, inverse_scale] = call.fp8->input.quantize(hidden.contiguous(), tally);
   const Fp8Operand hidden8{std::move(values), std::move(inverse_scale)};
@@ -142,7 +137,7 @@ struct ChunkedGradients {
     if (chunk.hidden8.values.defined()) {
       add_in_float8(rows, g, chunk.hidden8, *call.fp8, w);
     } else {
-      const at::Tensor w_window = window.whole() ? w : w.slice(0, window.begin, window.end);
+      const at::Tensor w_window = window.rows_of(w);
       if (hidden.defined() && window.whole()) {
         at::Tensor out = rows.of(hidden);
         at::mm_out(out, g, w_window);
@@ -150,9 +145,9 @@ struct ChunkedGradients {
         const at::Tensor part = at::mm(g, w_window);
         hidden_sum = hidden_sum.defined() ? hidden_sum.add_(part) : part.to(call.acc);
       }
-      if (weight.defined()) (window.whole() ? weight : weight.slice(0, window.begin, window.end)).addmm_(g.t(), h);
+      if (weight.defined()) window.rows_of(weight).addmm_(g.t(), h);
     }
-    if (bias.defined()) (window.whole() ? bias : bias.slice(0, window.begin, window.end)).add_(grad_logits.sum(0));
+    if (bias.defined()) window.rows_of(bias).add_(grad_logits.sum(0));
   }
 
   // Writes the hidden rows' gradient summed over windows.

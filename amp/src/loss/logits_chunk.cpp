@@ -47,7 +47,7 @@ void LogitSums::add(const at::Tensor& logits, const ClassWindow& window, const C
   target_logit = target_logit.defined() ? target_logit.add_(target) : target;
   if (terms.smoothing > 0) {
     const at::Tensor dot = terms.class_weights.defined()
-                               ? logits.mv(terms.class_weights.slice(0, window.begin, window.end))
+                               ? logits.mv(window.rows_of(terms.class_weights))
                                : logits.sum(1);
     weighted = weighted.defined() ? weighted.add_(dot) : dot;
   }
@@ -90,9 +90,8 @@ void logits_to_gradient_(at::Tensor& logits, const ClassWindow& window, const at
                         at::where(in_window, target_term, at::zeros({}, target_term.options())).unsqueeze(1));
   }
   if (e > 0) {
-    const at::Tensor per_class = terms.class_weights.defined()
-                                     ? terms.class_weights.slice(0, window.begin, window.end)
-                                     : at::ones({window.width()}, logits.options());
+    const at::Tensor per_class = terms.class_weights.defined() ? window.rows_of(terms.class_weights)
+                                                               : at::ones({window.width()}, logits.options());
     logits.addr_(scale, per_class, /*beta=*/1, /*alpha=*/-e / static_cast<double>(classes));
   }
 }

@@ -41,6 +41,8 @@ struct ClassWindow {
   int64_t begin, end, classes;
   int64_t width() const { return end - begin; }
   bool whole() const { return begin == 0 && end == classes; }
+  // The window's rows of `t` (dim 0 over the classes: a weight, a bias).
+  at::Tensor rows_of(const at::Tensor& t) const { return whole() ? t : t.slice(0, begin, end); }
 };
 
 // What a token's loss needs of its logits, summed over windows: the target's

@@ -23,7 +23,8 @@ class LossScaling : public LossScaler {
   const at::Tensor& scale_tensor(c10::Device device);
 
   // Multiplies `grads` in place by 1/scale (float32's reciprocal: the float
-  // GradScaler's double reciprocal rounds to) and sets `found_inf` (a 1-element float32 tensor on
+  // GradScaler's double reciprocal rounds to) and sets `found_inf` (a
+  // 1-element float32 tensor on
   // the scale's device) to 1 if any of them holds an inf or NaN. A sparse
   // gradient has its values unscaled; in float16 the sums of its duplicate
   // indices are checked too (on a coalesced copy), as GradScaler does.
