@@ -8,6 +8,7 @@
 
 #include "cpu_capability.h"
 
+#include "optim/rounding_kernel.h"
 #include "optim/stochastic_rounding.h"
 
 #include <ATen/core/PhiloxRNGEngine.h>
@@ -199,6 +200,43 @@ TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
   const at::Tensor strided = src.narrow(0, 0, 100000).view({400, 250}).t();
   EXPECT_TRUE(BitEqual(round(strided, detail::CpuPath::kOnePass, 7).masked_fill(strided.isnan(), 0),
                        round(strided, detail::CpuPath::kAtenOps, 7).masked_fill(strided.isnan(), 0)));
+}
+
+// On CUDA the chunk's tensors are rounded in one launch (a launch takes 64:
+// here two), drawing what at::randint draws for each tensor alone - the
+// same thread, counter and lane of its grid, so each of several passes over
+// the largest - and writing the ATen ops' bits, NaNs included. Builds with
+// amp's CUDA kernels must take them.
+TEST(StochasticRoundingTest, OnCudaTheKernelIsTheAtenOpsBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+#ifdef AMP_TEST_CUDA_KERNELS
+  EXPECT_TRUE(detail::rounding_kernel_applies(torch::ones({1}, torch::kCUDA)));
+#else
+  GTEST_SKIP() << "this build has no CUDA kernels (no CUDA compiler): ATen ops round";
+#endif
+  std::vector<int64_t> sizes = {1, 3, 255, 256, 257, 1000, 4099, int64_t{1} << 20, 3'000'000};
+  std::mt19937 draw(11);
+  while (sizes.size() < 100) sizes.push_back(std::uniform_int_distribution<int64_t>(1, 20000)(draw));
+  detail::StochasticRounding rounder(/*seed=*/3, /*stream=*/1);
+  std::vector<detail::StochasticRounding::Rounding> kernel, aten;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const at::Tensor src = random_float_bits(sizes[i]).cuda();
+    const detail::RoundingKey key{5, i, i % 3};
+    kernel.push_back({src, torch::empty({sizes[i]}, torch::dtype(at::kBFloat16).device(torch::kCUDA)), key});
+    aten.push_back({src, torch::empty_like(kernel.back().dst), key});
+  }
+  rounder.round_all(kernel);
+  rounder.round_all(aten, detail::CpuPath::kAtenOps);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(BitEqual(kernel[i].dst.cpu(), aten[i].dst.cpu())) << sizes[i] << " values";
+  }
+  EXPECT_GT(kernel[8].src.isnan().sum().item<int64_t>(), 100) << "random bits hold NaNs";
+  // Another stream draws other bits.
+  detail::StochasticRounding::Rounding other = kernel[8];
+  other.dst = torch::empty_like(other.dst);
+  other.key.part += 1;
+  rounder.round_all({other});
+  EXPECT_FALSE(BitEqual(other.dst.cpu(), kernel[8].dst.cpu()));
 }
 
 // The CPU's draws are Philox4x32-10's: ATen's engine, which the ATen ops

@@ -2,6 +2,7 @@
 #include "optim/stochastic_rounding.h"
 
 #include "optim/one_pass_kernels.h"
+#include "optim/rounding_kernel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -109,6 +110,23 @@ void StochasticRounding::round_into(const at::Tensor& src, const at::Tensor& dst
   // Exact: the cut bits are zero. A NaN's bits plus noise may carry into
   // inf, or past the sign into a small number: NaN stays NaN.
   dst.copy_(bits.view(at::kFloat).masked_fill_(src.isnan(), std::numeric_limits<float>::quiet_NaN()));
+}
+
+void StochasticRounding::round_all(const std::vector<Rounding>& roundings, CpuPath path) {
+  std::vector<CudaRounding> on_cuda;
+  for (const Rounding& r : roundings) {
+#ifdef AMP_WITH_CUDA_KERNELS
+    if (path == CpuPath::kOnePass && r.dst.is_contiguous() && rounding_kernel_applies(r.src) &&
+        (on_cuda.empty() || on_cuda.front().src.device() == r.src.device())) {
+      on_cuda.push_back({r.src.contiguous(), r.dst, stream_seed(r.key)});
+      continue;
+    }
+#endif
+    round_into(r.src, r.dst, r.key, path);
+  }
+#ifdef AMP_WITH_CUDA_KERNELS
+  if (!on_cuda.empty()) round_on_cuda(on_cuda);
+#endif
 }
 
 at::Tensor StochasticRounding::uniform(at::IntArrayRef sizes, c10::Device device, RoundingKey key) {

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "optim/rounding_kernel.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <curand_kernel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+
+namespace amp::detail {
+namespace {
+
+// ATen's distribution kernels: 256 threads a block, each drawing four
+// values (one Philox counter) per pass over the tensor.
+constexpr int kThreads = 256;
+constexpr int kLanes = 4;
+// Tensors per launch: the jobs travel as the kernel's argument (under 4 KiB).
+constexpr int kJobsPerLaunch = 64;
+
+struct Job {
+  const uint32_t* src;
+  uint16_t* dst;
+  int64_t numel;
+  uint64_t seed;
+  int64_t stride;       // the threads of ATen's grid for this numel: values drawn by one counter lie this far apart
+  int64_t first_block;  // this launch's first block for the job
+};
+
+struct Jobs {
+  Job job[kJobsPerLaunch];
+  int count;
+};
+
+// One thread per (pass, thread of ATen's grid) of a job: the four values
+// that thread draws with one counter in that pass, as at::randint(0, 2^16)
+// draws them, added below bfloat16's cut and truncated; NaN stays NaN.
+__global__ void __launch_bounds__(kThreads) round_kernel(const Jobs jobs) {
+  int j = 0;
+  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
+  const Job& job = jobs.job[j];
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) - job.first_block) * kThreads + threadIdx.x;
+  const int64_t thread = item % job.stride, pass = item / job.stride;
+  const int64_t first = pass * kLanes * job.stride + thread;
+  if (first >= job.numel) return;
+  // curand_init(seed, thread, 0) and `pass` calls of curand4 before this one.
+  curandStatePhilox4_32_10_t state;
+  curand_init(job.seed, static_cast<unsigned long long>(thread), static_cast<unsigned long long>(pass) * kLanes,
+              &state);
+  const uint4 draw = curand4(&state);
+  const uint32_t lanes[kLanes] = {draw.x, draw.y, draw.z, draw.w};
+#pragma unroll
+  for (int lane = 0; lane < kLanes; ++lane) {
+    const int64_t i = first + lane * job.stride;
+    if (i >= job.numel) break;
+    const uint32_t bits = job.src[i];
+    const float x = __uint_as_float(bits);
+    const float rounded = x != x ? __int_as_float(0x7FC00000)  // masked_fill's quiet NaN
+                                 : __uint_as_float((bits + (lanes[lane] % 65536u)) & 0xFFFF0000u);
+    job.dst[i] = c10::BFloat16(rounded).x;
+  }
+}
+
+// The threads ATen's distribution kernel launches for `numel` values on
+// the current device (calc_execution_policy).
+int64_t aten_grid_threads(int64_t numel) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t blocks_per_sm = props->maxThreadsPerMultiProcessor / kThreads;
+  const int64_t blocks = std::min<int64_t>(props->multiProcessorCount * blocks_per_sm, (numel + kThreads - 1) / kThreads);
+  return blocks * kThreads;
+}
+
+void launch(const Jobs& jobs, int64_t blocks) {
+  if (jobs.count == 0) return;
+  round_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool rounding_kernel_applies(const at::Tensor& t) {
+  if (!t.is_cuda()) return false;
+  // Per device: 0 not asked yet, 1 runs, 2 does not (as fp8_kernels_run_on).
+  static std::array<std::atomic<uint8_t>, 64> answers{};
+  const c10::DeviceIndex index = t.device().index() < 0 ? c10::cuda::current_device() : t.device().index();
+  std::atomic<uint8_t>& answer = answers.at(static_cast<size_t>(index));
+  if (const uint8_t known = answer.load(std::memory_order_relaxed)) return known == 1;
+  const c10::cuda::CUDAGuard device(index);
+  cudaFuncAttributes attributes;
+  const bool image = cudaFuncGetAttributes(&attributes, round_kernel) == cudaSuccess;
+  if (!image) (void)cudaGetLastError();  // the lookup's error is an answer, not a fault to report later
+  answer.store(image ? 1 : 2, std::memory_order_relaxed);
+  return image;
+}
+
+void round_on_cuda(const std::vector<CudaRounding>& roundings) {
+  if (roundings.empty()) return;
+  const c10::cuda::CUDAGuard device(roundings.front().src.device());  // ATen's grid is this device's
+  Jobs jobs{};
+  int64_t blocks = 0;
+  for (const CudaRounding& r : roundings) {
+    TORCH_INTERNAL_ASSERT(r.src.scalar_type() == at::kFloat && r.dst.scalar_type() == at::kBFloat16 &&
+                          r.src.numel() == r.dst.numel() && r.src.is_contiguous() && r.dst.is_contiguous() &&
+                          r.src.device() == roundings.front().src.device() && r.dst.device() == r.src.device(),
+                          "amp: the CUDA rounding kernel got an unfit tensor");
+    const int64_t numel = r.src.numel();
+    if (numel == 0) continue;
+    if (jobs.count == kJobsPerLaunch) {
+      launch(jobs, blocks);
+      jobs = Jobs{};
+      blocks = 0;
+    }
+    const int64_t stride = aten_grid_threads(numel);
+    const int64_t passes = (numel + kLanes * stride - 1) / (kLanes * stride);
+    jobs.job[jobs.count++] = {reinterpret_cast<const uint32_t*>(r.src.const_data_ptr<float>()),
+                              reinterpret_cast<uint16_t*>(r.dst.mutable_data_ptr<at::BFloat16>()), numel, r.seed,
+                              stride, blocks};
+    blocks += passes * stride / kThreads;
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many values for one rounding launch");
+  }
+  launch(jobs, blocks);
+}
+
+}  // namespace amp::detail
