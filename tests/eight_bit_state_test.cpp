@@ -11,6 +11,7 @@
 #include "cpu_capability.h"
 #include "optim/eight_bit_state.h"
 #include "optim/stochastic_rounding.h"
+#include "optim/widened_step_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -278,6 +279,43 @@ at::Tensor code_boundaries(bool non_negative) {
   v = torch::cat({v, torch::zeros({blocks * per_block - v.numel()})}).view({blocks, per_block});
   const at::Tensor unit = torch::cat({torch::ones({blocks, 1}), v}, 1).view(-1);  // each block's maximum 1
   return torch::cat({unit, unit * std::exp2(-40.0f)});
+}
+
+// On CUDA a chunk's packed state is coded by amp's kernel, many tensors a
+// launch (a launch takes 40: here two), drawing what at::rand draws for
+// each tensor's padded rows: the ATen ops' bytes for the coding's cases
+// (recoded, non-finite and clamped blocks, a short last block), code
+// boundaries, and random lengths - to nearest and stochastically. Builds
+// with amp's CUDA kernels must take it.
+TEST(EightBitStateTest, OnCudaTheCodingKernelIsTheAtenOpsBytes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+#ifdef AMP_TEST_CUDA_KERNELS
+  EXPECT_TRUE(detail::widened_step_kernels_apply(torch::ones({1}, torch::kCUDA)));
+#else
+  GTEST_SKIP() << "this build has no CUDA kernels (no CUDA compiler): ATen ops code the state";
+#endif
+  for (bool stochastic : {false, true}) {
+    SCOPED_TRACE(stochastic ? "stochastic" : "to nearest");
+    detail::StochasticRounding rounder(/*seed=*/11, /*stream=*/2, /*weights=*/false);
+    std::vector<detail::StatePacking> kernel, aten;
+    torch::manual_seed(8);
+    for (int64_t i = 0; i < 50; ++i) {
+      const bool non_negative = i % 2 == 1;
+      at::Tensor values = i < 2 ? coding_cases(non_negative) : i < 4 ? code_boundaries(non_negative)
+                                                             : torch::randn({1 + 97 * i}) * torch::exp(torch::randn({1}) * 4);
+      if (non_negative) values = values.abs();
+      values = values.cuda();
+      const at::Tensor packed = detail::packed_zeros(values.numel(), non_negative, values.options());
+      kernel.push_back({values, packed, non_negative, {3, static_cast<uint64_t>(i), 1}});
+      aten.push_back({values, packed.clone(), non_negative, {3, static_cast<uint64_t>(i), 1}});
+    }
+    detail::pack_states_into(kernel, stochastic ? &rounder : nullptr);
+    for (size_t i = 0; i < aten.size(); ++i) {
+      detail::pack_state_into(aten[i].values, aten[i].packed, aten[i].non_negative, stochastic ? &rounder : nullptr,
+                              aten[i].key, detail::CpuPath::kAtenOps);
+      EXPECT_TRUE(BitEqual(kernel[i].packed.cpu(), aten[i].packed.cpu())) << "tensor " << i;
+    }
+  }
 }
 
 // The block coding is compiled once per CPU capability

@@ -8,7 +8,7 @@
 
 #include "cpu_capability.h"
 
-#include "optim/rounding_kernel.h"
+#include "optim/widened_step_kernels.h"
 #include "optim/stochastic_rounding.h"
 
 #include <ATen/core/PhiloxRNGEngine.h>
@@ -210,7 +210,7 @@ TEST(StochasticRoundingTest, TheOnePassRoundingIsTheAtenOpsBits) {
 TEST(StochasticRoundingTest, OnCudaTheKernelIsTheAtenOpsBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
 #ifdef AMP_TEST_CUDA_KERNELS
-  EXPECT_TRUE(detail::rounding_kernel_applies(torch::ones({1}, torch::kCUDA)));
+  EXPECT_TRUE(detail::widened_step_kernels_apply(torch::ones({1}, torch::kCUDA)));
 #else
   GTEST_SKIP() << "this build has no CUDA kernels (no CUDA compiler): ATen ops round";
 #endif

@@ -3,6 +3,7 @@
 
 #include "optim/one_pass_kernels.h"
 #include "optim/stochastic_rounding.h"
+#include "optim/widened_step_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -173,12 +174,56 @@ void pack_state_into_by(CodeBlocksFn kernel, const at::Tensor& values, const at:
   pack_in_one_pass(values.contiguous(), packed, non_negative, seed, kernel);
 }
 
+namespace {
+
+// Whether amp's CUDA kernel packs `values` into `packed` (`path` kOnePass).
+bool packs_on_cuda(const at::Tensor& values, const at::Tensor& packed, CpuPath path) {
+#ifdef AMP_WITH_CUDA_KERNELS
+  return path == CpuPath::kOnePass && packed.is_contiguous() && widened_step_kernels_apply(values);
+#else
+  return false;
+#endif
+}
+
+void pack_by_cuda_kernel(const std::vector<StatePacking>& packings, StochasticRounding* rounder) {
+#ifdef AMP_WITH_CUDA_KERNELS
+  std::vector<CudaPacking> jobs;
+  for (const StatePacking& p : packings) {
+    std::optional<uint64_t> seed;
+    if (rounder != nullptr) seed = rounder->stream_seed(p.key);
+    jobs.push_back({p.values.contiguous(), p.packed, code_values(p.non_negative, p.values.device()), p.non_negative, seed});
+  }
+  pack_on_cuda(jobs);
+#else
+  TORCH_INTERNAL_ASSERT(packings.empty(), "amp: this build has no CUDA kernels");
+#endif
+}
+
+}  // namespace
+
+void pack_states_into(const std::vector<StatePacking>& packings, StochasticRounding* rounder) {
+  std::vector<StatePacking> on_cuda;
+  for (const StatePacking& p : packings) {
+    if (packs_on_cuda(p.values, p.packed, CpuPath::kOnePass) &&
+        (on_cuda.empty() || on_cuda.front().values.device() == p.values.device())) {
+      on_cuda.push_back(p);
+    } else {
+      pack_state_into(p.values, p.packed, p.non_negative, rounder, p.key);
+    }
+  }
+  pack_by_cuda_kernel(on_cuda, rounder);
+}
+
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
                      StochasticRounding* rounder, RoundingKey key, CpuPath path) {
   const int64_t blocks = packed.size(0), numel = values.numel();
   TORCH_INTERNAL_ASSERT(is_packed_state(packed) && blocks == packed_blocks(numel) && values.scalar_type() == at::kFloat);
   if (path == CpuPath::kOnePass && values.is_cpu() && packed.is_contiguous()) {
     pack_state_into_by(one_pass_kernels().code_blocks, values, packed, non_negative, rounder, key);
+    return;
+  }
+  if (packs_on_cuda(values, packed, path)) {
+    pack_by_cuda_kernel({{values, packed, non_negative, key}}, rounder);
     return;
   }
   at::Tensor x;

@@ -46,6 +46,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace amp::detail {
 
@@ -63,12 +64,23 @@ int64_t packed_blocks(int64_t numel);
 // The packed form of `values` (float32, any shape). Rounded stochastically
 // with `rounder`'s stream `key`; to nearest without one (converting loaded
 // state). On the CPU each block is coded in one pass (`path`,
-// stochastic_rounding.h), the same bytes as the ATen ops CUDA runs.
+// stochastic_rounding.h), on CUDA by amp's kernel where the build has it
+// (widened_step_kernels.h): the same bytes as the ATen ops.
 at::Tensor pack_state(const at::Tensor& values, bool non_negative, StochasticRounding* rounder,
                       RoundingKey key = {}, CpuPath path = CpuPath::kOnePass);
 // Packs `values` (float32, numel of the state's values) into `packed`.
 void pack_state_into(const at::Tensor& values, const at::Tensor& packed, bool non_negative,
                      StochasticRounding* rounder, RoundingKey key = {}, CpuPath path = CpuPath::kOnePass);
+// One packing of pack_states_into.
+struct StatePacking {
+  at::Tensor values, packed;
+  bool non_negative = false;
+  RoundingKey key;
+};
+// Each of `packings` as pack_state_into packs it, rounded with `rounder`'s
+// streams; on CUDA those amp's kernels take (widened_step_kernels.h) many
+// tensors a launch.
+void pack_states_into(const std::vector<StatePacking>& packings, StochasticRounding* rounder);
 // pack_state_into's one-pass path on the CPU by `kernel`
 // (one_pass_kernels.h: one per CPU capability) rather than the one ATen
 // runs with: the tests compare each that the CPU runs with the ATen ops.

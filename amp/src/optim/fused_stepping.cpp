@@ -168,20 +168,21 @@ void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint
       wide[c] = columns[c].whole ? parts[c] : widen(parts[c], shapes, columns[c].non_negative);
     }
     kernel(wide);
-    // The chunk's bfloat16 results rounded together (on CUDA one launch), its packed state coded.
+    // The chunk's bfloat16 results rounded together, its packed state coded
+    // together (on CUDA a launch each).
     std::vector<detail::StochasticRounding::Rounding> roundings;
+    std::vector<detail::StatePacking> packings;
     for (size_t c = 0; c < columns.size(); ++c) {
       if (!columns[c].written) continue;
       for (size_t s = begin; s < end && !columns[c].tensors->empty(); ++s) {
         const at::Tensor& part = parts[c][s - begin];
         const detail::RoundingKey key{precision.step, keys[slices[s].index] * columns.size() + c, slices[s].part};
         if (part.scalar_type() == at::kBFloat16) roundings.push_back({wide[c][s - begin], part, key});
-        if (detail::is_packed_state(part)) {
-          detail::pack_state_into(wide[c][s - begin], part, columns[c].non_negative, &rounder, key);
-        }
+        if (detail::is_packed_state(part)) packings.push_back({wide[c][s - begin], part, columns[c].non_negative, key});
       }
     }
     rounder.round_all(roundings);
+    detail::pack_states_into(packings, &rounder);
     begin = end;
   }
 }

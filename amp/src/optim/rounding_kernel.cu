@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: BSD-3-Clause
-#include "optim/rounding_kernel.h"
+#include "optim/widened_step_kernels.h"
+
+#include "optim/aten_draws.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-
-#include <curand_kernel.h>
 
 #include <algorithm>
 #include <array>
@@ -18,10 +18,8 @@
 namespace amp::detail {
 namespace {
 
-// ATen's distribution kernels: 256 threads a block, each drawing four
-// values (one Philox counter) per pass over the tensor.
-constexpr int kThreads = 256;
-constexpr int kLanes = 4;
+using aten_draws::kLanes;
+using aten_draws::kThreads;
 // Tensors per launch: the jobs travel as the kernel's argument (under 4 KiB).
 constexpr int kJobsPerLaunch = 64;
 
@@ -50,10 +48,7 @@ __global__ void __launch_bounds__(kThreads) round_kernel(const Jobs jobs) {
   const int64_t thread = item % job.stride, pass = item / job.stride;
   const int64_t first = pass * kLanes * job.stride + thread;
   if (first >= job.numel) return;
-  // curand_init(seed, thread, 0) and `pass` calls of curand4 before this one.
-  curandStatePhilox4_32_10_t state;
-  curand_init(job.seed, static_cast<unsigned long long>(thread), static_cast<unsigned long long>(pass) * kLanes,
-              &state);
+  curandStatePhilox4_32_10_t state = aten_draws::state_at(job.seed, thread, pass);
   const uint4 draw = curand4(&state);
   const uint32_t lanes[kLanes] = {draw.x, draw.y, draw.z, draw.w};
 #pragma unroll
@@ -68,15 +63,6 @@ __global__ void __launch_bounds__(kThreads) round_kernel(const Jobs jobs) {
   }
 }
 
-// The threads ATen's distribution kernel launches for `numel` values on
-// the current device (calc_execution_policy).
-int64_t aten_grid_threads(int64_t numel) {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t blocks_per_sm = props->maxThreadsPerMultiProcessor / kThreads;
-  const int64_t blocks = std::min<int64_t>(props->multiProcessorCount * blocks_per_sm, (numel + kThreads - 1) / kThreads);
-  return blocks * kThreads;
-}
-
 void launch(const Jobs& jobs, int64_t blocks) {
   if (jobs.count == 0) return;
   round_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
@@ -85,7 +71,7 @@ void launch(const Jobs& jobs, int64_t blocks) {
 
 }  // namespace
 
-bool rounding_kernel_applies(const at::Tensor& t) {
+bool widened_step_kernels_apply(const at::Tensor& t) {
   if (!t.is_cuda()) return false;
   // Per device: 0 not asked yet, 1 runs, 2 does not (as fp8_kernels_run_on).
   static std::array<std::atomic<uint8_t>, 64> answers{};
@@ -117,7 +103,7 @@ void round_on_cuda(const std::vector<CudaRounding>& roundings) {
       jobs = Jobs{};
       blocks = 0;
     }
-    const int64_t stride = aten_grid_threads(numel);
+    const int64_t stride = aten_draws::grid_threads(numel);
     const int64_t passes = (numel + kLanes * stride - 1) / (kLanes * stride);
     jobs.job[jobs.count++] = {reinterpret_cast<const uint32_t*>(r.src.const_data_ptr<float>()),
                               reinterpret_cast<uint16_t*>(r.dst.mutable_data_ptr<at::BFloat16>()), numel, r.seed,

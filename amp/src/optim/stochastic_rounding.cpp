@@ -2,7 +2,7 @@
 #include "optim/stochastic_rounding.h"
 
 #include "optim/one_pass_kernels.h"
-#include "optim/rounding_kernel.h"
+#include "optim/widened_step_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -116,7 +116,7 @@ void StochasticRounding::round_all(const std::vector<Rounding>& roundings, CpuPa
   std::vector<CudaRounding> on_cuda;
   for (const Rounding& r : roundings) {
 #ifdef AMP_WITH_CUDA_KERNELS
-    if (path == CpuPath::kOnePass && r.dst.is_contiguous() && rounding_kernel_applies(r.src) &&
+    if (path == CpuPath::kOnePass && r.dst.is_contiguous() && widened_step_kernels_apply(r.src) &&
         (on_cuda.empty() || on_cuda.front().src.device() == r.src.device())) {
       on_cuda.push_back({r.src.contiguous(), r.dst, stream_seed(r.key)});
       continue;

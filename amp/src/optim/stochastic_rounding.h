@@ -40,14 +40,14 @@
 namespace amp::detail {
 
 // How a tensor is rounded or coded: by amp's kernels (kOnePass: on the CPU
-// in one pass over its values, one_pass_kernels.h; on CUDA, rounding, in
-// one launch for many tensors, rounding_kernel.h, where the build has it),
-// or by the composition of ATen ops that every device runs (kAtenOps: the
-// kernels' reference in the tests, and CUDA's path for 8-bit state's
-// coding; on the CPU drawing by ATen's own Philox engine, on CUDA by
-// at::randint). Both draw the same noise and write the same bits; a NaN is
-// written as bfloat16's canonical NaN by the CPU's one-pass kernel, and as
-// ATen's vectorized conversion writes it by the ATen ops.
+// in one pass over its values, one_pass_kernels.h; on CUDA, rounding and
+// packing, many tensors a launch, widened_step_kernels.h, where the build
+// has them), or by the composition of ATen ops that every device runs
+// (kAtenOps: the kernels' reference in the tests, and CUDA's path for 8-bit
+// state's decoding; drawing on the CPU by ATen's own Philox engine, on CUDA
+// by at::randint and at::rand). Both draw the same noise and write the same
+// bits; a NaN is written as bfloat16's canonical NaN by the CPU's one-pass
+// kernel, and as ATen's vectorized conversion writes it by the ATen ops.
 enum class CpuPath { kOnePass, kAtenOps };
 
 // Which stream one rounding draws from: the step's number (next_step) and
@@ -78,7 +78,7 @@ class StochasticRounding {
     RoundingKey key;
   };
   // Each of `roundings` as round_into rounds it; on CUDA those the kernel
-  // takes (rounding_kernel.h) in one launch per few dozen tensors.
+  // takes (widened_step_kernels.h) in one launch per few dozen tensors.
   void round_all(const std::vector<Rounding>& roundings, CpuPath path = CpuPath::kOnePass);
   // Uniform float32 noise in [0, 1) of `sizes` on `device` (8-bit
   // optimizer state's rounding: eight_bit_state.h), as at::rand makes a

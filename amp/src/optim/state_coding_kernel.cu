@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: BSD-3-Clause
+#include "optim/widened_step_kernels.h"
+
+#include "optim/aten_draws.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace amp::detail {
+namespace {
+
+constexpr int kBlock = 256;            // values a packed row codes (eight_bit_state.h's kStateBlock)
+constexpr int kRow = kBlock + 1;       // its codes, then its exponent
+constexpr int kMinExponent = -126, kMaxExponent = 127, kNonFiniteBlock = -128;
+constexpr int kJobsPerLaunch = 40;     // the jobs travel as the kernel's argument (under 4 KiB)
+static_assert(kBlock == aten_draws::kThreads);
+
+struct Job {
+  const float* values;
+  uint8_t* packed;
+  const float* table;  // the code values, ascending
+  int64_t numel;
+  int64_t stride;       // at::rand's grid threads for the [rows, 256] noise
+  int64_t first_block;  // this launch's first block for the job: one block a row
+  uint64_t seed;
+  int last;             // the table's last index
+  int zero;             // the code of 0
+  int steps;            // codes per doubling
+  bool stochastic;
+};
+
+struct Jobs {
+  Job job[kJobsPerLaunch];
+  int count;
+};
+
+// The largest of the block's `v` (every thread's answer), through `scratch`.
+__device__ float block_max(float v, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  __syncthreads();  // scratch's last readers are done
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < kBlock / 32; ++w) v = fmaxf(v, scratch[w]);
+  return v;
+}
+
+// One block a packed row, one thread a value: code_blocks
+// (eight_bit_state.cpp) as the ATen ops compute it, in the same float32
+// operations, so the bytes are theirs.
+__global__ void __launch_bounds__(kBlock) pack_kernel(const Jobs jobs) {
+  __shared__ float scratch[kBlock / 32];
+  int j = 0;
+  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
+  const Job& job = jobs.job[j];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
+  const int64_t i = row * kBlock + threadIdx.x;
+  const float x = i < job.numel ? job.values[i] : 0.0f;  // the last row padded with zeros
+  const bool non_finite = __syncthreads_or(!isfinite(x));
+  // The smallest power of two holding the row's maximum.
+  int exponent = 0;
+  const float mantissa = frexpf(block_max(fabsf(x), scratch), &exponent);
+  int e = min(max(exponent - (mantissa == 0.5f ? 1 : 0), kMinExponent), kMaxExponent);
+  const float y = fminf(fmaxf(__fdiv_rn(x, __int_as_float((e + 127) << 23)), job.zero == 0 ? 0.0f : -1.0f), 1.0f);
+  // The neighbouring codes a <= y <= b: bucketize(right) - 1, clamped.
+  int first = 0, count = job.last + 1;  // upper bound: the first entry above y
+  while (count > 0) {
+    const int half = count / 2;
+    if (job.table[first + half] <= y) {
+      first += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  const int lo = min(max(first - 1, 0), job.last), hi = min(lo + 1, job.last);
+  const float a = job.table[lo], b = job.table[hi];
+  const bool up = job.stochastic
+                      ? __fmul_rn(aten_draws::uniform(job.seed, i, job.stride), __fsub_rn(b, a)) < __fsub_rn(y, a)
+                      : __fsub_rn(y, a) > __fsub_rn(b, y);
+  int code = lo + (up ? 1 : 0);
+  // A row whose maximum rounded down onto 0.5 is coded one exponent down.
+  const bool halve = block_max(fabsf(up ? b : a), scratch) == 0.5f && e > kMinExponent;
+  if (halve) code += (job.zero == 0 ? (code > 0) : (code > job.zero) - (code < job.zero)) * job.steps;
+  if (halve) e -= 1;
+  uint8_t* out = job.packed + row * kRow;
+  out[threadIdx.x] = non_finite ? 0 : static_cast<uint8_t>(code);
+  if (threadIdx.x == 0) out[kBlock] = static_cast<uint8_t>(static_cast<int8_t>(non_finite ? kNonFiniteBlock : e));
+}
+
+void launch(const Jobs& jobs, int64_t blocks) {
+  if (jobs.count == 0) return;
+  pack_kernel<<<static_cast<unsigned int>(blocks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void pack_on_cuda(const std::vector<CudaPacking>& packings) {
+  if (packings.empty()) return;
+  const c10::cuda::CUDAGuard device(packings.front().values.device());  // at::rand's grid is this device's
+  Jobs jobs{};
+  int64_t blocks = 0;
+  for (const CudaPacking& p : packings) {
+    const int64_t numel = p.values.numel(), rows = (numel + kBlock - 1) / kBlock;
+    TORCH_INTERNAL_ASSERT(p.values.scalar_type() == at::kFloat && p.values.is_contiguous() &&
+                          p.packed.scalar_type() == at::kByte && p.packed.is_contiguous() &&
+                          p.packed.numel() == rows * kRow && p.table.scalar_type() == at::kFloat &&
+                          p.values.device() == packings.front().values.device() &&
+                          p.packed.device() == p.values.device() && p.table.device() == p.values.device(),
+                          "amp: the CUDA state coding kernel got an unfit tensor");
+    if (rows == 0) continue;
+    if (jobs.count == kJobsPerLaunch) {
+      launch(jobs, blocks);
+      jobs = Jobs{};
+      blocks = 0;
+    }
+    const int last = static_cast<int>(p.table.numel()) - 1;
+    jobs.job[jobs.count++] = {p.values.const_data_ptr<float>(),
+                              p.packed.mutable_data_ptr<uint8_t>(),
+                              p.table.const_data_ptr<float>(),
+                              numel,
+                              aten_draws::grid_threads(rows * kBlock),
+                              blocks,
+                              p.seed.value_or(0),
+                              last,
+                              p.non_negative ? 0 : last / 2,
+                              p.non_negative ? 4 : 8,
+                              p.seed.has_value()};
+    blocks += rows;
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many rows for one coding launch");
+  }
+  launch(jobs, blocks);
+}
+
+}  // namespace amp::detail

@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: BSD-3-Clause
+// Private: the widened step's results written back on CUDA by amp's
+// kernels, many tensors a launch (compiled where the build has a CUDA
+// compiler, which defines AMP_WITH_CUDA_KERNELS): O6's stochastic rounding
+// (rounding_kernel.cu) and 8-bit state's coding (state_coding_kernel.cu).
+// The ATen ops round a tensor in six launches (its noise by at::randint,
+// the add, the mask, the NaNs, the conversion) and code 256 blocks in about
+// thirty; a widened step writes back tensor by tensor, slice by slice, so a
+// chunk cost hundreds of launches.
+//
+// The bits are the ATen ops' (stochastic_rounding.h, eight_bit_state.h),
+// tested side by side on a GPU: the noise is at::randint's and at::rand's
+// draws from the CUDA generator seeded with the stream's seed -
+// Philox4x32-10 through cuRAND, each value drawn by the thread, counter and
+// lane ATen's distribution kernel would give it for a tensor of that size
+// on this device (aten_draws.cuh) - the arithmetic is the ops' float32
+// operations one by one, and the conversion is c10's.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace amp::detail {
+
+// One tensor to round: dst (bfloat16) = src (float32, same numel), both
+// contiguous on one CUDA device, with the noise of the stream `seed`.
+struct CudaRounding {
+  at::Tensor src, dst;
+  uint64_t seed = 0;
+};
+
+// One tensor's values to pack in 8 bits (eight_bit_state.h): values
+// (float32, contiguous) into packed (uint8 [ceil(numel / 256), 257],
+// contiguous) with the code whose values are `table` (ascending, on the
+// device), rounded stochastically with the noise of stream `seed` as
+// at::rand draws it for the [rows, 256] padded values, or to nearest
+// without one.
+struct CudaPacking {
+  at::Tensor values, packed, table;
+  bool non_negative = false;
+  std::optional<uint64_t> seed;
+};
+
+// Whether `t` can be rounded or packed by the kernels: the build has amp's CUDA
+// kernels, compiled for t's device.
+bool widened_step_kernels_apply(const at::Tensor& t);
+// Rounds every entry of `roundings` (all on one device, each widened_step_kernels_apply):
+// one launch for up to a few dozen tensors. No host sync.
+void round_on_cuda(const std::vector<CudaRounding>& roundings);
+// Packs every entry of `packings` (as round_on_cuda's): the bytes of
+// eight_bit_state.cpp's ATen ops, one block of threads a row.
+void pack_on_cuda(const std::vector<CudaPacking>& packings);
+
+}  // namespace amp::detail
