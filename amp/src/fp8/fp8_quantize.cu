@@ -4,6 +4,8 @@
 // where asked. And a float8 matrix's transpose.
 #include "fp8/fp8_quantize.h"
 
+#include "support/kernel_image.cuh"
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -214,18 +216,8 @@ at::Tensor quantize_into(const at::Tensor& x, const Fp8QuantizeState& state, at:
 }  // namespace
 
 bool fp8_kernels_run_on(c10::DeviceIndex index) {
-  // Per device: 0 not asked yet, 1 runs, 2 does not. Read on every
-  // quantization, so no lock: two threads asking at once get the same answer.
   static std::array<std::atomic<uint8_t>, 64> answers{};
-  if (index < 0) index = c10::cuda::current_device();
-  std::atomic<uint8_t>& answer = answers.at(static_cast<size_t>(index));
-  if (const uint8_t known = answer.load(std::memory_order_relaxed)) return known == 1;
-  const c10::cuda::CUDAGuard device(index);
-  cudaFuncAttributes attributes;
-  const bool image = cudaFuncGetAttributes(&attributes, transpose_bytes_kernel) == cudaSuccess;
-  if (!image) (void)cudaGetLastError();  // the lookup's error is an answer, not a fault to report later
-  answer.store(image ? 1 : 2, std::memory_order_relaxed);
-  return image;
+  return has_image_for(transpose_bytes_kernel, index, answers);
 }
 
 bool fused_fp8_quantize_applies(const at::Tensor& x) {

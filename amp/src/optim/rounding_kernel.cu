@@ -2,6 +2,7 @@
 #include "optim/widened_step_kernels.h"
 
 #include "optim/aten_draws.cuh"
+#include "support/kernel_image.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -72,18 +73,8 @@ void launch(const Jobs& jobs, int64_t blocks) {
 }  // namespace
 
 bool widened_step_kernels_apply(const at::Tensor& t) {
-  if (!t.is_cuda()) return false;
-  // Per device: 0 not asked yet, 1 runs, 2 does not (as fp8_kernels_run_on).
   static std::array<std::atomic<uint8_t>, 64> answers{};
-  const c10::DeviceIndex index = t.device().index() < 0 ? c10::cuda::current_device() : t.device().index();
-  std::atomic<uint8_t>& answer = answers.at(static_cast<size_t>(index));
-  if (const uint8_t known = answer.load(std::memory_order_relaxed)) return known == 1;
-  const c10::cuda::CUDAGuard device(index);
-  cudaFuncAttributes attributes;
-  const bool image = cudaFuncGetAttributes(&attributes, round_kernel) == cudaSuccess;
-  if (!image) (void)cudaGetLastError();  // the lookup's error is an answer, not a fault to report later
-  answer.store(image ? 1 : 2, std::memory_order_relaxed);
-  return image;
+  return t.is_cuda() && has_image_for(round_kernel, t.device().index(), answers);
 }
 
 void round_on_cuda(const std::vector<CudaRounding>& roundings) {
