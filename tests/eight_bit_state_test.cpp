@@ -285,9 +285,10 @@ at::Tensor code_boundaries(bool non_negative) {
 // launch (a launch takes 40: here two), drawing what at::rand draws for
 // each tensor's padded rows: the ATen ops' bytes for the coding's cases
 // (recoded, non-finite and clamped blocks, a short last block), code
-// boundaries, and random lengths - to nearest and stochastically. Builds
-// with amp's CUDA kernels must take it.
-TEST(EightBitStateTest, OnCudaTheCodingKernelIsTheAtenOpsBytes) {
+// boundaries, and random lengths - to nearest and stochastically; and
+// decoded by another, to the ATen ops' values. Builds with amp's CUDA
+// kernels must take them.
+TEST(EightBitStateTest, OnCudaTheCodingKernelsAreTheAtenOps) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
 #ifdef AMP_TEST_CUDA_KERNELS
   EXPECT_TRUE(detail::widened_step_kernels_apply(torch::ones({1}, torch::kCUDA)));
@@ -316,6 +317,33 @@ TEST(EightBitStateTest, OnCudaTheCodingKernelIsTheAtenOpsBytes) {
       EXPECT_TRUE(BitEqual(kernel[i].packed.cpu(), aten[i].packed.cpu())) << "tensor " << i;
     }
   }
+  // Decoding, many tensors a launch: the ATen ops' values for any bytes
+  // (random codes and exponents, -128 - non-finite - and -127 among them),
+  // into pieces of one buffer as a step's chunk takes them.
+  torch::manual_seed(9);
+  std::vector<detail::StateUnpacking> kernel;
+  std::vector<at::Tensor> expected;
+  const at::Tensor buffer = torch::full({50 * 3000}, 7.0f, torch::kCUDA);
+  int64_t offset = 0;
+  for (int64_t i = 0; i < 50; ++i) {
+    const bool non_negative = i % 2 == 0;
+    const int64_t numel = 1 + 59 * i, rows = detail::packed_blocks(numel);
+    at::Tensor bytes = torch::randint(0, 256, {rows, detail::kPackedRow}, at::kByte);
+    if (!non_negative) bytes.narrow(1, 0, detail::kStateBlock).clamp_max_(254);
+    at::Tensor exponents = bytes.narrow(1, detail::kStateBlock, 1).view(at::kChar);
+    exponents.index_put_({0}, i % 3 == 0 ? -128 : -127);
+    bytes = bytes.cuda();
+    const at::Tensor values = buffer.narrow(0, offset, numel);
+    offset += numel;
+    kernel.push_back({bytes, values, non_negative});
+    expected.push_back(torch::empty({numel}, torch::kCUDA));
+    detail::unpack_state_into(bytes, expected.back(), non_negative, detail::CpuPath::kAtenOps);
+  }
+  detail::unpack_states_into(kernel);
+  for (size_t i = 0; i < kernel.size(); ++i) {
+    EXPECT_TRUE(BitEqual(kernel[i].values.cpu(), expected[i].cpu())) << "tensor " << i;
+  }
+  EXPECT_TRUE(buffer.narrow(0, offset, buffer.numel() - offset).eq(7).all().item<bool>()) << "nothing else written";
 }
 
 // The block coding is compiled once per CPU capability

@@ -10,8 +10,8 @@
 //               FFN 16384, 32 heads, sequence 2048, batch 4): where float8
 //               can pay
 // each at FP32 (TF32 off, and on) | native LibTorch autocast + hand-written
-// GradScaler loop | amp O1 | O2 | O2 and O6 with each block recomputed
-// (amp::recompute) | O3 (dynamic scale; AdamW eps 1e-4 in float16, where
+// GradScaler loop | amp O1 | O2 | O2, O5, O6 and O6 with 8-bit optimizer
+// state, each block recomputed (amp::recompute) | O3 (dynamic scale; AdamW eps 1e-4 in float16, where
 // 1e-8 is 0) | O4 | O5 | O5+fp8 (float8 where Fp8Scaling's rule says it
 // pays) | O5+fp8 with every GEMM in float8 | amp O1 and O2 with LibTorch's
 // own AdamW step | each amp level's whole step captured in a CUDA graph and
@@ -119,7 +119,8 @@ TORCH_MODULE(ResNet18);
 // --- Harness ---------------------------------------------------------------------------
 
 enum class Mode {
-  kFp32, kFp32Tf32, kNative, kO1, kO2, kO2Recompute, kO3, kO4, kO5, kO5Fp8, kO5Fp8All, kO6Recompute, kO1Own, kO2Own
+  kFp32, kFp32Tf32, kNative, kO1, kO2, kO2Recompute, kO3, kO4, kO5, kO5Fp8, kO5Fp8All, kO5Recompute, kO6Recompute,
+  kO6Recompute8Bit, kO1Own, kO2Own
 };
 const char* name(Mode m) {
   switch (m) {
@@ -129,7 +130,9 @@ const char* name(Mode m) {
     case Mode::kO5: return "amp O5";
     case Mode::kO5Fp8: return "amp O5+fp8";
     case Mode::kO5Fp8All: return "amp O5+fp8, every GEMM in float8";
+    case Mode::kO5Recompute: return "amp O5, blocks recomputed";
     case Mode::kO6Recompute: return "amp O6, blocks recomputed";
+    case Mode::kO6Recompute8Bit: return "amp O6 + 8-bit state, blocks recomputed";
     case Mode::kNative: return "native autocast + GradScaler loop";
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
@@ -139,6 +142,10 @@ const char* name(Mode m) {
     case Mode::kO2Own: return "amp O2, LibTorch's own step";
   }
   return "?";
+}
+
+bool is_recomputed(Mode m) {
+  return m == Mode::kO2Recompute || m == Mode::kO5Recompute || m == Mode::kO6Recompute || m == Mode::kO6Recompute8Bit;
 }
 
 // A table row: a mode, eager or its whole step (forward, scale_loss, step)
@@ -155,8 +162,8 @@ std::string name(const Row& row) {
 std::vector<Row> all_rows() {
   std::vector<Row> rows;
   for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO2Recompute,
-                    Mode::kO6Recompute, Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8, Mode::kO5Fp8All, Mode::kO1Own,
-                    Mode::kO2Own}) {
+                    Mode::kO5Recompute, Mode::kO6Recompute, Mode::kO6Recompute8Bit, Mode::kO3, Mode::kO4, Mode::kO5,
+                    Mode::kO5Fp8, Mode::kO5Fp8All, Mode::kO1Own, Mode::kO2Own}) {
     rows.push_back({mode});
   }
   for (Mode mode : {Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8}) rows.push_back({mode, true});
@@ -245,7 +252,7 @@ Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int t
   std::optional<c10::cuda::CUDAStreamGuard> side;
   if (row.graphed) side.emplace(c10::cuda::getStreamFromPool());
   torch::manual_seed(0);
-  const bool recomputed = mode == Mode::kO2Recompute || mode == Mode::kO6Recompute;
+  const bool recomputed = is_recomputed(mode);
   auto model = recomputed ? w.make_recomputed() : w.make();
   model->to(torch::kCUDA);
   const bool fp32 = mode == Mode::kFp32 || mode == Mode::kFp32Tf32;
@@ -266,13 +273,14 @@ Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int t
                                      mode == Mode::kO2Recompute
                                ? amp::O2
                            : mode == Mode::kO4                         ? amp::O4
-                           : mode == Mode::kO6Recompute                ? amp::O6
+                           : mode == Mode::kO6Recompute || mode == Mode::kO6Recompute8Bit ? amp::O6
                            : mode == Mode::kO5 || mode == Mode::kO5Fp8 ||
-                                     mode == Mode::kO5Fp8All
+                                     mode == Mode::kO5Fp8All || mode == Mode::kO5Recompute
                                ? amp::O5
                                : amp::O3;
     if (mode == Mode::kO5Fp8 || mode == Mode::kO5Fp8All) options.fp8 = true;
     if (mode == Mode::kO5Fp8All) options.fp8_scaling.min_gemm_intensity = 0;
+    if (mode == Mode::kO6Recompute8Bit) options.optimizer_state_dtype = at::kByte;
     options.verbosity = 0;
     options.cuda_dtype = low;
     if (mode == Mode::kO3) options.loss_scale = amp::LossScale::Dynamic();
@@ -540,7 +548,7 @@ int main(int argc, char** argv) {
                     }};
     // No transformer blocks to recompute, no GEMM large enough for float8.
     const auto transformer_only = [](const Row& r) {
-      return r.mode == Mode::kO6Recompute || r.mode == Mode::kO5Fp8All;
+      return is_recomputed(r.mode) || r.mode == Mode::kO5Fp8All;
     };
     resnet.rows.erase(std::remove_if(resnet.rows.begin(), resnet.rows.end(), transformer_only), resnet.rows.end());
     workloads.push_back(std::move(resnet));
@@ -558,9 +566,10 @@ int main(int argc, char** argv) {
       std::optional<Result> first, native;
       for (const Row& row : w.rows) {
         const bool bf16_level = row.mode == Mode::kO4 || row.mode == Mode::kO5 || row.mode == Mode::kO5Fp8 ||
-                                row.mode == Mode::kO5Fp8All || row.mode == Mode::kO6Recompute;
+                                row.mode == Mode::kO5Fp8All || row.mode == Mode::kO5Recompute ||
+                                row.mode == Mode::kO6Recompute || row.mode == Mode::kO6Recompute8Bit;
         if (bf16_level && low != at::kBFloat16) continue;
-        if ((row.mode == Mode::kO2Recompute || row.mode == Mode::kO6Recompute) && !w.make_recomputed) continue;
+        if (is_recomputed(row.mode) && !w.make_recomputed) continue;
         const Result res = measure(w, row, low, warmup, timed);
         if (!first) first = res;
         if (row.mode == Mode::kNative) native = res;

@@ -263,6 +263,32 @@ void unpack_state_into_by(DecodeBlocksFn kernel, const at::Tensor& packed, const
   unpack_in_one_pass(packed, values, non_negative, kernel);
 }
 
+namespace {
+
+// Whether amp's CUDA kernel decodes `packed` into `values` (`path` kOnePass).
+bool unpacks_on_cuda(const at::Tensor& packed, const at::Tensor& values, CpuPath path) {
+#ifdef AMP_WITH_CUDA_KERNELS
+  return path == CpuPath::kOnePass && packed.is_contiguous() && values.is_contiguous() &&
+         widened_step_kernels_apply(packed);
+#else
+  return false;
+#endif
+}
+
+void unpack_by_cuda_kernel(const std::vector<StateUnpacking>& unpackings) {
+#ifdef AMP_WITH_CUDA_KERNELS
+  std::vector<CudaUnpacking> jobs;
+  for (const StateUnpacking& u : unpackings) {
+    jobs.push_back({u.packed, u.values, code_values(u.non_negative, u.packed.device())});
+  }
+  unpack_on_cuda(jobs);
+#else
+  TORCH_INTERNAL_ASSERT(unpackings.empty(), "amp: this build has no CUDA kernels");
+#endif
+}
+
+}  // namespace
+
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative, CpuPath path) {
   TORCH_INTERNAL_ASSERT(is_packed_state(packed));
   if (path == CpuPath::kOnePass && packed.is_cpu() && packed.is_contiguous()) {
@@ -270,7 +296,28 @@ at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool no
     unpack_in_one_pass(packed, values, non_negative);
     return values;
   }
+  if (unpacks_on_cuda(packed, packed, path)) {
+    at::Tensor values = at::empty(sizes, packed.options().dtype(at::kFloat));
+    unpack_by_cuda_kernel({{packed, values, non_negative}});
+    return values;
+  }
   return unpack_by_aten_ops(packed, sizes, non_negative);
+}
+
+
+void unpack_states_into(const std::vector<StateUnpacking>& unpackings) {
+  std::vector<StateUnpacking> on_cuda;
+  for (const StateUnpacking& u : unpackings) {
+    if (unpacks_on_cuda(u.packed, u.values, CpuPath::kOnePass) &&
+        (on_cuda.empty() || on_cuda.front().packed.device() == u.packed.device())) {
+      TORCH_INTERNAL_ASSERT(is_packed_state(u.packed) && u.packed.size(0) == packed_blocks(u.values.numel()) &&
+                            u.values.scalar_type() == at::kFloat && u.values.device() == u.packed.device());
+      on_cuda.push_back(u);
+    } else {
+      unpack_state_into(u.packed, u.values, u.non_negative);
+    }
+  }
+  unpack_by_cuda_kernel(on_cuda);
 }
 
 void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool non_negative, CpuPath path) {
@@ -278,6 +325,10 @@ void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool 
                         values.scalar_type() == at::kFloat && values.device() == packed.device());
   if (path == CpuPath::kOnePass && packed.is_cpu() && packed.is_contiguous() && values.is_contiguous()) {
     unpack_in_one_pass(packed, values, non_negative);
+    return;
+  }
+  if (unpacks_on_cuda(packed, values, path)) {
+    unpack_by_cuda_kernel({{packed, values, non_negative}});
     return;
   }
   values.copy_(unpack_by_aten_ops(packed, values.sizes(), non_negative));

@@ -93,9 +93,19 @@ at::Tensor packed_zeros(int64_t numel, bool non_negative, const at::TensorOption
 at::Tensor unpack_state(const at::Tensor& packed, at::IntArrayRef sizes, bool non_negative,
                         CpuPath path = CpuPath::kOnePass);
 // The same values written into `values` (float32, on packed's device,
-// numel of the state's values): no allocation of its own.
+// numel of the state's values): no allocation of its own. On CUDA by amp's
+// kernel where the build has it, which decodes a damaged code as NaN.
 void unpack_state_into(const at::Tensor& packed, const at::Tensor& values, bool non_negative,
                        CpuPath path = CpuPath::kOnePass);
+
+// One decoding of unpack_states_into.
+struct StateUnpacking {
+  at::Tensor packed, values;
+  bool non_negative = false;
+};
+// Each of `unpackings` as unpack_state_into decodes it; on CUDA those
+// amp's kernels take (widened_step_kernels.h) many tensors a launch.
+void unpack_states_into(const std::vector<StateUnpacking>& unpackings);
 
 // unpack_state_into's one-pass path on the CPU by `kernel`, as
 // pack_state_into_by.

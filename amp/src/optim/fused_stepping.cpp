@@ -87,7 +87,8 @@ at::Tensor piece_of(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sh
 // kernel launches: widening a tensor at a time launched one each). On the
 // CPU the bfloat16 ones are widened by amp's loop (one_pass_kernels.h)
 // into pieces of the buffer; on other devices by one `cat` and one
-// conversion. Packed state is unpacked into its piece on every device.
+// conversion. Packed state is unpacked into its piece on every device (on
+// CUDA, all of the column's by one launch).
 std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::vector<std::vector<int64_t>>& shapes,
                               bool non_negative) {
   std::vector<at::Tensor> wide(parts.size()), narrow;
@@ -129,12 +130,14 @@ std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::v
                    reinterpret_cast<uint32_t*>(wide[i].mutable_data_ptr<float>()), narrow_lengths[k]);
     offset += narrow_lengths[k];
   }
+  std::vector<detail::StateUnpacking> unpackings;  // decoded together: on CUDA a launch
   for (size_t k = 0; k < packed_at.size(); ++k) {
     const size_t i = packed_at[k];
     wide[i] = piece_of(buffer, offset, shapes[i]);
-    detail::unpack_state_into(parts[i], wide[i], non_negative);
+    unpackings.push_back({parts[i], wide[i], non_negative});
     offset += packed_lengths[k];
   }
+  detail::unpack_states_into(unpackings);
   return wide;
 }
 

@@ -99,6 +99,38 @@ void launch(const Jobs& jobs, int64_t blocks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+struct DecodeJob {
+  const uint8_t* packed;
+  float* values;
+  const float* table;
+  int64_t numel;
+  int64_t first_block;
+  int last;
+};
+
+struct DecodeJobs {
+  DecodeJob job[kJobsPerLaunch];
+  int count;
+};
+
+// One block a packed row, one thread a value: unpack_by_aten_ops'
+// table[code] * 2^exponent, NaN for a non-finite row's. A code past the
+// table (damaged state, which the CPU refuses) decodes as NaN: a kernel
+// cannot raise an error without the host waiting for it.
+__global__ void __launch_bounds__(kBlock) unpack_kernel(const DecodeJobs jobs) {
+  int j = 0;
+  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
+  const DecodeJob& job = jobs.job[j];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
+  const int64_t i = row * kBlock + threadIdx.x;
+  if (i >= job.numel) return;
+  const uint8_t* in = job.packed + row * kRow;
+  const int code = in[threadIdx.x], e = static_cast<int8_t>(in[kBlock]);
+  const float nan = __int_as_float(0x7FC00000);  // masked_fill's quiet NaN
+  const float scale = e == kNonFiniteBlock ? nan : __int_as_float((max(e, kMinExponent) + 127) << 23);
+  job.values[i] = __fmul_rn(code <= job.last ? job.table[code] : nan, scale);
+}
+
 }  // namespace
 
 void pack_on_cuda(const std::vector<CudaPacking>& packings) {
@@ -136,6 +168,36 @@ void pack_on_cuda(const std::vector<CudaPacking>& packings) {
     TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many rows for one coding launch");
   }
   launch(jobs, blocks);
+}
+
+void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings) {
+  if (unpackings.empty()) return;
+  const c10::cuda::CUDAGuard device(unpackings.front().values.device());
+  DecodeJobs jobs{};
+  int64_t blocks = 0;
+  auto run = [&] {
+    if (jobs.count == 0) return;
+    unpack_kernel<<<static_cast<unsigned int>(blocks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    jobs = DecodeJobs{};
+    blocks = 0;
+  };
+  for (const CudaUnpacking& u : unpackings) {
+    const int64_t numel = u.values.numel(), rows = (numel + kBlock - 1) / kBlock;
+    TORCH_INTERNAL_ASSERT(u.values.scalar_type() == at::kFloat && u.values.is_contiguous() &&
+                          u.packed.scalar_type() == at::kByte && u.packed.is_contiguous() &&
+                          u.packed.numel() == rows * kRow && u.table.scalar_type() == at::kFloat &&
+                          u.values.device() == unpackings.front().values.device() &&
+                          u.packed.device() == u.values.device() && u.table.device() == u.values.device(),
+                          "amp: the CUDA state decoding kernel got an unfit tensor");
+    if (rows == 0) continue;
+    if (jobs.count == kJobsPerLaunch) run();
+    jobs.job[jobs.count++] = {u.packed.const_data_ptr<uint8_t>(), u.values.mutable_data_ptr<float>(),
+                              u.table.const_data_ptr<float>(), numel, blocks, static_cast<int>(u.table.numel()) - 1};
+    blocks += rows;
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many rows for one decoding launch");
+  }
+  run();
 }
 
 }  // namespace amp::detail

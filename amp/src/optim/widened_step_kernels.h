@@ -2,7 +2,8 @@
 // Private: the widened step's results written back on CUDA by amp's
 // kernels, many tensors a launch (compiled where the build has a CUDA
 // compiler, which defines AMP_WITH_CUDA_KERNELS): O6's stochastic rounding
-// (rounding_kernel.cu) and 8-bit state's coding (state_coding_kernel.cu).
+// (rounding_kernel.cu) and 8-bit state's coding and decoding
+// (state_coding_kernel.cu).
 // The ATen ops round a tensor in six launches (its noise by at::randint,
 // the add, the mask, the NaNs, the conversion) and code 256 blocks in about
 // thirty; a widened step writes back tensor by tensor, slice by slice, so a
@@ -44,7 +45,13 @@ struct CudaPacking {
   std::optional<uint64_t> seed;
 };
 
-// Whether `t` can be rounded or packed by the kernels: the build has amp's CUDA
+// One packed tensor to decode into `values` (float32, contiguous, the
+// state's numel) with the code whose values are `table`.
+struct CudaUnpacking {
+  at::Tensor packed, values, table;
+};
+
+// Whether `t` can be rounded, packed or unpacked by the kernels: the build has amp's CUDA
 // kernels, compiled for t's device.
 bool widened_step_kernels_apply(const at::Tensor& t);
 // Rounds every entry of `roundings` (all on one device, each widened_step_kernels_apply):
@@ -53,5 +60,10 @@ void round_on_cuda(const std::vector<CudaRounding>& roundings);
 // Packs every entry of `packings` (as round_on_cuda's): the bytes of
 // eight_bit_state.cpp's ATen ops, one block of threads a row.
 void pack_on_cuda(const std::vector<CudaPacking>& packings);
+// Decodes every entry of `unpackings` (as round_on_cuda's): the values of
+// eight_bit_state.cpp's ATen ops. A code the table has not (damaged state,
+// which the CPU refuses) decodes as NaN: the kernel cannot raise an error
+// without the host waiting for it.
+void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings);
 
 }  // namespace amp::detail
