@@ -2,6 +2,7 @@
 #include "optim/widened_step_kernels.h"
 
 #include "optim/aten_draws.cuh"
+#include "optim/kernel_jobs.cuh"
 #include "support/kernel_image.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -21,9 +22,6 @@ namespace {
 
 using aten_draws::kLanes;
 using aten_draws::kThreads;
-// Tensors per launch: the jobs travel as the kernel's argument (under 4 KiB).
-constexpr int kJobsPerLaunch = 64;
-
 struct Job {
   const uint32_t* src;
   uint16_t* dst;
@@ -33,18 +31,11 @@ struct Job {
   int64_t first_block;  // this launch's first block for the job
 };
 
-struct Jobs {
-  Job job[kJobsPerLaunch];
-  int count;
-};
-
 // One thread per (pass, thread of ATen's grid) of a job: the four values
 // that thread draws with one counter in that pass, as at::randint(0, 2^16)
 // draws them, added below bfloat16's cut and truncated; NaN stays NaN.
-__global__ void __launch_bounds__(kThreads) round_kernel(const Jobs jobs) {
-  int j = 0;
-  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
-  const Job& job = jobs.job[j];
+__global__ void __launch_bounds__(kThreads) round_kernel(const KernelJobs<Job> jobs) {
+  const Job& job = job_of_block(jobs);
   const int64_t item = (static_cast<int64_t>(blockIdx.x) - job.first_block) * kThreads + threadIdx.x;
   const int64_t thread = item % job.stride, pass = item / job.stride;
   const int64_t first = pass * kLanes * job.stride + thread;
@@ -64,8 +55,7 @@ __global__ void __launch_bounds__(kThreads) round_kernel(const Jobs jobs) {
   }
 }
 
-void launch(const Jobs& jobs, int64_t blocks) {
-  if (jobs.count == 0) return;
+void launch(const KernelJobs<Job>& jobs, int64_t blocks) {
   round_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -80,8 +70,7 @@ bool widened_step_kernels_apply(const at::Tensor& t) {
 void round_on_cuda(const std::vector<CudaRounding>& roundings) {
   if (roundings.empty()) return;
   const c10::cuda::CUDAGuard device(roundings.front().src.device());  // ATen's grid is this device's
-  Jobs jobs{};
-  int64_t blocks = 0;
+  JobBatch<Job, decltype(&launch)> batch(&launch);
   for (const CudaRounding& r : roundings) {
     TORCH_INTERNAL_ASSERT(r.src.scalar_type() == at::kFloat && r.dst.scalar_type() == at::kBFloat16 &&
                           r.src.numel() == r.dst.numel() && r.src.is_contiguous() && r.dst.is_contiguous() &&
@@ -89,20 +78,13 @@ void round_on_cuda(const std::vector<CudaRounding>& roundings) {
                           "amp: the CUDA rounding kernel got an unfit tensor");
     const int64_t numel = r.src.numel();
     if (numel == 0) continue;
-    if (jobs.count == kJobsPerLaunch) {
-      launch(jobs, blocks);
-      jobs = Jobs{};
-      blocks = 0;
-    }
     const int64_t stride = aten_draws::grid_threads(numel);
     const int64_t passes = (numel + kLanes * stride - 1) / (kLanes * stride);
-    jobs.job[jobs.count++] = {reinterpret_cast<const uint32_t*>(r.src.const_data_ptr<float>()),
-                              reinterpret_cast<uint16_t*>(r.dst.mutable_data_ptr<at::BFloat16>()), numel, r.seed,
-                              stride, blocks};
-    blocks += passes * stride / kThreads;
-    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many values for one rounding launch");
+    batch.add({reinterpret_cast<const uint32_t*>(r.src.const_data_ptr<float>()),
+               reinterpret_cast<uint16_t*>(r.dst.mutable_data_ptr<at::BFloat16>()), numel, r.seed, stride, 0},
+              passes * stride / kThreads);
   }
-  launch(jobs, blocks);
+  batch.flush();
 }
 
 }  // namespace amp::detail

@@ -2,6 +2,7 @@
 #include "optim/widened_step_kernels.h"
 
 #include "optim/aten_draws.cuh"
+#include "optim/kernel_jobs.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -17,7 +18,6 @@ namespace {
 constexpr int kBlock = 256;            // values a packed row codes (eight_bit_state.h's kStateBlock)
 constexpr int kRow = kBlock + 1;       // its codes, then its exponent
 constexpr int kMinExponent = -126, kMaxExponent = 127, kNonFiniteBlock = -128;
-constexpr int kJobsPerLaunch = 40;     // the jobs travel as the kernel's argument (under 4 KiB)
 static_assert(kBlock == aten_draws::kThreads);
 
 struct Job {
@@ -34,11 +34,6 @@ struct Job {
   bool stochastic;
 };
 
-struct Jobs {
-  Job job[kJobsPerLaunch];
-  int count;
-};
-
 // The largest of the block's `v` (every thread's answer), through `scratch`.
 __device__ float block_max(float v, float* scratch) {
   for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -53,11 +48,9 @@ __device__ float block_max(float v, float* scratch) {
 // One block a packed row, one thread a value: code_blocks
 // (eight_bit_state.cpp) as the ATen ops compute it, in the same float32
 // operations, so the bytes are theirs.
-__global__ void __launch_bounds__(kBlock) pack_kernel(const Jobs jobs) {
+__global__ void __launch_bounds__(kBlock) pack_kernel(const KernelJobs<Job> jobs) {
   __shared__ float scratch[kBlock / 32];
-  int j = 0;
-  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
-  const Job& job = jobs.job[j];
+  const Job& job = job_of_block(jobs);
   const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
   const int64_t i = row * kBlock + threadIdx.x;
   const float x = i < job.numel ? job.values[i] : 0.0f;  // the last row padded with zeros
@@ -93,8 +86,7 @@ __global__ void __launch_bounds__(kBlock) pack_kernel(const Jobs jobs) {
   if (threadIdx.x == 0) out[kBlock] = static_cast<uint8_t>(static_cast<int8_t>(non_finite ? kNonFiniteBlock : e));
 }
 
-void launch(const Jobs& jobs, int64_t blocks) {
-  if (jobs.count == 0) return;
+void launch_packing(const KernelJobs<Job>& jobs, int64_t blocks) {
   pack_kernel<<<static_cast<unsigned int>(blocks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -108,19 +100,12 @@ struct DecodeJob {
   int last;
 };
 
-struct DecodeJobs {
-  DecodeJob job[kJobsPerLaunch];
-  int count;
-};
-
 // One block a packed row, one thread a value: unpack_by_aten_ops'
 // table[code] * 2^exponent, NaN for a non-finite row's. A code past the
 // table (damaged state, which the CPU refuses) decodes as NaN: a kernel
 // cannot raise an error without the host waiting for it.
-__global__ void __launch_bounds__(kBlock) unpack_kernel(const DecodeJobs jobs) {
-  int j = 0;
-  while (j + 1 < jobs.count && static_cast<int64_t>(blockIdx.x) >= jobs.job[j + 1].first_block) ++j;
-  const DecodeJob& job = jobs.job[j];
+__global__ void __launch_bounds__(kBlock) unpack_kernel(const KernelJobs<DecodeJob> jobs) {
+  const DecodeJob& job = job_of_block(jobs);
   const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
   const int64_t i = row * kBlock + threadIdx.x;
   if (i >= job.numel) return;
@@ -131,13 +116,17 @@ __global__ void __launch_bounds__(kBlock) unpack_kernel(const DecodeJobs jobs) {
   job.values[i] = __fmul_rn(code <= job.last ? job.table[code] : nan, scale);
 }
 
+void launch_unpacking(const KernelJobs<DecodeJob>& jobs, int64_t blocks) {
+  unpack_kernel<<<static_cast<unsigned int>(blocks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void pack_on_cuda(const std::vector<CudaPacking>& packings) {
   if (packings.empty()) return;
   const c10::cuda::CUDAGuard device(packings.front().values.device());  // at::rand's grid is this device's
-  Jobs jobs{};
-  int64_t blocks = 0;
+  JobBatch<Job, decltype(&launch_packing)> batch(&launch_packing);
   for (const CudaPacking& p : packings) {
     const int64_t numel = p.values.numel(), rows = (numel + kBlock - 1) / kBlock;
     TORCH_INTERNAL_ASSERT(p.values.scalar_type() == at::kFloat && p.values.is_contiguous() &&
@@ -147,41 +136,19 @@ void pack_on_cuda(const std::vector<CudaPacking>& packings) {
                           p.packed.device() == p.values.device() && p.table.device() == p.values.device(),
                           "amp: the CUDA state coding kernel got an unfit tensor");
     if (rows == 0) continue;
-    if (jobs.count == kJobsPerLaunch) {
-      launch(jobs, blocks);
-      jobs = Jobs{};
-      blocks = 0;
-    }
     const int last = static_cast<int>(p.table.numel()) - 1;
-    jobs.job[jobs.count++] = {p.values.const_data_ptr<float>(),
-                              p.packed.mutable_data_ptr<uint8_t>(),
-                              p.table.const_data_ptr<float>(),
-                              numel,
-                              aten_draws::grid_threads(rows * kBlock),
-                              blocks,
-                              p.seed.value_or(0),
-                              last,
-                              p.non_negative ? 0 : last / 2,
-                              p.non_negative ? 4 : 8,
-                              p.seed.has_value()};
-    blocks += rows;
-    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many rows for one coding launch");
+    batch.add({p.values.const_data_ptr<float>(), p.packed.mutable_data_ptr<uint8_t>(), p.table.const_data_ptr<float>(),
+               numel, aten_draws::grid_threads(rows * kBlock), 0, p.seed.value_or(0), last,
+               p.non_negative ? 0 : last / 2, p.non_negative ? 4 : 8, p.seed.has_value()},
+              rows);
   }
-  launch(jobs, blocks);
+  batch.flush();
 }
 
 void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings) {
   if (unpackings.empty()) return;
   const c10::cuda::CUDAGuard device(unpackings.front().values.device());
-  DecodeJobs jobs{};
-  int64_t blocks = 0;
-  auto run = [&] {
-    if (jobs.count == 0) return;
-    unpack_kernel<<<static_cast<unsigned int>(blocks), kBlock, 0, at::cuda::getCurrentCUDAStream()>>>(jobs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    jobs = DecodeJobs{};
-    blocks = 0;
-  };
+  JobBatch<DecodeJob, decltype(&launch_unpacking)> batch(&launch_unpacking);
   for (const CudaUnpacking& u : unpackings) {
     const int64_t numel = u.values.numel(), rows = (numel + kBlock - 1) / kBlock;
     TORCH_INTERNAL_ASSERT(u.values.scalar_type() == at::kFloat && u.values.is_contiguous() &&
@@ -191,13 +158,11 @@ void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings) {
                           u.packed.device() == u.values.device() && u.table.device() == u.values.device(),
                           "amp: the CUDA state decoding kernel got an unfit tensor");
     if (rows == 0) continue;
-    if (jobs.count == kJobsPerLaunch) run();
-    jobs.job[jobs.count++] = {u.packed.const_data_ptr<uint8_t>(), u.values.mutable_data_ptr<float>(),
-                              u.table.const_data_ptr<float>(), numel, blocks, static_cast<int>(u.table.numel()) - 1};
-    blocks += rows;
-    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "amp: too many rows for one decoding launch");
+    batch.add({u.packed.const_data_ptr<uint8_t>(), u.values.mutable_data_ptr<float>(), u.table.const_data_ptr<float>(),
+               numel, 0, static_cast<int>(u.table.numel()) - 1},
+              rows);
   }
-  run();
+  batch.flush();
 }
 
 }  // namespace amp::detail
