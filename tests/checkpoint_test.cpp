@@ -175,7 +175,7 @@ TEST_F(CheckpointTest, CheckpointWhoseSecondOptimizerIsBadLoadsNothing) {
   write_checkpoint(file, {[&](auto& a) { a_->save(a); }, [&](auto& a) { b_->save(a); }},
                    {optimizers_[0], optimizers_[0]});
   step(1);  // everything moves on from the file's values, the scaler too
-  internal::live_scaling().update(torch::ones({1}));
+  internal::live_scaling().update(overflowed_verdict());
   const auto before = everything();
   EXPECT_AMP_ERROR(load_checkpoint(file, std::vector<ModulePtr>{a_.ptr(), b_.ptr()}, optimizers_), "cannot load the optimizer's state");
   expect_same(before, everything());
@@ -328,7 +328,7 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
     }
   };
   handle.initialize(std::vector<ModulePtr>{}, {}, quiet(O1));
-  internal::live_scaling(0).update(torch::ones({1}));  // an overflow
+  internal::live_scaling(0).update(overflowed_verdict(0));  // an overflow
   torch::serialize::InputArchive in;
   in.load_from(bytes);
   expect_scalers_unchanged(1, [&] { EXPECT_AMP_ERROR(load_state(in), "num_losses=1"); });
@@ -336,7 +336,7 @@ TEST_F(AmpStateTest, LoadingStateIntoADifferentSetupIsAnErrorAndChangesNothing) 
   Options o2 = quiet(O2);
   o2.num_losses = 2;
   handle.initialize(std::vector<ModulePtr>{}, {}, o2);
-  internal::live_scaling(1).update(torch::ones({1}));  // an overflow
+  internal::live_scaling(1).update(overflowed_verdict(1));  // an overflow
   bytes.seekg(0);
   torch::serialize::InputArchive again;
   again.load_from(bytes);

@@ -69,7 +69,7 @@ RunResult train(OptLevel level, bool adam, const std::vector<Fault>& plan, bool 
   for (size_t step = 0; step < plan.size(); ++step) {
     const Fault fault = plan[step];
     if (!inject && fault != Fault::kNone) {
-      internal::live_scaling().update(torch::ones({1}));  // the overflow the faulty run saw
+      internal::live_scaling().update(overflowed_verdict());  // the overflow the faulty run saw
       ++reference_skips;
       continue;
     }

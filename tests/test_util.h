@@ -41,6 +41,14 @@ using OptimizerPtr = std::shared_ptr<torch::optim::Optimizer>;
 // The current scale of loss `loss_id` (reads the device).
 inline double loss_scale(int loss_id = 0) { return amp::loss_scaler(loss_id)->scale(); }
 
+// A guard's verdict on the live scaler's CPU scale that says overflow (for
+// internal::LossScaling::update).
+inline at::Tensor overflowed_verdict(int loss_id = 0) {
+  at::Tensor verdict = internal::live_scaling(loss_id).new_verdict(c10::kCPU);
+  internal::LossScaling::overflow_flag(verdict).fill_(1);
+  return verdict;
+}
+
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr double kE4m3Max = 448.0;  // float8 e4m3's largest finite value

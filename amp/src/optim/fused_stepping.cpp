@@ -5,6 +5,7 @@
 #include "optim/one_pass_kernels.h"
 #include "optim/optimizer_kinds.h"
 #include "support/host_read.h"
+#include "support/raw_view.h"
 #include "support/trace_range.h"
 
 #include <ATen/ATen.h>
@@ -71,16 +72,6 @@ at::Tensor shaped(const at::Tensor& piece, const std::vector<int64_t>& shape) {
   return shape.size() == 1 ? piece : piece.view(shape);
 }
 
-// `buffer`'s values from `offset`, shaped `shape`: a view made without the
-// dispatcher, where a view op costs the host about 3K instructions - the
-// step's float32 temporaries have no autograd history to record.
-at::Tensor piece_of(const at::Tensor& buffer, int64_t offset, at::IntArrayRef shape) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(), buffer.dtype());
-  impl->set_storage_offset(buffer.storage_offset() + offset);
-  impl->set_sizes_contiguous(shape);
-  return at::Tensor(std::move(impl));
-}
-
 // One column's `parts` of a chunk in float32, each shaped `shapes[i]`:
 // float32 ones as they are, the others widened into one buffer, so the ops
 // a chunk runs do not grow with the number of tensors in it (on a GPU, its
@@ -125,7 +116,7 @@ std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::v
   for (size_t k = 0; k < narrow_at.size(); ++k) {  // the CPU's bfloat16 parts
     const size_t i = narrow_at[k];
     TORCH_INTERNAL_ASSERT(narrow[k].is_contiguous());
-    wide[i] = piece_of(buffer, offset, shapes[i]);
+    wide[i] = detail::raw_view(buffer, offset, shapes[i]);
     widen_bfloat16(reinterpret_cast<const uint16_t*>(narrow[k].const_data_ptr<at::BFloat16>()),
                    reinterpret_cast<uint32_t*>(wide[i].mutable_data_ptr<float>()), narrow_lengths[k]);
     offset += narrow_lengths[k];
@@ -133,7 +124,7 @@ std::vector<at::Tensor> widen(const std::vector<at::Tensor>& parts, const std::v
   std::vector<detail::StateUnpacking> unpackings;  // decoded together: on CUDA a launch
   for (size_t k = 0; k < packed_at.size(); ++k) {
     const size_t i = packed_at[k];
-    wide[i] = piece_of(buffer, offset, shapes[i]);
+    wide[i] = detail::raw_view(buffer, offset, shapes[i]);
     unpackings.push_back({parts[i], wide[i], non_negative});
     offset += packed_lengths[k];
   }

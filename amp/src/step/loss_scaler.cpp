@@ -3,6 +3,7 @@
 #include <amp/internal/level_rules.h>
 
 #include "optim/non_finite_check.h"
+#include "support/raw_view.h"
 #include "support/trace_range.h"
 
 #include <ATen/ATen.h>
@@ -65,19 +66,50 @@ void LossScaling::restore(const State& state) {
   hysteresis_tracker_.copy_(state.hysteresis_tracker);
 }
 
-at::Tensor LossScaling::update(const at::Tensor& found_inf) {
+at::Tensor LossScaling::new_verdict(c10::Device device) { return at::zeros({3}, scale_tensor(device).options()); }
+
+at::Tensor LossScaling::overflow_flag(const at::Tensor& verdict) { return detail::raw_view(verdict, 0, {1}); }
+
+void LossScaling::clamp_on_cpu() {
+  // As clamp_(lo, hi) computes it for a float tensor: min(max(scale, lo), hi)
+  // with the bounds as floats.
+  float& scale = *scale_.mutable_data_ptr<float>();
+  const float lo = static_cast<float>(floor()), hi = static_cast<float>(options_.max_loss_scale);
+  if (scale < lo) scale = lo;
+  if (scale > hi) scale = hi;
+}
+
+void LossScaling::update(const at::Tensor& verdict) {
   AMP_TRACE_RANGE("amp::scale update");
-  const at::Tensor before = at::cat({found_inf, scale_});
+  TORCH_INTERNAL_ASSERT(verdict.numel() == 3 && verdict.is_contiguous() && verdict.device() == scale_.device() &&
+                        verdict.scalar_type() == at::kFloat, "amp: a scale update takes a verdict of new_verdict");
+  // On the CPU the scale is read and written in place, without ops.
+  const bool on_cpu = scale_.is_cpu();
+  float* snapshot = on_cpu ? verdict.mutable_data_ptr<float>() : nullptr;
+  if (on_cpu) {
+    snapshot[1] = *scale_.const_data_ptr<float>();
+  } else {
+    verdict.narrow(0, 1, 1).copy_(scale_);
+  }
   if (dynamic_) {
+    const at::Tensor found_inf = overflow_flag(verdict);
     if (options_.hysteresis == 1) {
       at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor,
                              options_.backoff_factor, options_.growth_interval);
     } else {
       update_with_hysteresis(found_inf);
     }
-    scale_.clamp_(floor(), options_.max_loss_scale);
+    if (on_cpu) {
+      clamp_on_cpu();
+    } else {
+      scale_.clamp_(floor(), options_.max_loss_scale);
+    }
   }
-  return at::cat({before, scale_});
+  if (on_cpu) {
+    snapshot[2] = *scale_.const_data_ptr<float>();
+  } else {
+    verdict.narrow(0, 2, 1).copy_(scale_);
+  }
 }
 
 // Megatron's DynamicGradScaler.update, as tensor ops: an overflow resets the

@@ -7,6 +7,7 @@
 #include "optim/non_finite_check.h"
 #include "step/guard.h"
 #include "support/graph_capture.h"
+#include "support/raw_view.h"
 #include "support/trace_range.h"
 
 #include <ATen/ATen.h>
@@ -61,6 +62,11 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
 
   // Everything is checked; from here on the guard changes state.
   std::unordered_set<const c10::TensorImpl*> covered;
+  size_t params = 0;
+  for (OptimizerStep* step : steps_) {
+    for (const auto& group : step->optimizer().param_groups()) params += group.params().size();
+  }
+  slots_.reserve(params);
   for (OptimizerStep* step : steps_) {
     const bool scaled = step->state() == OptimizerStep::State::kAccumulating;
     step->open();
@@ -79,8 +85,10 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
   try {
     if (const auto& root = loss.grad_fn()) loss_graph_ = root->sequence_nr();
     const at::Tensor fp32_loss = loss.to(at::kFloat);
+    // The scale in the loss's shape (a loss has one element) by a view made
+    // without an op: the scaled loss has the loss's shape.
     scaled_loss_ = passthrough_ ? fp32_loss
-                              : fp32_loss * scaler().scale_tensor(loss.device()).reshape(loss.sizes());
+                                : fp32_loss * detail::raw_view(scaler().scale_tensor(loss.device()), 0, loss.sizes());
     for (StepParticipant* p : session_->participants()) {
       if (auto part = p->open(*this)) parts_.push_back(std::move(part));
     }
@@ -114,8 +122,11 @@ void Guard::unscale() {
   session_->weights().finish_backward();
   UnscalePlan plan(slots_);
   const bool unscaling = !options_.delay_unscale && !passthrough_;
-  at::Tensor found_inf;
-  if (unscaling) found_inf = at::zeros({1}, scaler().scale_tensor(scaled_loss_.device()).options());
+  at::Tensor verdict, found_inf;
+  if (unscaling) {
+    verdict = scaler().new_verdict(scaled_loss_.device());
+    found_inf = internal::LossScaling::overflow_flag(verdict);
+  }
   if (unscaling) {
     plan.run([&](const std::vector<at::Tensor>& scaled) { scaler().unscale(scaled, found_inf); });
   } else {
@@ -128,7 +139,8 @@ void Guard::unscale() {
   // participants nothing after it can fail, and a step saves the copies).
   if (!scaler_before_ && !parts_.empty()) scaler_before_ = scaler().state();
   verdict_ = std::make_shared<OverflowVerdict>();
-  verdict_->snapshot = scaler().update(found_inf);
+  scaler().update(verdict);
+  verdict_->snapshot = verdict;
   verdict_->loss_id = options_.loss_id;
   verdict_->session = session_;
   for (const auto& part : parts_) part->judged(*this, *verdict_);

@@ -30,10 +30,15 @@ class LossScaling : public LossScaler {
   // indices are checked too (on a coalesced copy), as GradScaler does.
   void unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf);
 
-  // Updates the scale from `found_inf` without a host sync. Returns a
-  // 3-element float32 snapshot [found_inf, scale before, scale after] for the
-  // one deferred host read that decides whether the step is skipped.
-  at::Tensor update(const at::Tensor& found_inf);
+  // A guard's verdict in the making, on the scale's device for `device`:
+  // three float32 zeros, to become [found_inf, scale before, scale after] -
+  // the snapshot that the one deferred host read decides a skip from.
+  at::Tensor new_verdict(c10::Device device);
+  // The verdict's first element, as the 1-element tensor unscale() sets.
+  static at::Tensor overflow_flag(const at::Tensor& verdict);
+  // Updates the scale from the verdict's flag without a host sync, and
+  // writes the scale before and after into the verdict.
+  void update(const at::Tensor& verdict);
 
   // A copy of the device state, to undo an update (an exception ending a
   // guard after unscale()). Copies stay on the device: no host sync.
@@ -45,6 +50,9 @@ class LossScaling : public LossScaler {
 
  private:
   void update_with_hysteresis(const at::Tensor& found_inf);
+  // The scale (on the CPU) clamped to [floor(), max_loss_scale] in place,
+  // read and written through its pointer.
+  void clamp_on_cpu();
 };
 
 // The live initialization's scaler of `loss_id`, its guard side (for tests
