@@ -184,10 +184,12 @@ class CastCache {
   }
 
   void clear() {
-    ska::flat_hash_map<Key, Entry, KeyHash> dropped;
+    std::vector<Entry> dropped;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      dropped.swap(entries_);
+      dropped.reserve(entries_.size());
+      for (auto& [key, entry] : entries_) dropped.push_back(std::move(entry));
+      entries_.clear();  // keeps its buckets: the next iteration inserts as many again
     }  // copies are freed outside the lock
   }
 

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <exception>
 #include <unordered_set>
@@ -61,12 +62,13 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
   }
 
   // Everything is checked; from here on the guard changes state.
-  std::unordered_set<const c10::TensorImpl*> covered;
   size_t params = 0;
   for (OptimizerStep* step : steps_) {
     for (const auto& group : step->optimizer().param_groups()) params += group.params().size();
   }
   slots_.reserve(params);
+  ska::flat_hash_set<const c10::TensorImpl*> covered;
+  covered.reserve(params);
   for (OptimizerStep* step : steps_) {
     const bool scaled = step->state() == OptimizerStep::State::kAccumulating;
     step->open();
