@@ -31,7 +31,13 @@
 # benchmarks 49 s for gpt,sweep alone, peer 191 s, examples 82 s, accuracy
 # 25 s; the whole suite did not end in 270 s; the machine started in about
 # a minute. The benchmarks' and the peer's small_batch and te_layers
-# workloads, added since, have not run there: minutes more.) The benchmark
+# workloads, added since, have not run there: minutes more. Nor have the
+# widened step's CUDA kernels - O6's rounding and 8-bit state's coding,
+# tested bit for bit against the ATen ops by
+# StochasticRoundingTest.OnCudaTheKernelIsTheAtenOpsBitForBit and
+# EightBitStateTest.OnCudaTheCodingKernelsAreTheAtenOps (in the CUDA filter
+# above and under compute-sanitizer), timed by the benchmark's "amp O5/O6
+# (+ 8-bit state), blocks recomputed" rows.) The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12"), its
 # workloads AMP_GPU_BENCH_MODELS (default all:
 # resnet,gpt,small_batch,te_layers,sweep); the suite's tests
