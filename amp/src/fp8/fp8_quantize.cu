@@ -4,7 +4,7 @@
 // where asked. And a float8 matrix's transpose.
 #include "fp8/fp8_quantize.h"
 
-#include "support/kernel_image.cuh"
+#include "support/kernel_image.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -7,29 +7,17 @@
 // ATen launches blocks of 256 threads, at most as many as the device keeps
 // resident; thread t's Philox4x32-10 subsequence is t, and pass p of its
 // grid-stride loop takes counter p, whose four lanes are the values
-// t + (4p + lane) * stride (stride: the grid's threads).
+// t + (4p + lane) * stride (stride: the grid's threads, which
+// widened_step_kernels.cpp computes as calc_execution_policy does).
 #pragma once
-
-#include <ATen/cuda/CUDAContext.h>
 
 #include <curand_kernel.h>
 
-#include <algorithm>
 #include <cstdint>
 
 namespace amp::detail::aten_draws {
 
-constexpr int kThreads = 256;
 constexpr int kLanes = 4;
-
-// The threads ATen's distribution kernel launches for `numel` values on the
-// current device (calc_execution_policy).
-inline int64_t grid_threads(int64_t numel) {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t blocks_per_sm = props->maxThreadsPerMultiProcessor / kThreads;
-  const int64_t blocks = std::min<int64_t>(props->multiProcessorCount * blocks_per_sm, (numel + kThreads - 1) / kThreads);
-  return blocks * kThreads;
-}
 
 // The Philox state of ATen's thread `thread` at pass `pass` (curand_init,
 // then `pass` draws of four).

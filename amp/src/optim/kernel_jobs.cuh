@@ -1,19 +1,21 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Private, CUDA only: many tensors' work in one launch of one of amp's
-// kernels (widened_step_kernels.h). The tensors' descriptions (jobs) travel
+// kernels (widened_step_launch.h). The tensors' descriptions (jobs) travel
 // as the kernel's argument - no copy to the device, and a CUDA graph keeps
 // them with the launch - up to the 32 KB an argument may take (CUDA 12.1
 // and later, on Volta and later devices: CMakeLists.txt builds these
 // kernels for those). Each job owns a run of the launch's blocks.
 #pragma once
 
-#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <vector>
 
-namespace amp::detail {
+namespace amp::detail::widened_step {
 
 // A launch's jobs, in the order of their blocks; Job has `first_block`.
 template <class Job>
@@ -40,30 +42,31 @@ __device__ inline const Job& job_of_block(const KernelJobs<Job>& jobs) {
   return jobs.job[lo];
 }
 
-// Collects jobs and launches `launch(jobs, blocks)` whenever a launch is full, and at flush().
-template <class Job, class Launch>
-class JobBatch {
- public:
-  explicit JobBatch(Launch launch) : launch_(launch) {}
-  // `job` (its first_block set here) and the `blocks` it takes.
-  void add(Job job, int64_t blocks) {
-    if (blocks == 0) return;
-    if (jobs_.count == KernelJobs<Job>::kCapacity) flush();
-    job.first_block = blocks_;
-    jobs_.job[jobs_.count++] = job;
-    blocks_ += blocks;
-    TORCH_CHECK(blocks_ <= std::numeric_limits<int32_t>::max(), "amp: too much work for one kernel launch");
+// Launches `kernel` over `jobs`, `threads` a block: a launch whenever one
+// is full (of jobs, or of blocks for a grid). The first launch error.
+template <class Job>
+cudaError_t launch_batches(void (*kernel)(KernelJobs<Job>), const std::vector<Job>& jobs, int threads,
+                           cudaStream_t stream) {
+  auto batch = std::make_unique<KernelJobs<Job>>();  // 32 KB: off the stack
+  batch->count = 0;
+  int64_t blocks = 0;
+  auto flush = [&]() -> cudaError_t {
+    if (batch->count == 0) return cudaSuccess;
+    kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(*batch);
+    batch->count = 0;
+    blocks = 0;
+    return cudaGetLastError();
+  };
+  for (Job job : jobs) {
+    if (job.blocks == 0) continue;
+    if (batch->count == KernelJobs<Job>::kCapacity || blocks + job.blocks > std::numeric_limits<int32_t>::max()) {
+      if (const cudaError_t error = flush(); error != cudaSuccess) return error;
+    }
+    job.first_block = blocks;
+    batch->job[batch->count++] = job;
+    blocks += job.blocks;
   }
-  void flush() {
-    if (jobs_.count > 0) launch_(jobs_, blocks_);
-    jobs_.count = 0;
-    blocks_ = 0;
-  }
+  return flush();
+}
 
- private:
-  Launch launch_;
-  KernelJobs<Job> jobs_{};
-  int64_t blocks_ = 0;
-};
-
-}  // namespace amp::detail
+}  // namespace amp::detail::widened_step

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// Private, CUDA only: whether one of amp's kernels can run on a device.
+// Private, CUDA builds only: whether one of amp's kernels can run on a device.
 #pragma once
 
 #include <c10/cuda/CUDAFunctions.h>
