@@ -1,27 +1,19 @@
 // SPDX-License-Identifier: BSD-3-Clause
-// The fused float8 quantization (fp8_quantize.h): two kernels on the
-// current stream, and a memset; the second writes a matrix's transpose too
-// where asked. And a float8 matrix's transpose.
-#include "fp8/fp8_quantize.h"
+// The fused float8 quantization's kernels (fp8_quantize_launch.h): the amax
+// reduction and the pass that scales and casts (and transposes where asked),
+// and a float8 matrix's transpose.
+#include "fp8/fp8_quantize_launch.h"
 
-#include "support/kernel_image.h"
-
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Float8_e4m3fn.h>
+#include <torch/headeronly/util/Float8_e5m2.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
-namespace amp::detail {
+namespace amp::detail::fp8_kernels {
 namespace {
 
 constexpr int kThreads = 256;
@@ -51,16 +43,6 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned int* am
 __device__ float lerp(float self, float end, float weight) {
   return fabsf(weight) < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
-
-struct Scaling {
-  unsigned int* amax_bits;  // the amax kernel's result
-  const float* delayed_scale;
-  const float* updated;
-  float* current;
-  float* inverse;
-  float factor, smallest_amax, fp8_max;
-  bool delayed;
-};
 
 // Fp8Scaler::quantize's scale, from the amax: its own where that is finite
 // and at least the smallest usable, else the delayed one; with delayed
@@ -155,107 +137,47 @@ __global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t r
 int64_t tiles(int64_t rows, int64_t cols) { return ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile); }
 
 template <typename T, typename F8>
-void launch(const at::Tensor& x, const Scaling& scaling, at::Tensor& out, at::Tensor* out_t) {
-  const int64_t n = x.numel();
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+cudaError_t launch(const QuantizeJob& job, int sms, cudaStream_t stream) {
+  const int64_t n = job.rows * job.cols;
   const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(sms) * 8));
-  const T* in = reinterpret_cast<const T*>(x.const_data_ptr());
-  C10_CUDA_CHECK(cudaMemsetAsync(scaling.amax_bits, 0, sizeof(unsigned int), stream));
-  amax_kernel<T><<<blocks, kThreads, 0, stream>>>(in, n, scaling.amax_bits);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (out_t == nullptr) {
-    scale_cast_kernel<T, F8><<<blocks, kThreads, 0, stream>>>(in, n, scaling, reinterpret_cast<F8*>(out.data_ptr()));
+  const T* in = static_cast<const T*>(job.x);
+  if (const cudaError_t e = cudaMemsetAsync(job.scaling.amax_bits, 0, sizeof(unsigned int), stream)) return e;
+  amax_kernel<T><<<blocks, kThreads, 0, stream>>>(in, n, job.scaling.amax_bits);
+  if (const cudaError_t e = cudaGetLastError()) return e;
+  if (job.out_t == nullptr) {
+    scale_cast_kernel<T, F8><<<blocks, kThreads, 0, stream>>>(in, n, job.scaling, reinterpret_cast<F8*>(job.out));
   } else {
-    const int64_t rows = x.size(0), cols = x.size(1);
-    scale_cast_transpose_kernel<T, F8><<<tiles(rows, cols), dim3(kTile, kTileRows), 0, stream>>>(
-        in, rows, cols, scaling, static_cast<uint8_t*>(out.data_ptr()), static_cast<uint8_t*>(out_t->data_ptr()));
+    scale_cast_transpose_kernel<T, F8><<<tiles(job.rows, job.cols), dim3(kTile, kTileRows), 0, stream>>>(
+        in, job.rows, job.cols, job.scaling, job.out, job.out_t);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
 template <typename T>
-void launch_format(const at::Tensor& x, const Scaling& scaling, at::Tensor& out, at::Tensor* out_t) {
-  if (out.scalar_type() == at::kFloat8_e4m3fn) {
-    launch<T, c10::Float8_e4m3fn>(x, scaling, out, out_t);
-  } else {
-    launch<T, c10::Float8_e5m2>(x, scaling, out, out_t);
-  }
-}
-
-// The quantization of x into `out` (and its transpose into *out_t, if
-// given): the inverse scale.
-at::Tensor quantize_into(const at::Tensor& x, const Fp8QuantizeState& state, at::Tensor& out, at::Tensor* out_t) {
-  TORCH_INTERNAL_ASSERT(fused_fp8_quantize_applies(x), "amp: the fused float8 quantization got an unfit tensor");
-  const c10::cuda::CUDAGuard device(x.device());  // the stream and the properties are x's device's
-  // [0]: the inverse scale; [1]: the amax's bits.
-  at::Tensor scratch = at::empty({2}, x.options().dtype(at::kFloat));
-  Scaling scaling{reinterpret_cast<unsigned int*>(scratch.data_ptr<float>() + 1),
-                  state.scale.data_ptr<float>(),
-                  state.updated.data_ptr<float>(),
-                  state.delayed ? state.current.data_ptr<float>() : nullptr,
-                  scratch.data_ptr<float>(),
-                  static_cast<float>(state.factor),
-                  state.smallest_amax,
-                  static_cast<float>(state.fp8_max),
-                  state.delayed};
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      launch_format<float>(x, scaling, out, out_t);
-      break;
-    case at::kBFloat16:
-      launch_format<c10::BFloat16>(x, scaling, out, out_t);
-      break;
-    default:
-      launch_format<c10::Half>(x, scaling, out, out_t);
-      break;
-  }
-  return scratch.narrow(0, 0, 1).reshape({});
+cudaError_t launch_format(const QuantizeJob& job, int sms, cudaStream_t stream) {
+  return job.format == Format::kE4M3 ? launch<T, c10::Float8_e4m3fn>(job, sms, stream)
+                                     : launch<T, c10::Float8_e5m2>(job, sms, stream);
 }
 
 }  // namespace
 
-bool fp8_kernels_run_on(c10::DeviceIndex index) {
-  static std::array<std::atomic<uint8_t>, 64> answers{};
-  return has_image_for(transpose_bytes_kernel, index, answers);
+cudaError_t launch_quantize(const QuantizeJob& job, int sms, cudaStream_t stream) {
+  switch (job.element) {
+    case Element::kFloat:
+      return launch_format<float>(job, sms, stream);
+    case Element::kBFloat16:
+      return launch_format<c10::BFloat16>(job, sms, stream);
+    case Element::kHalf:
+      break;
+  }
+  return launch_format<c10::Half>(job, sms, stream);
 }
 
-bool fused_fp8_quantize_applies(const at::Tensor& x) {
-  const at::ScalarType t = x.scalar_type();
-  return x.is_cuda() && x.is_contiguous() && x.numel() > 0 &&
-         (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && fp8_kernels_run_on(x.device().index());
+cudaError_t launch_transpose(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out_t, cudaStream_t stream) {
+  transpose_bytes_kernel<<<tiles(rows, cols), dim3(kTile, kTileRows), 0, stream>>>(in, rows, cols, out_t);
+  return cudaGetLastError();
 }
 
-std::pair<at::Tensor, at::Tensor> fused_fp8_quantize(const at::Tensor& x, const Fp8QuantizeState& state) {
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(state.format));
-  at::Tensor inverse = quantize_into(x, state, out, nullptr);
-  return {out, inverse};
-}
+const void* transpose_kernel() { return reinterpret_cast<const void*>(&transpose_bytes_kernel); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_quantize_transposed(const at::Tensor& x,
-                                                                            const Fp8QuantizeState& state) {
-  TORCH_INTERNAL_ASSERT(x.dim() == 2, "amp: the float8 cast-transpose takes a matrix");
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(state.format));
-  at::Tensor out_t = at::empty({x.size(1), x.size(0)}, out.options());
-  at::Tensor inverse = quantize_into(x, state, out, &out_t);
-  return {out, inverse, out_t};
-}
-
-bool fused_fp8_transpose_applies(const at::Tensor& m) {
-  return m.is_cuda() && m.dim() == 2 && m.is_contiguous() && m.numel() > 0 &&
-         (m.scalar_type() == at::kFloat8_e4m3fn || m.scalar_type() == at::kFloat8_e5m2) &&
-         fp8_kernels_run_on(m.device().index());
-}
-
-at::Tensor fused_fp8_transpose(const at::Tensor& m) {
-  TORCH_INTERNAL_ASSERT(fused_fp8_transpose_applies(m), "amp: the float8 transpose got an unfit tensor");
-  const c10::cuda::CUDAGuard device(m.device());
-  const int64_t rows = m.size(0), cols = m.size(1);
-  at::Tensor out_t = at::empty({cols, rows}, m.options());
-  transpose_bytes_kernel<<<tiles(rows, cols), dim3(kTile, kTileRows), 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const uint8_t*>(m.const_data_ptr()), rows, cols, static_cast<uint8_t*>(out_t.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out_t;
-}
-
-}  // namespace amp::detail
+}  // namespace amp::detail::fp8_kernels

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Private: one operand's float8 quantization fused into two CUDA kernels
-// (fp8_quantize.cu; compiled where the build has a CUDA compiler, which
-// defines AMP_WITH_FP8_KERNELS): a reduction for the amax, then one pass
-// that derives the scale from it on the device, scales, saturates and
-// rounds every element, and writes the inverse scale and the amax history -
-// where Fp8Scaler's ATen path takes a dozen launches, each a pass over the
-// tensor or an op on one element. The values are that path's, bit for bit
-// (tested side by side on a GPU): the same float32 arithmetic in the same
-// order, and c10's own float8 rounding.
+// (fp8_quantize.cu, launched by fp8_quantize.cpp; compiled where the build
+// has a CUDA compiler, which defines AMP_WITH_FP8_KERNELS): a reduction for
+// the amax, then one pass that derives the scale from it on the device,
+// scales, saturates and rounds every element, and writes the inverse scale
+// and the amax history - where Fp8Scaler's ATen path takes a dozen
+// launches, each a pass over the tensor or an op on one element. The values
+// are that path's, bit for bit (tested side by side on a GPU): the same
+// float32 arithmetic in the same order, and c10's own float8 rounding.
 #pragma once
 
 #include <ATen/core/Tensor.h>
