@@ -174,7 +174,8 @@ at::Tensor random_float_bits(int64_t n) {
   const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::quiet_NaN()};
-  for (size_t i = 0; i < std::size(specials); ++i) bits[i * 977] = c10::bit_cast<uint32_t>(specials[i]);
+  // Spread over the tensor, whatever its size: (i * 977) % n.
+  for (size_t i = 0; i < std::size(specials); ++i) bits[i * 977 % bits.size()] = c10::bit_cast<uint32_t>(specials[i]);
   return torch::from_blob(bits.data(), {n}, at::kInt).view(at::kFloat).clone();
 }
 
