@@ -8,7 +8,8 @@
 # build/ (override with AMP_BUILD_DIR). AMP_BUILD_TARGETS names the targets to
 # build (default: all; tools/run_example.sh builds only the example). Extra
 # arguments are passed to CMake's configure step, e.g.
-# tools/setup.sh -DAMP_SANITIZERS=ON.
+# tools/setup.sh -DAMP_SANITIZERS=ON, and so are those in AMP_CMAKE_ARGS
+# (space-separated), e.g. AMP_CMAKE_ARGS=-DAMP_CUDA_KERNELS=OFF.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,9 +41,10 @@ then
 fi
 torch_prefix=$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
 
-if [ ! -f "$build_dir/CMakeCache.txt" ] || (($#)); then
+read -r -a extra <<< "${AMP_CMAKE_ARGS:-}"
+if [ ! -f "$build_dir/CMakeCache.txt" ] || (($# + ${#extra[@]})); then
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 "$@" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DTORCH_CUDA_ARCH_LIST=9.0 "${extra[@]}" "$@" \
     > "$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
 fi
 targets=()
