@@ -142,9 +142,10 @@ void measure(const Row& row, const at::Tensor& x, const at::Tensor& y) {
   }
   for (int i = 0; i < kWarmSteps; ++i) step();  // state created, caches filled, kernels looked up
   const int64_t ops = aten_ops_of(step);
+  // The label before the count starts: only the steps are counted.
+  const std::string label = row.name + "|" + std::to_string(kSteps) + "|" + std::to_string(ops);
   CALLGRIND_ZERO_STATS;
   for (int i = 0; i < kSteps; ++i) step();
-  const std::string label = row.name + "|" + std::to_string(kSteps) + "|" + std::to_string(ops);
   CALLGRIND_DUMP_STATS_AT(label.c_str());
 }
 

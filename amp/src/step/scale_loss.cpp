@@ -86,7 +86,8 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
   }
   try {
     if (const auto& root = loss.grad_fn()) loss_graph_ = root->sequence_nr();
-    const at::Tensor fp32_loss = loss.to(at::kFloat);
+    // A float32 loss as it is: `to` is a dispatched op even when it returns its input.
+    const at::Tensor fp32_loss = loss.scalar_type() == at::kFloat ? loss : loss.to(at::kFloat);
     // The scale in the loss's shape (a loss has one element) by a view made
     // without an op: the scaled loss has the loss's shape.
     scaled_loss_ = passthrough_ ? fp32_loss
