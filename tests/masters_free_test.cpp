@@ -164,6 +164,20 @@ TEST(StochasticRoundingTest, UnbiasedOverRandomValuesAndScalesOfBothSigns) {
   EXPECT_GT(weakened_caught, 0) << "a rounding with 8 random bits passed every value";
 }
 
+// The test objects compile with the standard library's bounds checks
+// (tests/CMakeLists.txt): an index past a vector, as random_float_bits once
+// made, aborts where it is made instead of corrupting the heap.
+TEST(TestBuild, AnIndexPastAVectorAbortsWhereItIsMade) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        std::vector<uint32_t> bits(512);
+        volatile size_t index = 977 * 7;
+        bits[index] = 1;
+      },
+      "__n < this->size\\(\\)");
+}
+
 // Random float32 bits with every kind of float32 among them - every
 // exponent, subnormals, signed zeros, the largest finite values (which may
 // round up to inf), infinities - and NaN.
