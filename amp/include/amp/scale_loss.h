@@ -92,6 +92,7 @@
 #include <amp/internal/refs.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <initializer_list>
 #include <memory>
@@ -144,7 +145,7 @@ class [[nodiscard]] scale_loss {
   class State;  // the guard's transaction (private)
 
  private:
-  scale_loss(const at::Tensor& loss, std::vector<internal::OptimizerRef> optimizers, ScaleLossOptions options,
+  scale_loss(const at::Tensor& loss, c10::ArrayRef<internal::OptimizerRef> optimizers, ScaleLossOptions options,
              int);
   std::unique_ptr<State> state_;
 };

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <tuple>
@@ -42,6 +43,16 @@ void check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_i
 
 void non_finite_check_and_unscale(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
                                   const at::Tensor& inv_scale) {
+  if (grads.empty()) return;
+  // The usual case, without grouping: dense gradients of one dtype on the flag's device.
+  const at::Tensor& first = grads.front();
+  const bool one_group = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+    return !g.is_sparse() && g.device() == found_inf.device() && g.scalar_type() == first.scalar_type();
+  });
+  if (one_group) {
+    check_and_unscale(grads, found_inf, inv_scale);
+    return;
+  }
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;  // (device, index, dtype)
   auto add = [&](const at::Tensor& t) {
     groups[{static_cast<int>(t.device().type()), t.device().index(),

@@ -30,6 +30,7 @@ constexpr int64_t kMinSliceBytes = int64_t{1} << 20;
 }  // namespace
 
 UnscalePlan::UnscalePlan(std::vector<GradSlot>& slots) {
+  items_.reserve(slots.size());
   for (GradSlot& slot : slots) {
     at::Tensor fresh = slot.param.grad();
     at::Tensor aside = slot.aside_reduced ? at::Tensor() : slot.aside;
@@ -64,6 +65,7 @@ void UnscalePlan::run_slice(Slice items, const Unscale& unscale) {
   //    low-precision scratch gradients, the new .grad itself otherwise;
   //    asides alone stand in for slots without one (copied when they will be
   //    unscaled in place).
+  const size_t count = static_cast<size_t>(items.end() - items.begin());
   std::vector<at::Tensor> copy_dst, copy_src;
   for (Item& item : items) {
     const GradSlot& s = *item.slot;
@@ -90,6 +92,7 @@ void UnscalePlan::run_slice(Slice items, const Unscale& unscale) {
   //    a guard over several optimizers skip the ones whose gradients are clean.
   if (unscale) {
     std::vector<at::Tensor> scaled;
+    scaled.reserve(count);
     for (const Item& item : items) {
       if (item.fresh.defined() || (item.aside.defined() && item.slot->aside_scaled)) {
         scaled.push_back(item.result);

@@ -37,7 +37,7 @@ class Guard {
 
   // Validates everything, then opens: the optimizers' gradients are set
   // aside and the participants join. Errors: scale_loss.h.
-  Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& optimizers, ScaleLossOptions options);
+  Guard(const at::Tensor& loss, c10::ArrayRef<internal::OptimizerRef> optimizers, ScaleLossOptions options);
 
   void unscale();     // kOpen -> kUnscaled: reduce, unscale, check, update the scaler
   void commit();      // kOpen | kUnscaled -> kFinished

@@ -3,6 +3,7 @@
 #include <amp/internal/level_rules.h>
 
 #include "optim/non_finite_check.h"
+#include "support/graph_capture.h"
 #include "support/raw_view.h"
 #include "support/trace_range.h"
 
@@ -26,13 +27,26 @@ LossScaler::LossScaler(LossScale loss_scale, DynamicScaling dynamic, int loss_id
   hysteresis_tracker_ = at::full({1}, dynamic.hysteresis, at::kInt);
 }
 
+LossScaling::LossScaling(LossScale loss_scale, DynamicScaling dynamic, int loss_id)
+    : LossScaler(loss_scale, dynamic, loss_id), spare_verdict_(at::zeros({3}, scale_.options())) {}
+
 const at::Tensor& LossScaling::scale_tensor(c10::Device device) {
   if (scale_.device() != device) {
     scale_ = scale_.to(device);
     growth_tracker_ = growth_tracker_.to(device);
     hysteresis_tracker_ = hysteresis_tracker_.to(device);
+    spare_verdict_ = at::zeros({3}, scale_.options());
   }
   return scale_;
+}
+
+const at::Tensor& LossScaling::scale_as(c10::Device device, at::IntArrayRef shape) {
+  const at::Tensor& scale = scale_tensor(device);
+  if (!scale_view_.defined() || !scale_view_.storage().is_alias_of(scale.storage()) ||
+      scale_view_.storage_offset() != scale.storage_offset() || scale_view_.sizes() != shape) {
+    scale_view_ = detail::raw_view(scale, 0, shape);
+  }
+  return scale_view_;
 }
 
 double LossScaler::scale() const { return scale_.item<double>(); }
@@ -66,7 +80,22 @@ void LossScaling::restore(const State& state) {
   hysteresis_tracker_.copy_(state.hysteresis_tracker);
 }
 
-at::Tensor LossScaling::new_verdict(c10::Device device) { return at::zeros({3}, scale_tensor(device).options()); }
+at::Tensor LossScaling::new_verdict(c10::Device device) {
+  const at::Tensor& scale = scale_tensor(device);
+  if (detail::capturing(scale.device())) return at::zeros({3}, scale.options());  // the graph's own
+  // The last verdict again once nothing else holds it (read, then dropped):
+  // no allocation a step, and on the CPU no op.
+  const bool unheld = spare_verdict_.defined() && spare_verdict_.device() == scale.device() &&
+                      spare_verdict_.use_count() == 1 && spare_verdict_.storage().use_count() == 1;
+  if (!unheld) {
+    spare_verdict_ = at::zeros({3}, scale.options());
+  } else if (spare_verdict_.is_cpu()) {
+    std::fill_n(spare_verdict_.mutable_data_ptr<float>(), 3, 0.0f);
+  } else {
+    spare_verdict_.zero_();
+  }
+  return spare_verdict_;
+}
 
 at::Tensor LossScaling::overflow_flag(const at::Tensor& verdict) { return detail::raw_view(verdict, 0, {1}); }
 
@@ -79,10 +108,13 @@ void LossScaling::clamp_on_cpu() {
   if (scale > hi) scale = hi;
 }
 
-void LossScaling::update(const at::Tensor& verdict) {
+void LossScaling::update(const at::Tensor& verdict, const at::Tensor& found_inf) {
   AMP_TRACE_RANGE("amp::scale update");
   TORCH_INTERNAL_ASSERT(verdict.numel() == 3 && verdict.is_contiguous() && verdict.device() == scale_.device() &&
                         verdict.scalar_type() == at::kFloat, "amp: a scale update takes a verdict of new_verdict");
+  TORCH_INTERNAL_ASSERT(found_inf.storage().is_alias_of(verdict.storage()) &&
+                        found_inf.storage_offset() == verdict.storage_offset() && found_inf.numel() == 1,
+                        "amp: a scale update takes the verdict's own overflow flag");
   // On the CPU the scale is read and written in place, without ops.
   const bool on_cpu = scale_.is_cpu();
   float* snapshot = on_cpu ? verdict.mutable_data_ptr<float>() : nullptr;
@@ -92,7 +124,6 @@ void LossScaling::update(const at::Tensor& verdict) {
     verdict.narrow(0, 1, 1).copy_(scale_);
   }
   if (dynamic_) {
-    const at::Tensor found_inf = overflow_flag(verdict);
     if (options_.hysteresis == 1) {
       at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor,
                              options_.backoff_factor, options_.growth_interval);

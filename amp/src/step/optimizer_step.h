@@ -167,7 +167,7 @@ class OptimizerStep {
   // torch.amp keeps {stage, found_inf_per_device} per optimizer: what the
   // guards left for the step. Reset whole by end_iteration() - where a step
   // is taken, a step is skipped, or the program zeroed the gradients
-  // without one - and nowhere in part.
+  // without one - and nowhere in part (reset()).
   struct Iteration {
     State state = State::kReady;
     State before_guard = State::kReady;  // kInGuard: the state an unwind returns to
@@ -180,8 +180,18 @@ class OptimizerStep {
     // A guard's backward applied the step (step_in_backward): step() only
     // ends the iteration.
     bool stepped_in_backward = false;
+
+    // Every field back to its value above. The hold and the verdicts keep
+    // their room: a new hash table allocates, and this runs every step.
+    void reset() noexcept {
+      state = before_guard = State::kReady;
+      scaled_by = 0;
+      held.clear();
+      verdicts.clear();
+      stepped_in_backward = false;
+    }
   };
-  void end_iteration() noexcept { iteration_ = Iteration(); }
+  void end_iteration() noexcept { iteration_.reset(); }
 
   torch::optim::Optimizer* optimizer_;
   optim::internal::Fused* fused_;

@@ -79,7 +79,7 @@ void log_overflow(const OverflowVerdict& v) {
 
 // Resolves the verdicts `which` indexes in `verdicts` from `values`, three
 // floats each in that order (verdicts resolved meanwhile are left alone).
-void resolve_from(const Verdicts& verdicts, const std::vector<size_t>& which, const float* values) {
+void resolve_from(VerdictsView verdicts, c10::ArrayRef<size_t> which, const float* values) {
   for (size_t k = 0; k < which.size(); ++k) {
     OverflowVerdict& v = *verdicts[which[k]];
     if (v.resolved) continue;
@@ -97,9 +97,9 @@ void resolve_from(const Verdicts& verdicts, const std::vector<size_t>& which, co
 }
 
 // Unresolved verdicts' indices and their snapshots, concatenated.
-std::pair<std::vector<size_t>, at::Tensor> unresolved(const Verdicts& verdicts) {
-  std::vector<size_t> which;
-  std::vector<at::Tensor> snapshots;
+std::pair<c10::SmallVector<size_t, 4>, at::Tensor> unresolved(VerdictsView verdicts) {
+  c10::SmallVector<size_t, 4> which;
+  c10::SmallVector<at::Tensor, 4> snapshots;
   for (size_t i = 0; i < verdicts.size(); ++i) {
     if (verdicts[i]->resolved) continue;
     which.push_back(i);
@@ -110,7 +110,7 @@ std::pair<std::vector<size_t>, at::Tensor> unresolved(const Verdicts& verdicts) 
 }
 
 // Whether resolved `verdicts` skip the step.
-bool judge(const Verdicts& verdicts) {
+bool judge(VerdictsView verdicts) {
   bool skip = false;
   for (const auto& v : verdicts) {
     skip = skip || v->overflow;
@@ -128,14 +128,14 @@ bool judge(const Verdicts& verdicts) {
 
 }  // namespace
 
-std::shared_ptr<const OverflowReport> report_of(const Verdicts& verdicts) {
+std::shared_ptr<const OverflowReport> report_of(VerdictsView verdicts) {
   for (const auto& v : verdicts) {
     if (v->overflow && v->report) return v->report;
   }
   return nullptr;
 }
 
-bool read_verdicts(const Verdicts& verdicts) {
+bool read_verdicts(VerdictsView verdicts) {
   const auto [which, snapshots] = unresolved(verdicts);
   if (!which.empty()) {
     const at::Tensor host = snapshots.is_cpu() ? snapshots : snapshots.cpu();  // the one host sync of the step

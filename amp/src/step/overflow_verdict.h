@@ -17,6 +17,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <memory>
 #include <optional>
@@ -42,15 +44,18 @@ struct OverflowVerdict {
 
 
 using Verdicts = std::vector<std::shared_ptr<OverflowVerdict>>;
+// Verdicts as the functions below read them: a guard's one verdict is passed
+// without building a vector.
+using VerdictsView = c10::ArrayRef<std::shared_ptr<OverflowVerdict>>;
 
 // The report of the first overflowed verdict in `verdicts` that has one.
-std::shared_ptr<const OverflowReport> report_of(const Verdicts& verdicts);
+std::shared_ptr<const OverflowReport> report_of(VerdictsView verdicts);
 
 // Reads every unresolved verdict in `verdicts` with one host sync, logs each
 // overflow (concisely: no flood when the scale sits at its floor), and
 // returns whether any overflowed. Errors: an overflow with the scaler at its
 // floor and AtFloor::kRaise (the verdicts are resolved either way).
-bool read_verdicts(const Verdicts& verdicts);
+bool read_verdicts(VerdictsView verdicts);
 
 // The overflow flag of unresolved `verdicts` for a fused optimizer kernel:
 // a 1-element float32 tensor on their device, exactly 1 when any overflowed
@@ -73,7 +78,7 @@ class DeferredVerdicts {
 
  private:
   Verdicts verdicts_;
-  std::vector<size_t> copied_;  // indices into verdicts_ whose snapshots host_ holds
+  c10::SmallVector<size_t, 4> copied_;  // indices into verdicts_ whose snapshots host_ holds
   at::Tensor host_;
   std::optional<c10::Event> arrived_;  // recorded after the copy (GPU only)
 };

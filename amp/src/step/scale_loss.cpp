@@ -7,7 +7,6 @@
 #include "optim/non_finite_check.h"
 #include "step/guard.h"
 #include "support/graph_capture.h"
-#include "support/raw_view.h"
 #include "support/trace_range.h"
 
 #include <ATen/ATen.h>
@@ -23,7 +22,7 @@
 namespace amp {
 namespace detail {
 
-Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& optimizers, ScaleLossOptions guard_options)
+Guard::Guard(const at::Tensor& loss, c10::ArrayRef<internal::OptimizerRef> optimizers, ScaleLossOptions guard_options)
     : session_(require_step_session("amp::scale_loss")), options_(guard_options) {
   session_->rethrow_deferred_error();
   session_->weights().take_model_zeroing();  // the program's zero_grad, done before this guard
@@ -37,6 +36,7 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
               session_->num_losses(), " (loss_id 0..", session_->num_losses() - 1, ").");
   TORCH_CHECK(!optimizers.empty(), "amp: scale_loss needs the optimizer(s) that will step "
               "these gradients.");
+  steps_.reserve(optimizers.size());
   for (const internal::OptimizerRef& ref : optimizers) {  // validate everything before changing anything
     OptimizerStep& step = session_->require_step(ref.get(), "amp::scale_loss");
     TORCH_CHECK(std::find(steps_.begin(), steps_.end(), &step) == steps_.end(),
@@ -67,7 +67,10 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
     for (const auto& group : step->optimizer().param_groups()) params += group.params().size();
   }
   slots_.reserve(params);
-  ska::flat_hash_set<const c10::TensorImpl*> covered;
+  // Each parameter once, however many groups or optimizers list it. The set
+  // keeps its room from guard to guard: no allocation a step.
+  thread_local ska::flat_hash_set<const c10::TensorImpl*> covered;
+  covered.clear();
   covered.reserve(params);
   for (OptimizerStep* step : steps_) {
     const bool scaled = step->state() == OptimizerStep::State::kAccumulating;
@@ -88,10 +91,10 @@ Guard::Guard(const at::Tensor& loss, const std::vector<internal::OptimizerRef>& 
     if (const auto& root = loss.grad_fn()) loss_graph_ = root->sequence_nr();
     // A float32 loss as it is: `to` is a dispatched op even when it returns its input.
     const at::Tensor fp32_loss = loss.scalar_type() == at::kFloat ? loss : loss.to(at::kFloat);
-    // The scale in the loss's shape (a loss has one element) by a view made
+    // The scale in the loss's shape (a loss has one element), a view made
     // without an op: the scaled loss has the loss's shape.
     scaled_loss_ = passthrough_ ? fp32_loss
-                                : fp32_loss * detail::raw_view(scaler().scale_tensor(loss.device()), 0, loss.sizes());
+                                : fp32_loss * scaler().scale_as(loss.device(), loss.sizes());
     for (StepParticipant* p : session_->participants()) {
       if (auto part = p->open(*this)) parts_.push_back(std::move(part));
     }
@@ -142,7 +145,7 @@ void Guard::unscale() {
   // participants nothing after it can fail, and a step saves the copies).
   if (!scaler_before_ && !parts_.empty()) scaler_before_ = scaler().state();
   verdict_ = std::make_shared<OverflowVerdict>();
-  scaler().update(verdict);
+  scaler().update(verdict, found_inf);
   verdict_->snapshot = verdict;
   verdict_->loss_id = options_.loss_id;
   verdict_->session = session_;
@@ -234,13 +237,13 @@ class scale_loss::State final : public detail::Guard {
 };
 
 scale_loss::scale_loss(const at::Tensor& loss, internal::OptimizerRef optimizer, ScaleLossOptions options)
-    : scale_loss(loss, std::vector<internal::OptimizerRef>{optimizer}, options, 0) {}
+    : scale_loss(loss, c10::ArrayRef<internal::OptimizerRef>(optimizer), options, 0) {}
 
 scale_loss::scale_loss(const at::Tensor& loss, std::initializer_list<internal::OptimizerRef> optimizers,
                        ScaleLossOptions options)
-    : scale_loss(loss, std::vector<internal::OptimizerRef>(optimizers), options, 0) {}
+    : scale_loss(loss, c10::ArrayRef<internal::OptimizerRef>(optimizers), options, 0) {}
 
-scale_loss::scale_loss(const at::Tensor& loss, std::vector<internal::OptimizerRef> optimizers,
+scale_loss::scale_loss(const at::Tensor& loss, c10::ArrayRef<internal::OptimizerRef> optimizers,
                        ScaleLossOptions options, int)
     : state_(std::make_unique<State>(loss, optimizers, options)) {}
 

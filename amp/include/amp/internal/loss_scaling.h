@@ -15,12 +15,14 @@ namespace amp::internal {
 
 class LossScaling : public LossScaler {
  public:
-  LossScaling(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0)
-      : LossScaler(loss_scale, dynamic, loss_id) {}
+  LossScaling(LossScale loss_scale, DynamicScaling dynamic, int loss_id = 0);
 
   // The scale as a 1-element float32 tensor on `device` (moved there, with
   // both trackers, on the first call with a new device).
   const at::Tensor& scale_tensor(c10::Device device);
+  // The same scale viewed in `shape` (one element: a loss's shape), made
+  // without an op and kept while the scale tensor stays the same.
+  const at::Tensor& scale_as(c10::Device device, at::IntArrayRef shape);
 
   // Multiplies `grads` in place by 1/scale (float32's reciprocal: the float
   // GradScaler's double reciprocal rounds to) and sets `found_inf` (a
@@ -36,9 +38,11 @@ class LossScaling : public LossScaler {
   at::Tensor new_verdict(c10::Device device);
   // The verdict's first element, as the 1-element tensor unscale() sets.
   static at::Tensor overflow_flag(const at::Tensor& verdict);
-  // Updates the scale from the verdict's flag without a host sync, and
-  // writes the scale before and after into the verdict.
-  void update(const at::Tensor& verdict);
+  // Updates the scale from the verdict's flag (`found_inf`, its
+  // overflow_flag) without a host sync, and writes the scale before and
+  // after into the verdict.
+  void update(const at::Tensor& verdict, const at::Tensor& found_inf);
+  void update(const at::Tensor& verdict) { update(verdict, overflow_flag(verdict)); }
 
   // A copy of the device state, to undo an update (an exception ending a
   // guard after unscale()). Copies stay on the device: no host sync.
@@ -53,6 +57,11 @@ class LossScaling : public LossScaler {
   // The scale (on the CPU) clamped to [floor(), max_loss_scale] in place,
   // read and written through its pointer.
   void clamp_on_cpu();
+
+  // The last verdict made, reused by new_verdict once no one holds it; made
+  // with the scale (and moved with it), so a step allocates none.
+  at::Tensor spare_verdict_;
+  at::Tensor scale_view_;     // scale_as's last view
 };
 
 // The live initialization's scaler of `loss_id`, its guard side (for tests
