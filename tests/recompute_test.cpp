@@ -5,6 +5,8 @@
 // the memory it saves, measured by the allocator.
 #include "test_util.h"
 
+#include "autograd/accumulator_hooks.h"
+
 #include <amp/memory.h>
 #include <amp/selective_recompute.h>
 
@@ -720,6 +722,88 @@ TEST_F(AmpTest, RunsOfRecomputedBlocksKeepOnlyTheRunsInputs) {
   // With bfloat16 weights (O2) and float32 masters stepped from them (O5), the same.
   for (OptLevel level : {O2, O5}) {
     expect_bit_equal(step(1, level).grads, step(kRun, level).grads, "gradient at O2/O5");
+  }
+}
+
+// In two levels a run's rerun holds its blocks' reruns. Each block's
+// parameter gradients reach their accumulators (where data parallel's
+// reduction and the step in backward hook in) as the block's own rerun ends,
+// before the next block's begins, not all at the run's end; each
+// accumulator runs once a backward. A weight also read outside its run
+// waits for the outer backward, which adds both paths first. Gradients are
+// those of one level bit for bit.
+TEST_F(AmpTest, RunsHandEachBlocksParameterGradientsOnAsTheBlocksRerunEnds) {
+  constexpr int kBlocks = 8, kRun = 4, kShared = 6;  // block 6's weight is also read by the loss
+  struct Result {
+    std::vector<int> calls_of_previous;  // per block: block i-1's calls when i's weight gradient arrived
+    std::vector<int> accumulations;      // per parameter
+    std::vector<at::Tensor> grads;
+  };
+  auto step = [&](int run, OptLevel level) {
+    torch::manual_seed(0);
+    torch::nn::ModuleList blocks;
+    for (int i = 0; i < kBlocks; ++i) blocks->push_back(torch::nn::Linear(16, 16));
+    torch::optim::SGD optimizer(blocks->parameters(), 0.1);
+    Handle handle;
+    handle.initialize(blocks, optimizer, quiet(level));
+    auto calls = std::make_shared<std::vector<int>>(kBlocks, 0);
+    auto block = [&blocks, calls](int i) {
+      const auto linear = blocks->ptr<torch::nn::LinearImpl>(i);
+      return [linear, calls, i](const at::Tensor& in) {
+        ++(*calls)[i];
+        return torch::relu(linear->forward(in));
+      };
+    };
+    auto run_blocks = [&block](int begin, int end, at::Tensor h) {
+      for (int i = begin; i < end; ++i) h = amp::recompute(block(i), h);
+      return h;
+    };
+    at::Tensor h = torch::randn({32, 16});
+    if (run == 1) {
+      h = run_blocks(0, kBlocks, h);
+    } else {
+      for (int begin = 0; begin < kBlocks; begin += run) {
+        h = amp::recompute([run_blocks, begin, run](const at::Tensor& in) { return run_blocks(begin, begin + run, in); },
+                           h);
+      }
+    }
+    const auto shared = blocks->ptr<torch::nn::LinearImpl>(kShared)->weight;
+    const at::Tensor loss = h.to(at::kFloat).pow(2).mean() + shared.to(at::kFloat).pow(2).sum() * 1e-3;
+    Result result;
+    result.calls_of_previous.assign(kBlocks, -1);
+    const std::vector<at::Tensor> params = blocks->parameters();
+    result.accumulations.assign(params.size(), 0);
+    detail::AccumulatorHooks hooks;
+    for (size_t k = 0; k < params.size(); ++k) {
+      const int i = static_cast<int>(k / 2);  // weight, bias
+      EXPECT_TRUE(hooks.add(params[k], [&result, calls, k, i] {
+        ++result.accumulations[k];
+        if (k % 2 == 0 && i > 0) result.calls_of_previous[i] = (*calls)[i - 1];
+      }));
+    }
+    {
+      scale_loss scaled(loss, optimizer);
+      scaled.backward();
+    }
+    for (const auto& p : params) result.grads.push_back(p.grad().clone());
+    return result;
+  };
+  // The weights are the graph's leaves: float32 at O0, bfloat16 at O2 and O5.
+  // (At O1 a block reads its weights' cast copies, made outside its runs.)
+  for (OptLevel level : {O0, O2, O5}) {
+    SCOPED_TRACE(to_string(level));
+    const Result one = step(1, level), two = step(kRun, level);
+    for (int i = 1; i < kBlocks; ++i) {
+      SCOPED_TRACE("block " + std::to_string(i));
+      // One level: forward, then block i's rerun ends before block i-1's begins.
+      EXPECT_EQ(one.calls_of_previous[i], 1);
+      if (i % kRun == 0) continue;  // the first block of a run: the run before it has not rerun
+      // Two levels: forward, the run's rerun; block i-1's own rerun not yet -
+      // except for the weight the loss reads too, which waits for the run.
+      EXPECT_EQ(two.calls_of_previous[i], i == kShared ? 3 : 2);
+    }
+    EXPECT_EQ(two.accumulations, std::vector<int>(2 * kBlocks, 1));
+    expect_bit_equal(one.grads, two.grads, "gradient");
   }
 }
 

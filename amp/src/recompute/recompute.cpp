@@ -12,6 +12,7 @@
 
 #include "recompute/recompute_session.h"
 #include "recompute/block_boundary.h"
+#include "recompute/early_hand_on.h"
 #include "recompute/forward_replay.h"
 #include "recompute/kept_outputs.h"
 #include "autograd/stand_ins.h"
@@ -245,16 +246,29 @@ variable_list RecomputeNode::apply(variable_list&& grads) {
                 "tensor that needs a gradient (at ", b.edge.function->name(), ") that forward did not; it must "
                 "compute the same thing each time it runs.");
   }
+  // A run's rerun holds its blocks' reruns: their parameters' gradients go
+  // on as each is complete (early_hand_on.h).
+  const bool holds_blocks = std::any_of(boundary.inside.begin(), boundary.inside.end(),
+                                        [](const Node* n) { return dynamic_cast<const RecomputeNode*>(n) != nullptr; });
+  std::optional<EarlyHandOn> early;
+  if (holds_blocks && EarlyHandOn::applies()) early.emplace(*this, wanted);
   variable_list partial;
   {
     LeafHooksAside hooks(wanted);
     HiddenEdges dead_ends(run.stand_ins);
+    if (early) early->arm();
     partial = torch::autograd::Engine::get_default_engine().execute(
         roots, root_grads, /*keep_graph=*/create_graph, create_graph, /*accumulate_grad=*/false, wanted);
   }
   weights.reset();
   for (size_t j = 0; j < partial.size(); ++j) {
-    if (!partial[j].defined()) continue;
+    if (!partial[j].defined()) {
+      // Handed on: the backward running this node must not run the
+      // accumulator again. (Assigned in place: set_next_edge would renumber
+      // the node, which it refuses once the node has parents.)
+      if (early && early->handed(j)) next_edges_[*slots[j]] = Edge();
+      continue;
+    }
     at::Tensor& into = result[*slots[j]];
     into = into.defined() ? into + partial[j] : partial[j];
   }

@@ -4,6 +4,7 @@
 #include <amp/cast_cache.h>
 #include <amp/casting_scope.h>
 
+#include "autograd/backward_roots.h"
 #include "optim/non_finite_check.h"
 #include "step/guard.h"
 #include "support/graph_capture.h"
@@ -265,6 +266,7 @@ const at::Tensor& scale_loss::scaled_loss() const { return state_->scaled_loss()
 
 void scale_loss::backward(std::optional<bool> retain_graph, bool create_graph) {
   if (retain_graph.value_or(create_graph)) state_->keep_graph();
+  const detail::BackwardFromRoot root(state_->scaled_loss().grad_fn());  // for nodes that must see the whole graph
   state_->scaled_loss().backward({}, retain_graph, create_graph);
 }
 
