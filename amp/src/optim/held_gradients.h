@@ -36,6 +36,10 @@ class HeldGradients {
   // it carries now is dropped). Returns what is held for it. Cannot fail
   // once reserve() made room for it.
   const at::Tensor& take(const at::Tensor& param);
+  // take() for a parameter the caller knows is not held (a guard setting
+  // each of its parameters aside once, over an empty hold): no lookup, and
+  // no index kept until one is needed.
+  const at::Tensor& take_new(const at::Tensor& param);
   // Holds `grad` for `param` (whose own gradient is left alone), replacing
   // what is held for it. Cannot fail once reserve() made room for it.
   void put(const at::Tensor& param, at::Tensor grad);
@@ -48,10 +52,15 @@ class HeldGradients {
   void give_back() noexcept;
   // Drops everything held (summed in elsewhere, or discarded).
   void clear() noexcept;
+  bool empty() const { return held_.empty(); }
 
  private:
+  // Indexes every held entry (take_new leaves them out).
+  void index_all();
+
   std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // (parameter, its gradient)
   ska::flat_hash_map<const c10::TensorImpl*, size_t> index_;  // parameter -> its place in held_
+  size_t indexed_ = 0;  // held_[0, indexed_) are in index_
 };
 
 }  // namespace amp::detail

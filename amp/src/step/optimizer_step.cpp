@@ -108,10 +108,14 @@ void OptimizerStep::open() {
                         to_string(it.state));
   it.before_guard = it.state;
   it.state = State::kInGuard;
+  it.hold_was_empty = it.held.empty();
 }
 
 const at::Tensor& OptimizerStep::set_aside(const at::Tensor& param) {
-  return iteration_.held.take(param);  // room reserved by reserve_asides()
+  // The guard sets each parameter aside once: over an empty hold there is
+  // nothing to look up. Room reserved by reserve_asides().
+  Iteration& it = iteration_;
+  return it.hold_was_empty ? it.held.take_new(param) : it.held.take(param);
 }
 
 // kAccumulating keeps the scaled sum away from the optimizer, so a step()

@@ -107,6 +107,7 @@ class OptimizerStep {
   // The guard covers `param`: the record takes its gradient (true values)
   // or keeps the accumulation's sum it holds for it, and returns that - the
   // aside the guard's unscale adds in. Given back if the guard unwinds.
+  // Each parameter once per guard (the guard's covered set).
   const at::Tensor& set_aside(const at::Tensor& param);
   // The step in backward applied `param`'s aside: an unwind gives it none.
   void release_aside(const at::Tensor& param) noexcept { iteration_.held.put(param, at::Tensor()); }
@@ -171,6 +172,7 @@ class OptimizerStep {
   struct Iteration {
     State state = State::kReady;
     State before_guard = State::kReady;  // kInGuard: the state an unwind returns to
+    bool hold_was_empty = false;         // kInGuard: nothing was held when the guard opened
     int scaled_by = 0;                   // kAccumulating: the loss whose scale the sum carries
     // The accumulated gradients, off the parameters (held_gradients.h):
     // kInGuard, the guard's asides; kAccumulating, the scaled sum (ZeRO-1:
@@ -185,6 +187,7 @@ class OptimizerStep {
     // their room: a new hash table allocates, and this runs every step.
     void reset() noexcept {
       state = before_guard = State::kReady;
+      hold_was_empty = false;
       scaled_by = 0;
       held.clear();
       verdicts.clear();
