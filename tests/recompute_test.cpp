@@ -739,7 +739,8 @@ TEST_F(AmpTest, RunsHandEachBlocksParameterGradientsOnAsTheBlocksRerunEnds) {
     std::vector<int> accumulations;      // per parameter
     std::vector<at::Tensor> grads;
   };
-  auto step = [&](int run, OptLevel level) {
+  enum class Backward { kGuard, kGuardRetained, kPlain };
+  auto step = [&](int run, OptLevel level, Backward how = Backward::kGuard) {
     torch::manual_seed(0);
     torch::nn::ModuleList blocks;
     for (int i = 0; i < kBlocks; ++i) blocks->push_back(torch::nn::Linear(16, 16));
@@ -781,9 +782,11 @@ TEST_F(AmpTest, RunsHandEachBlocksParameterGradientsOnAsTheBlocksRerunEnds) {
         if (k % 2 == 0 && i > 0) result.calls_of_previous[i] = (*calls)[i - 1];
       }));
     }
-    {
+    if (how == Backward::kPlain) {
+      loss.backward();
+    } else {
       scale_loss scaled(loss, optimizer);
-      scaled.backward();
+      scaled.backward(/*retain_graph=*/how == Backward::kGuardRetained);
     }
     for (const auto& p : params) result.grads.push_back(p.grad().clone());
     return result;
@@ -801,6 +804,18 @@ TEST_F(AmpTest, RunsHandEachBlocksParameterGradientsOnAsTheBlocksRerunEnds) {
       // Two levels: forward, the run's rerun; block i-1's own rerun not yet -
       // except for the weight the loss reads too, which waits for the run.
       EXPECT_EQ(two.calls_of_previous[i], i == kShared ? 3 : 2);
+    }
+    EXPECT_EQ(two.accumulations, std::vector<int>(2 * kBlocks, 1));
+    expect_bit_equal(one.grads, two.grads, "gradient");
+  }
+  // Not handed on early, with the same bits: a backward that keeps its graph
+  // (the run's node may run again, through the edges a hand-on cuts), and a
+  // plain backward, outside a guard, whose root amp cannot see.
+  for (Backward how : {Backward::kGuardRetained, Backward::kPlain}) {
+    SCOPED_TRACE(how == Backward::kPlain ? "plain backward" : "retained graph");
+    const Result one = step(1, O0, how), two = step(kRun, O0, how);
+    for (int i = 1; i < kBlocks; ++i) {
+      if (i % kRun != 0) EXPECT_EQ(two.calls_of_previous[i], 3) << "block " << i;
     }
     EXPECT_EQ(two.accumulations, std::vector<int>(2 * kBlocks, 1));
     expect_bit_equal(one.grads, two.grads, "gradient");

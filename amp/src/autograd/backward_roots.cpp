@@ -10,13 +10,13 @@
 namespace amp::detail {
 namespace {
 
-struct Registry {
+struct RootRegistry {
   std::mutex mutex;
   std::vector<std::shared_ptr<torch::autograd::Node>> roots;  // one entry per running backward
 };
 
-Registry& registry() {
-  static Registry r;
+RootRegistry& root_registry() {
+  static RootRegistry r;
   return r;
 }
 
@@ -24,20 +24,20 @@ Registry& registry() {
 
 BackwardFromRoot::BackwardFromRoot(std::shared_ptr<torch::autograd::Node> root) : root_(std::move(root)) {
   if (!root_) return;
-  Registry& r = registry();
+  RootRegistry& r = root_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.roots.push_back(root_);
 }
 
 BackwardFromRoot::~BackwardFromRoot() {
   if (!root_) return;
-  Registry& r = registry();
+  RootRegistry& r = root_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.roots.erase(std::find(r.roots.begin(), r.roots.end(), root_));
 }
 
 std::vector<std::shared_ptr<torch::autograd::Node>> BackwardFromRoot::running() {
-  Registry& r = registry();
+  RootRegistry& r = root_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.roots;
 }
