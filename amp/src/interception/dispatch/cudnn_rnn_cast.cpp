@@ -44,26 +44,25 @@ class QuietUnpackedWeights final : public c10::WarningHandler {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 CastCall<at::_ops::_cudnn_rnn>::call(
-    at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
+    at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
     int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
     const std::optional<at::Tensor>& cx, int64_t mode, const c10::SymInt& hidden_size,
     const c10::SymInt& proj_size, int64_t num_layers, bool batch_first, double dropout, bool train,
     bool bidirectional, c10::SymIntArrayRef batch_sizes, const std::optional<at::Tensor>& dropout_state) {
-  using Op = at::_ops::_cudnn_rnn;
   if (to == at::kBFloat16 && !at::detail::getCUDAHooks().supportsBFloat16RNNWithCuDNN()) {
-    return Op::call(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
+    return op(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
                     num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state);
   }
   ArgCast</*kTensors=*/3, /*kLists=*/1> cast(to, device);  // input, hx, cx; weight
   const bool cast_weights = !weight.empty() && cast.casts(weight[0]);
   if (!cast_weights) {  // already in a low dtype (a converted model): its buffer stays
-    return Op::call(cast(input), weight, weight_stride0, weight_buf, cast(hx), cast(cx), mode,
+    return op(cast(input), weight, weight_stride0, weight_buf, cast(hx), cast(cx), mode,
                     hidden_size, proj_size, num_layers, batch_first, dropout, train, bidirectional,
                     batch_sizes, dropout_state);
   }
   const at::TensorList low = cast(weight);
   QuietUnpackedWeights quiet;
-  return Op::call(cast(input), low, weight_stride0, /*weight_buf=*/std::nullopt, cast(hx), cast(cx),
+  return op(cast(input), low, weight_stride0, /*weight_buf=*/std::nullopt, cast(hx), cast(cx),
                   mode, hidden_size, proj_size,
                   num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state);
 }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Private: the unboxed interception kernel for a built-in ATen op.
 //
-// One instantiation per operator signature (at::_ops::<op>), registered at a
-// device's Autocast key. Like LibTorch's own autocast wrappers, it excludes
+// One instantiation per operator signature, shared by the ops of that
+// signature (it calls its op through a pointer), registered at a device's
+// Autocast key; an op with a call of its own (OwnKernel) has its own. Like LibTorch's own autocast wrappers, it excludes
 // its key, casts the arguments and calls the op again from the top of the
 // dispatcher, so the casts are recorded by autograd and backward runs in the
 // cast dtypes. Unlike them, the policy is read at run time from its binding:
@@ -15,6 +16,7 @@
 #include "interception/dispatch/cast_decision.h"
 #include "interception/dispatch/forward_watch.h"
 #include "interception/dispatch/fp8_call.h"
+#include "interception/dispatch/observed_call.h"
 #include "interception/dispatch/op_binding.h"
 #include "interception/measured_policy.h"
 
@@ -52,14 +54,14 @@ class TypedArgs {
   std::tuple<const Args&...> args_;
 };
 
-// How a kCastTo decision calls `Op`: every castable argument cast to `to`.
-// An op that needs more specializes it here.
+// How a kCastTo decision calls `op` (Op::call): every castable argument
+// cast to `to`. An op that needs more specializes it here, and OwnKernel.
 template <class Op>
 struct CastCall {
-  template <class... Args>
-  static auto call(at::ScalarType to, c10::DeviceType device, const Args&... args) {
+  template <class Call, class... Args>
+  static auto call(Call* op, at::ScalarType to, c10::DeviceType device, const Args&... args) {
     ArgCastFor<Args...> cast(to, device);
-    return Op::call(cast(args)...);
+    return op(cast(args)...);
   }
 };
 // cuDNN RNNs: the weights cast one by one, not through cuDNN's packed buffer
@@ -67,7 +69,7 @@ struct CastCall {
 template <>
 struct CastCall<at::_ops::_cudnn_rnn> {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call(
-      at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
+      at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
       int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
       const std::optional<at::Tensor>& cx, int64_t mode, const c10::SymInt& hidden_size,
       const c10::SymInt& proj_size, int64_t num_layers, bool batch_first, double dropout, bool train,
@@ -89,14 +91,24 @@ const T& as_timing_leaf(const T& arg) {
   return arg;
 }
 
-// AppendTarget: for kFp32AppendDtype, the overload taking a trailing dtype.
-template <class Op, class AppendTarget = void, class Signature = typename Op::schema>
+// Whether `Op` needs a kernel of its own: its casts or float8 call are its
+// own, or it appends a dtype (AppendTarget: the overload taking a trailing
+// dtype, for kFp32AppendDtype). The others share their signature's, which
+// compiles each signature's kernel once (the tables' build time) and costs
+// a call through a pointer.
+template <class Op, class AppendTarget>
+inline constexpr bool kOwnKernel = Fp8Call<Op>::kApplies || std::is_same_v<Op, at::_ops::_cudnn_rnn> ||
+                                   !std::is_void_v<AppendTarget>;
+
+// Op: the op whose kernel this is, or void for any op of `Signature`.
+template <class Op, class AppendTarget, class Signature>
 class TypedKernel;
 
 template <class Op, class AppendTarget, class Ret, class... Args>
 class TypedKernel<Op, AppendTarget, Ret(Args...)> {
  public:
-  explicit TypedKernel(const OpBinding* binding) : binding_(binding) {}
+  // `op`: the op's entry at the top of the dispatcher (at::_ops::<op>::call).
+  TypedKernel(const OpBinding* binding, Ret (*op)(Args...)) : binding_(binding), op_(op) {}
 
   Ret operator()(Args... args) const {
     c10::impl::ExcludeDispatchKeyGuard no_reentry(binding_->reentry_keys);
@@ -112,16 +124,16 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
  private:
   // The call with op statistics and/or overflow provenance watching it.
   Ret observed_call(CastPolicy policy, const TypedArgs<Args...>& view, Args... args) const {
+    const GatheredTensors tensors(view);
     ForwardWatch watch(binding_->casting->forward_log, binding_->display_name);
-    if (watch.active()) watch.read(tensors_of(view));
+    if (watch.active()) watch.read(tensors_of(tensors));
     std::optional<CallRecord> record;
-    if (recording()) record.emplace(*binding_, policy, describe_tensors(view));
+    if (recording()) record.emplace(*binding_, policy, describe_tensors(tensors));
     CastDecision decision = decide(record ? record->policy() : policy, *binding_->casting, view);
     if (measuring() && binding_->measured && decision.action == CastDecision::Action::kCastTo &&
         decision.to != at::kFloat && view.first_tensor() != nullptr && !in_backward()) {
-      decision.to = measured_dtype(binding_->display_name, view.first_tensor()->device(), shape_key(view), decision.to,
-                                   [&] { return describe_shapes(view); }, [&](at::ScalarType to) { timing_run(to, args...); },
-                                   binding_->casting->measured_timer);
+      decision.to = measured_call_dtype(*binding_, tensors, view.first_tensor()->device(), decision.to,
+                                        [&](at::ScalarType to) { timing_run(to, args...); });
     }
     Ret result = apply(decision, args...);
     if (record) record->finish(describe_result(result));
@@ -133,10 +145,8 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
   // argument requires a gradient (what training pays for the choice).
   void timing_run(at::ScalarType to, Args... args) const {
     at::AutoGradMode grad(true);
-    Ret out = CastCall<Op>::call(to, binding_->casting->device, as_timing_leaf(args)...);
-    if constexpr (std::is_same_v<Ret, at::Tensor>) {
-      if (out.requires_grad()) out.backward(at::ones_like(out));
-    }
+    Ret out = CastCall<Op>::call(op_, to, binding_->casting->device, as_timing_leaf(args)...);
+    if constexpr (std::is_same_v<Ret, at::Tensor>) backpropagate_ones(out);
   }
 
   Ret apply(const CastDecision& decision, Args... args) const {
@@ -148,9 +158,9 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
             if (auto out = Fp8Call<Op>::call(*fp8, decision.to, binding_->casting->device, args...)) return *out;
           }
         }
-        return CastCall<Op>::call(decision.to, binding_->casting->device, args...);
+        return CastCall<Op>::call(op_, decision.to, binding_->casting->device, args...);
       case Action::kSetOptDtype:
-        return Op::call(set_opt_dtype(args)...);
+        return op_(set_opt_dtype(args)...);
       case Action::kAppendDtype:
         if constexpr (!std::is_void_v<AppendTarget>) return AppendTarget::call(args..., decision.to);
         break;  // unreachable: bindings accept kFp32AppendDtype only with a target
@@ -159,10 +169,11 @@ class TypedKernel<Op, AppendTarget, Ret(Args...)> {
       case Action::kRunAsGiven:
         break;
     }
-    return Op::call(args...);
+    return op_(args...);
   }
 
   const OpBinding* binding_;
+  Ret (*op_)(Args...);
 };
 
 // Builds the kernel function the interceptor registers for a binding.
@@ -170,7 +181,8 @@ using KernelFactory = torch::CppFunction (*)(const OpBinding*);
 
 template <class Op, class AppendTarget = void>
 torch::CppFunction make_typed_kernel(const OpBinding* binding) {
-  return torch::CppFunction(TypedKernel<Op, AppendTarget>(binding));
+  using KernelOp = std::conditional_t<kOwnKernel<Op, AppendTarget>, Op, void>;
+  return torch::CppFunction(TypedKernel<KernelOp, AppendTarget, typename Op::schema>(binding, &Op::call));
 }
 
 // Builds the generic boxed kernel (any schema), for ops without a typed one.
