@@ -100,13 +100,13 @@ bool EarlyHandOn::applies() {
 EarlyHandOn::EarlyHandOn(const Node& node, const std::vector<Edge>& wanted) : leaves_(wanted.size()) {
   const std::unordered_map<const Node*, int>* into = edges_into_accumulators();
   if (into == nullptr) return;
+  std::unordered_map<const Node*, int> from_node;  // the run node's own edges into each
+  for (const Edge& e : node.next_edges()) ++from_node[e.function.get()];
   for (size_t k = 0; k < wanted.size(); ++k) {
     auto* accumulator = dynamic_cast<AccumulateGrad*>(wanted[k].function.get());
     if (accumulator == nullptr || !accumulator->tensor_pre_hooks().empty()) continue;
     const auto found = into->find(accumulator);
-    const int from_node = static_cast<int>(std::count_if(node.next_edges().begin(), node.next_edges().end(),
-                                                         [&](const Edge& e) { return e.function.get() == accumulator; }));
-    if (found == into->end() || found->second != from_node) continue;  // something else adds to it
+    if (found == into->end() || found->second != from_node[accumulator]) continue;  // something else adds to it
     leaves_[k] = std::make_shared<Leaf>();
     leaves_[k]->accumulator = accumulator;
   }

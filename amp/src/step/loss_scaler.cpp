@@ -84,9 +84,9 @@ at::Tensor LossScaling::new_verdict(c10::Device device) {
   const at::Tensor& scale = scale_tensor(device);
   if (detail::capturing(scale.device())) return at::zeros({3}, scale.options());  // the graph's own
   // The last verdict again once nothing else holds it (read, then dropped):
-  // no allocation a step, and on the CPU no op.
-  const bool unheld = spare_verdict_.defined() && spare_verdict_.device() == scale.device() &&
-                      spare_verdict_.use_count() == 1 && spare_verdict_.storage().use_count() == 1;
+  // no allocation a step, and on the CPU no op. It is on the scale's device
+  // (scale_tensor moves it); an undefined one has no uses.
+  const bool unheld = spare_verdict_.use_count() == 1 && spare_verdict_.storage().use_count() == 1;
   if (!unheld) {
     spare_verdict_ = at::zeros({3}, scale.options());
   } else if (spare_verdict_.is_cpu()) {
