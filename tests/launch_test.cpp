@@ -7,6 +7,13 @@
 
 #include "common/launch.h"
 
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 #include <map>
 
 namespace amp::testing {
@@ -81,6 +88,38 @@ TEST(LaunchTest, AMissingOrMalformedVariableIsNamed) {
               ::testing::HasSubstr("no MASTER_ADDR"));
   EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}),
               ::testing::HasSubstr("MASTER_PORT 70000 is not a TCP port"));
+}
+
+// A port nothing listens on now (the kernel's pick for port 0).
+int unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), length), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// A rank that outlives a peer writes to the peer's closed socket: with
+// SIGPIPE's default the survivor would end there, silently, instead of
+// naming the lost rank (tests/launch/lost_rank.sh, docs/guide.md).
+TEST(LaunchTest, AConnectedRankIgnoresSigpipe) {
+  std::signal(SIGPIPE, SIG_DFL);
+  const examples::Launch launch{"flags", 0, 1, 0, "127.0.0.1", unused_port()};
+  const examples::Connection connection = examples::connect(launch, c10::kCPU, std::chrono::seconds(30), 1);
+  struct sigaction action {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &action), 0);
+  ASSERT_EQ(action.sa_handler, SIG_IGN);  // (else the write below would end the suite)
+  // What that buys: a write to a closed pipe fails with EPIPE.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ::close(fds[0]);
+  EXPECT_EQ(::write(fds[1], "x", 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[1]);
 }
 
 }  // namespace

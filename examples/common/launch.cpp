@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <csignal>
 #include <cstdlib>
 #include <regex>
 #include <stdexcept>
@@ -92,6 +93,11 @@ std::optional<Launch> launch_from_environment(const Getenv& getenv) {
 
 Connection connect(const Launch& launch, c10::Device device, std::chrono::milliseconds timeout, int gloo_threads) {
   check(launch);
+  // A rank that dies closes its sockets, and a survivor's next write to one
+  // raises SIGPIPE, whose default ends the process with nothing said. As in
+  // Python (torchrun's Python ranks), the write fails instead (EPIPE): the
+  // collective throws, and the survivor names the lost rank.
+  std::signal(SIGPIPE, SIG_IGN);
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(launch.master_port);
   options.isServer = launch.rank == 0 && !launch.agent_store;

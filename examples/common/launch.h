@@ -53,7 +53,8 @@ struct Connection {
 // TCPStore unless torchrun's agent does) and makes the group: Gloo over this
 // host's interface for a CPU `device`, NCCL for a CUDA one (the caller sets
 // the current device to the local rank's first). Every wait ends at
-// `timeout` with LibTorch's error.
+// `timeout` with LibTorch's error. The process ignores SIGPIPE from then
+// on, as Python does: a write to a lost rank's socket fails, not kills.
 Connection connect(const Launch& launch, c10::Device device, std::chrono::milliseconds timeout, int gloo_threads);
 
 }  // namespace examples
