@@ -44,8 +44,8 @@ class QuietUnpackedWeights final : public c10::WarningHandler {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 CastCall<at::_ops::_cudnn_rnn>::call(
-    at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
-    int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
+    at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input,
+    at::TensorList weight, int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
     const std::optional<at::Tensor>& cx, int64_t mode, const c10::SymInt& hidden_size,
     const c10::SymInt& proj_size, int64_t num_layers, bool batch_first, double dropout, bool train,
     bool bidirectional, c10::SymIntArrayRef batch_sizes, const std::optional<at::Tensor>& dropout_state) {

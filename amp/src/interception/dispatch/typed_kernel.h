@@ -3,10 +3,10 @@
 //
 // One instantiation per operator signature, shared by the ops of that
 // signature (it calls its op through a pointer), registered at a device's
-// Autocast key; an op with a call of its own (OwnKernel) has its own. Like LibTorch's own autocast wrappers, it excludes
-// its key, casts the arguments and calls the op again from the top of the
-// dispatcher, so the casts are recorded by autograd and backward runs in the
-// cast dtypes. Unlike them, the policy is read at run time from its binding:
+// Autocast key; an op with a call of its own (kOwnKernel) has its own. Like
+// LibTorch's own autocast wrappers, it excludes its key, casts the arguments
+// and calls the op again from the top of the dispatcher, so the casts are
+// recorded by autograd and backward runs in the cast dtypes. Unlike them, the policy is read at run time from its binding:
 // users may change it, and one instantiation serves every policy. What each
 // policy does is decided in cast_decision.h, shared with the boxed kernel.
 #pragma once
@@ -55,7 +55,7 @@ class TypedArgs {
 };
 
 // How a kCastTo decision calls `op` (Op::call): every castable argument
-// cast to `to`. An op that needs more specializes it here, and OwnKernel.
+// cast to `to`. An op that needs more specializes it here (and kOwnKernel).
 template <class Op>
 struct CastCall {
   template <class Call, class... Args>
@@ -69,8 +69,8 @@ struct CastCall {
 template <>
 struct CastCall<at::_ops::_cudnn_rnn> {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call(
-      at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input, at::TensorList weight,
-      int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
+      at::_ops::_cudnn_rnn::schema* op, at::ScalarType to, c10::DeviceType device, const at::Tensor& input,
+      at::TensorList weight, int64_t weight_stride0, const std::optional<at::Tensor>& weight_buf, const at::Tensor& hx,
       const std::optional<at::Tensor>& cx, int64_t mode, const c10::SymInt& hidden_size,
       const c10::SymInt& proj_size, int64_t num_layers, bool batch_first, double dropout, bool train,
       bool bidirectional, c10::SymIntArrayRef batch_sizes, const std::optional<at::Tensor>& dropout_state);
