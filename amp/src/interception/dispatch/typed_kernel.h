@@ -6,9 +6,10 @@
 // Autocast key; an op with a call of its own (kOwnKernel) has its own. Like
 // LibTorch's own autocast wrappers, it excludes its key, casts the arguments
 // and calls the op again from the top of the dispatcher, so the casts are
-// recorded by autograd and backward runs in the cast dtypes. Unlike them, the policy is read at run time from its binding:
-// users may change it, and one instantiation serves every policy. What each
-// policy does is decided in cast_decision.h, shared with the boxed kernel.
+// recorded by autograd and backward runs in the cast dtypes. Unlike them,
+// the policy is read at run time from its binding: users may change it, and
+// one instantiation serves every policy. What each policy does is decided in
+// cast_decision.h, shared with the boxed kernel.
 #pragma once
 
 #include "interception/dispatch/call_record.h"
