@@ -10,8 +10,17 @@
 #include "profiled.h"
 
 #include <amp/fused.h>
+#include <amp/optimizer.h>
+
+#ifdef AMP_TEST_CUDA_KERNELS
+#include "optim/widened_step_kernels.h"
+#endif
+
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
+#include <iostream>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -137,6 +146,128 @@ TEST_P(StepKernelsTest, EightBitStateRunsAsManyOpsForManyTensorsAsForFew) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, StepKernelsTest, every_level(), level_case_name);
+
+// ---- On CUDA: the widened Adam step as one kernel -------------------------
+
+// Tensors at the fused kernel's edges: 1.1M values (two slices of the
+// chunked path's 2^20), rows of 256 cut short, a tensor of 3.
+struct EdgesImpl : torch::nn::Module {
+  EdgesImpl() {
+    torch::manual_seed(5);
+    big = register_parameter("big", torch::randn({1100, 1000}) * 0.02);
+    mid = register_parameter("mid", torch::randn({4100}) * 0.1);
+    small = register_parameter("small", torch::randn({3}));
+  }
+  at::Tensor loss(const at::Tensor& x) const {
+    return big.to(at::kFloat).matmul(x).square().mean() + mid.to(at::kFloat).square().sum() +
+           small.to(at::kFloat).pow(3).sum();
+  }
+  at::Tensor big, mid, small;
+};
+TORCH_MODULE(Edges);
+
+struct WidenedRun {
+  std::vector<at::Tensor> params, state;
+  int64_t step_kernels = 0, fused_launches = 0;  // the fourth step's kernels, and the fused one's
+  int64_t skipped = 0;
+};
+
+// Five Adam(W) steps of `options` on CUDA, the third overflowing (skipped on
+// the device), through the fused kernel or the chunked path; the fourth
+// step's kernels counted by LibTorch's profiler.
+template <class Optimizer, class ParamState, class OptimizerOptions>
+WidenedRun widened_run(Options options, const OptimizerOptions& optimizer_options, bool fused) {
+#ifdef AMP_TEST_CUDA_KERNELS
+  detail::set_widened_steps_fused(fused);
+#endif
+  Edges model;
+  model->to(torch::kCUDA);
+  Optimizer optimizer(model->parameters(), optimizer_options);
+  options.loss_scale = LossScale::Dynamic();
+  options.verbosity = 0;
+  Handle handle;
+  handle.initialize(model, optimizer, options);
+  torch::manual_seed(6);
+  const at::Tensor x = torch::randn({1000, 4}, torch::kCUDA);
+  WidenedRun run;
+  for (int step = 0; step < 5; ++step) {
+    optimizer.zero_grad();
+    const at::Tensor loss = model->loss(x) * (step == 2 ? std::numeric_limits<float>::infinity() : 1.0f);
+    scale_loss(loss, optimizer).backward();
+    if (step != 3) {
+      optimizer.step();
+      continue;
+    }
+    namespace profiler = torch::autograd::profiler;
+    const profiler::ProfilerConfig config(profiler::ProfilerState::KINETO);
+    const std::set<torch::profiler::impl::ActivityType> cuda{torch::profiler::impl::ActivityType::CUDA};
+    profiler::prepareProfiler(config, cuda);
+    profiler::enableProfiler(config, cuda);
+    optimizer.step();
+    torch::cuda::synchronize();
+    for (const auto& e : profiler::disableProfiler()->events()) {
+      ++run.step_kernels;
+      if (e.name().find("widened_step") != std::string::npos && e.name().find("adam_kernel") != std::string::npos) {
+        ++run.fused_launches;
+      }
+    }
+  }
+#ifdef AMP_TEST_CUDA_KERNELS
+  detail::set_widened_steps_fused(true);
+#endif
+  run.skipped = skipped_steps(optimizer);
+  for (const at::Tensor& p : optimizer.param_groups()[0].params()) {  // O5: the float32 masters
+    run.params.push_back(p.detach().clone());
+    const auto& s = static_cast<const ParamState&>(*optimizer.state().at(p.unsafeGetTensorImpl()));
+    run.state.insert(run.state.end(), {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq()});
+    if (s.max_exp_avg_sq().defined()) run.state.push_back(s.max_exp_avg_sq());
+  }
+  return run;
+}
+
+// The fused kernel writes the chunked path's bits - widened copies, ATen's
+// _fused_adam(w)_, then amp's rounding and coding kernels - for O6's
+// bfloat16 weights and state, 8-bit state at O5 and O6, Adam with L2 and
+// AMSGrad, AdamW with decoupled decay, through a skipped step; in one launch
+// where the chunked path takes five a chunk.
+TEST(WidenedStepTest, OnCudaOneKernelStepsAdamAsTheChunkedPathBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
+#ifndef AMP_TEST_CUDA_KERNELS
+  GTEST_SKIP() << "this build has no CUDA kernels (no CUDA compiler): the chunked path steps widened parameters";
+#endif
+  Options o6_packed = O6, o5_packed = O5;
+  o6_packed.optimizer_state_dtype = o5_packed.optimizer_state_dtype = at::kByte;
+  const std::vector<std::pair<const char*, Options>> levels = {{"O6", O6}, {"O6 + 8-bit state", o6_packed},
+                                                              {"O5 + 8-bit state", o5_packed}};
+  for (const auto& [name, options] : levels) {
+    const auto adam = torch::optim::AdamOptions(1e-3).weight_decay(0.01).amsgrad(true);
+    const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+    const WidenedRun adam_fused = widened_run<amp::optim::FusedAdam, torch::optim::AdamParamState>(options, adam, true);
+    const WidenedRun adam_chunked = widened_run<amp::optim::FusedAdam, torch::optim::AdamParamState>(options, adam, false);
+    const WidenedRun adamw_fused = widened_run<amp::optim::FusedAdamW, torch::optim::AdamWParamState>(options, adamw, true);
+    const WidenedRun adamw_chunked = widened_run<amp::optim::FusedAdamW, torch::optim::AdamWParamState>(options, adamw, false);
+    for (const WidenedRun* run : {&adam_fused, &adam_chunked, &adamw_fused, &adamw_chunked}) {
+      EXPECT_EQ(run->skipped, 1) << name;
+    }
+    EXPECT_TRUE(AllBitEqual(adam_fused.params, adam_chunked.params)) << name << ", Adam";
+    EXPECT_TRUE(AllBitEqual(adam_fused.state, adam_chunked.state)) << name << ", Adam";
+    EXPECT_TRUE(AllBitEqual(adamw_fused.params, adamw_chunked.params)) << name << ", AdamW";
+    EXPECT_TRUE(AllBitEqual(adamw_fused.state, adamw_chunked.state)) << name << ", AdamW";
+    // The steps moved the weights: the comparison is not of untouched tensors.
+    Edges start;
+    const at::Tensor& big = adamw_fused.params[0];
+    EXPECT_FALSE(BitEqual(big.cpu(), start->big.to(big.scalar_type()))) << name;
+    if (adamw_chunked.step_kernels == 0) {  // CUPTI taken, as under compute-sanitizer
+      std::cout << "[   NOTE   ] the profiler saw no kernels: " << name << "'s launches not counted\n";
+      continue;
+    }
+    EXPECT_EQ(adamw_fused.fused_launches, 1) << name;
+    EXPECT_EQ(adamw_chunked.fused_launches, 0) << name;
+    EXPECT_LT(adamw_fused.step_kernels, adamw_chunked.step_kernels) << name;
+    std::cout << "[   NOTE   ] " << name << ", AdamW: " << adamw_fused.step_kernels << " kernels a step fused, "
+              << adamw_chunked.step_kernels << " chunked\n";
+  }
+}
 
 }  // namespace
 }  // namespace amp::testing

@@ -35,9 +35,12 @@
 # widened step's CUDA kernels - O6's rounding and 8-bit state's coding,
 # tested bit for bit against the ATen ops by
 # StochasticRoundingTest.OnCudaTheKernelIsTheAtenOpsBitForBit and
-# EightBitStateTest.OnCudaTheCodingKernelsAreTheAtenOps (in the CUDA filter
-# above and under compute-sanitizer), timed by the benchmark's "amp O5/O6
-# (+ 8-bit state), blocks recomputed" rows.) The benchmark
+# EightBitStateTest.OnCudaTheCodingKernelsAreTheAtenOps, and the whole Adam
+# step in one kernel, against the chunked path by
+# WidenedStepTest.OnCudaOneKernelStepsAdamAsTheChunkedPathBitForBit (all in
+# the CUDA filter above and under compute-sanitizer), timed by the
+# benchmark's "amp O5/O6 (+ 8-bit state), blocks recomputed" rows beside
+# O6's "step chunked (ATen's kernel)" rows.) The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12"), its
 # workloads AMP_GPU_BENCH_MODELS (default all:
 # resnet,gpt,small_batch,te_layers,sweep); the suite's tests

@@ -46,6 +46,9 @@
 #include <amp/testing.h>
 
 #include "common/char_transformer.h"
+#ifdef AMP_BENCH_CUDA_KERNELS
+#include "optim/widened_step_kernels.h"  // the chunked rows' switch
+#endif
 
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -120,7 +123,7 @@ TORCH_MODULE(ResNet18);
 
 enum class Mode {
   kFp32, kFp32Tf32, kNative, kO1, kO2, kO2Recompute, kO3, kO4, kO5, kO5Fp8, kO5Fp8All, kO5Recompute, kO6Recompute,
-  kO6Recompute8Bit, kO1Own, kO2Own
+  kO6Recompute8Bit, kO6RecomputeChunked, kO6Recompute8BitChunked, kO1Own, kO2Own
 };
 const char* name(Mode m) {
   switch (m) {
@@ -133,6 +136,8 @@ const char* name(Mode m) {
     case Mode::kO5Recompute: return "amp O5, blocks recomputed";
     case Mode::kO6Recompute: return "amp O6, blocks recomputed";
     case Mode::kO6Recompute8Bit: return "amp O6 + 8-bit state, blocks recomputed";
+    case Mode::kO6RecomputeChunked: return "amp O6, blocks recomputed, step chunked (ATen's kernel)";
+    case Mode::kO6Recompute8BitChunked: return "amp O6 + 8-bit state, blocks recomputed, step chunked (ATen's kernel)";
     case Mode::kNative: return "native autocast + GradScaler loop";
     case Mode::kO1: return "amp O1";
     case Mode::kO2: return "amp O2";
@@ -145,8 +150,14 @@ const char* name(Mode m) {
 }
 
 bool is_recomputed(Mode m) {
-  return m == Mode::kO2Recompute || m == Mode::kO5Recompute || m == Mode::kO6Recompute || m == Mode::kO6Recompute8Bit;
+  return m == Mode::kO2Recompute || m == Mode::kO5Recompute || m == Mode::kO6Recompute || m == Mode::kO6Recompute8Bit ||
+         m == Mode::kO6RecomputeChunked || m == Mode::kO6Recompute8BitChunked;
 }
+
+// O6's widened step through the chunked path amp's one-kernel step replaces
+// (widened copies, ATen's _fused_adamw_, then rounding and coding kernels):
+// the reference its row is measured beside.
+bool is_chunked(Mode m) { return m == Mode::kO6RecomputeChunked || m == Mode::kO6Recompute8BitChunked; }
 
 // A table row: a mode, eager or its whole step (forward, scale_loss, step)
 // captured once in a CUDA graph and replayed (amp's levels).
@@ -167,6 +178,9 @@ std::vector<Row> all_rows() {
     rows.push_back({mode});
   }
   for (Mode mode : {Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8}) rows.push_back({mode, true});
+#ifdef AMP_BENCH_CUDA_KERNELS  // without amp's kernels every widened step is chunked
+  for (Mode mode : {Mode::kO6RecomputeChunked, Mode::kO6Recompute8BitChunked}) rows.push_back({mode});
+#endif
   return rows;
 }
 
@@ -248,6 +262,12 @@ struct NativeScaler {
 
 Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int timed) {
   const Mode mode = row.mode;
+#ifdef AMP_BENCH_CUDA_KERNELS
+  struct ChunkedSteps {
+    explicit ChunkedSteps(bool chunked) { amp::detail::set_widened_steps_fused(!chunked); }
+    ~ChunkedSteps() { amp::detail::set_widened_steps_fused(true); }
+  } chunked_steps(is_chunked(mode));
+#endif
   // A graph captures off the default stream; its warm-up runs there too.
   std::optional<c10::cuda::CUDAStreamGuard> side;
   if (row.graphed) side.emplace(c10::cuda::getStreamFromPool());
@@ -273,14 +293,16 @@ Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int t
                                      mode == Mode::kO2Recompute
                                ? amp::O2
                            : mode == Mode::kO4                         ? amp::O4
-                           : mode == Mode::kO6Recompute || mode == Mode::kO6Recompute8Bit ? amp::O6
+                           : mode == Mode::kO6Recompute || mode == Mode::kO6Recompute8Bit ||
+                                     is_chunked(mode)
+                               ? amp::O6
                            : mode == Mode::kO5 || mode == Mode::kO5Fp8 ||
                                      mode == Mode::kO5Fp8All || mode == Mode::kO5Recompute
                                ? amp::O5
                                : amp::O3;
     if (mode == Mode::kO5Fp8 || mode == Mode::kO5Fp8All) options.fp8 = true;
     if (mode == Mode::kO5Fp8All) options.fp8_scaling.min_gemm_intensity = 0;
-    if (mode == Mode::kO6Recompute8Bit) options.optimizer_state_dtype = at::kByte;
+    if (mode == Mode::kO6Recompute8Bit || mode == Mode::kO6Recompute8BitChunked) options.optimizer_state_dtype = at::kByte;
     options.verbosity = 0;
     options.cuda_dtype = low;
     if (mode == Mode::kO3) options.loss_scale = amp::LossScale::Dynamic();

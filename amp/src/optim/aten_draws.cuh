@@ -27,6 +27,17 @@ __device__ inline curandStatePhilox4_32_10_t state_at(uint64_t seed, int64_t thr
   return state;
 }
 
+// at::randint(0, 2^16)'s draw for value `index` of a tensor drawn with
+// `stride` threads: curand4's lane, modulo the range as random_from_to
+// takes it. (A kernel whose thread takes all four lanes of a draw calls
+// curand4 once instead.)
+__device__ inline uint32_t randint16(uint64_t seed, int64_t index, int64_t stride) {
+  curandStatePhilox4_32_10_t state = state_at(seed, index % stride, index / (kLanes * stride));
+  const uint4 draw = curand4(&state);
+  const uint32_t lanes[kLanes] = {draw.x, draw.y, draw.z, draw.w};
+  return lanes[(index / stride) % kLanes] % 65536u;
+}
+
 // at::rand's float for value `index` of a tensor drawn with `stride`
 // threads: curand_uniform4's lane, its (0, 1] turned into [0, 1) as
 // uniform_kernel turns it.

@@ -42,7 +42,14 @@ at::Tensor make_code_values(bool non_negative) {
   return values.to(at::kFloat);
 }
 
-// The table on `device`, made once per device.
+
+// 2^e (int32 exponents in [-126, 127]) as float32, exactly: the bit pattern.
+at::Tensor power_of_two(const at::Tensor& exponent) {
+  return exponent.add(127).mul_(int64_t{1} << 23).view(at::kFloat);
+}
+
+}  // namespace
+
 const at::Tensor& code_values(bool non_negative, c10::Device device) {
   static std::mutex mutex;
   static std::map<std::pair<bool, std::string>, at::Tensor> tables;
@@ -51,13 +58,6 @@ const at::Tensor& code_values(bool non_negative, c10::Device device) {
   if (!table.defined()) table = make_code_values(non_negative).to(device);
   return table;
 }
-
-// 2^e (int32 exponents in [-126, 127]) as float32, exactly: the bit pattern.
-at::Tensor power_of_two(const at::Tensor& exponent) {
-  return exponent.add(127).mul_(int64_t{1} << 23).view(at::kFloat);
-}
-
-}  // namespace
 
 bool is_packed_state(const at::Tensor& state) {
   return state.defined() && state.scalar_type() == at::kByte && state.dim() == 2 && state.size(1) == kPackedRow;
@@ -279,7 +279,7 @@ void unpack_by_cuda_kernel(const std::vector<StateUnpacking>& unpackings) {
 #ifdef AMP_WITH_CUDA_KERNELS
   std::vector<CudaUnpacking> jobs;
   for (const StateUnpacking& u : unpackings) {
-    jobs.push_back({u.packed, u.values, code_values(u.non_negative, u.packed.device())});
+    jobs.push_back({u.packed, u.values, code_values(u.non_negative, u.packed.device()), u.non_negative});
   }
   unpack_on_cuda(jobs);
 #else

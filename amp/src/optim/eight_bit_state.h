@@ -60,6 +60,9 @@ bool is_packed_state(const at::Tensor& state);
 bool packs(const at::Tensor& state, const at::Tensor& param);
 // The packed form's rows for `numel` values.
 int64_t packed_blocks(int64_t numel);
+// The values of the signed or non-negative code, ascending (float32), on
+// `device`: made once per device.
+const at::Tensor& code_values(bool non_negative, c10::Device device);
 
 // The packed form of `values` (float32, any shape). Rounded stochastically
 // with `rounder`'s stream `key`; to nearest without one (converting loaded

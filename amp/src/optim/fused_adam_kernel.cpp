@@ -2,7 +2,8 @@
 // The kernels of amp::optim::FusedAdam and FusedAdamW: LibTorch's Adam /
 // AdamW step (torch/optim/adam.cpp, adamw.cpp) with the state it would
 // create, as one ATen _fused_adam_ / _fused_adamw_ call per group and dtype
-// (per chunk for widened parameters: O6's, 8-bit state's), reading step counts kept on the device.
+// (per chunk for widened parameters: O6's, 8-bit state's; on CUDA amp's one
+// kernel for all of those), reading step counts kept on the device.
 #include "optim/fused_kernel.h"
 
 #include <ATen/ATen.h>
@@ -85,13 +86,22 @@ class AdamKernel final : public FusedKernel {
       }
     };
     for (auto& [dtype, l] : direct) kernel(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps);
-    if (!widened.params.empty()) {
-      step_widened({{&widened.params, true}, {&widened.grads}, {&widened.exp_avgs, true},
-                    {&widened.exp_avg_sqs, true, /*non_negative=*/true}, {&widened.max_exp_avg_sqs, true, true},
-                    {&widened.steps, false, false, /*whole=*/true}},
-                   widened.keys, *g.precision,
-                   [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
+    if (widened.params.empty()) return;
+    const std::vector<WideColumn> columns = {
+        {&widened.params, true}, {&widened.grads}, {&widened.exp_avgs, true},
+        {&widened.exp_avg_sqs, true, /*non_negative=*/true}, {&widened.max_exp_avg_sqs, true, true},
+        {&widened.steps, false, false, /*whole=*/true}};
+#ifdef AMP_WITH_CUDA_KERNELS
+    // On CUDA one kernel decodes, steps and codes back every slice.
+    if (const auto slices = pieces_in_place(columns, widened.keys, *g.precision); !slices.empty()) {
+      detail::adam_on_cuda(slices, {options.lr(), beta1, beta2, options.weight_decay(), options.eps(),
+                                    std::is_same_v<Options, torch::optim::AdamWOptions>, options.amsgrad(),
+                                    flag.value_or(at::Tensor())});
+      return;
     }
+#endif
+    step_widened(columns, widened.keys, *g.precision,
+                 [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2], w[3], w[4], w[5]); });
   }
 };
 

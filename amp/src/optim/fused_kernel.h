@@ -11,6 +11,7 @@
 #include <amp/fused.h>
 
 #include "optim/stochastic_rounding.h"
+#include "optim/widened_step_kernels.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -103,5 +104,16 @@ struct WideColumn {
 void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint64_t>& keys,
                   const UpdatePrecision& precision,
                   const std::function<void(const std::vector<std::vector<at::Tensor>>&)>& kernel);
+
+// step_widened's slices of `columns`, for a fused CUDA kernel that steps
+// them in place (widened_step_kernels.h): each slice's piece of every
+// column (the whole tensor of a `whole` one), a written bfloat16 or packed
+// piece with the stream step_widened would round or code it from. Empty
+// where that kernel cannot take them all: the build has no CUDA kernels,
+// widened_steps_fused is off, or a tensor is off the parameters' device, not
+// contiguous, or of another dtype.
+std::vector<std::vector<detail::CudaWidePiece>> pieces_in_place(const std::vector<WideColumn>& columns,
+                                                                 const std::vector<uint64_t>& keys,
+                                                                 const UpdatePrecision& precision);
 
 }  // namespace amp::optim::internal

@@ -4,6 +4,7 @@
 #include "optim/eight_bit_state.h"
 #include "optim/one_pass_kernels.h"
 #include "optim/optimizer_kinds.h"
+#include "optim/widened_step_kernels.h"
 #include "support/host_read.h"
 #include "support/raw_view.h"
 #include "support/trace_range.h"
@@ -179,6 +180,42 @@ void step_widened(const std::vector<WideColumn>& columns, const std::vector<uint
     detail::pack_states_into(packings, &rounder);
     begin = end;
   }
+}
+
+std::vector<std::vector<detail::CudaWidePiece>> pieces_in_place(const std::vector<WideColumn>& columns,
+                                                                 const std::vector<uint64_t>& keys,
+                                                                 const UpdatePrecision& precision) {
+#ifdef AMP_WITH_CUDA_KERNELS
+  const std::vector<at::Tensor>& params = *columns[0].tensors;
+  if (!detail::widened_steps_fused() || params.empty() || !detail::widened_step_kernels_apply(params[0])) return {};
+  const c10::Device device = params[0].device();
+  for (const WideColumn& column : columns) {
+    for (const at::Tensor& t : *column.tensors) {
+      const c10::ScalarType dtype = t.scalar_type();
+      const bool kept = dtype == at::kFloat || dtype == at::kBFloat16 || detail::is_packed_state(t);
+      if (!kept || t.device() != device || !t.is_contiguous()) return {};
+    }
+  }
+  std::vector<std::vector<detail::CudaWidePiece>> slices;
+  for (const Slice& slice : slices_of(params)) {
+    const int64_t numel = params[slice.index].numel();
+    std::vector<detail::CudaWidePiece>& pieces = slices.emplace_back(columns.size());
+    for (size_t c = 0; c < columns.size(); ++c) {
+      if (columns[c].tensors->empty()) continue;
+      const at::Tensor& t = (*columns[c].tensors)[slice.index];
+      detail::CudaWidePiece& piece = pieces[c];
+      piece.t = columns[c].whole ? t : slice_of(t, slice, numel);
+      piece.non_negative = columns[c].non_negative;
+      if (detail::is_packed_state(t)) piece.table = detail::code_values(piece.non_negative, device);
+      // step_widened's streams: the slice's, this column's.
+      const detail::RoundingKey key{precision.step, keys[slice.index] * columns.size() + c, slice.part};
+      if (columns[c].written && t.scalar_type() != at::kFloat) piece.seed = precision.rounder->stream_seed(key);
+    }
+  }
+  return slices;
+#else
+  return {};
+#endif
 }
 
 // ---- FusedStepping ------------------------------------------------------------

@@ -42,17 +42,19 @@ __device__ inline const Job& job_of_block(const KernelJobs<Job>& jobs) {
   return jobs.job[lo];
 }
 
-// Launches `kernel` over `jobs`, `threads` a block: a launch whenever one
-// is full (of jobs, or of blocks for a grid). The first launch error.
-template <class Job>
-cudaError_t launch_batches(void (*kernel)(KernelJobs<Job>), const std::vector<Job>& jobs, int threads,
-                           cudaStream_t stream) {
+// Launches `kernel` over `jobs`, `threads` a block, with `shared` (what
+// every job shares, a few bytes beside the jobs' 32000) after them: a launch
+// whenever one is full (of jobs, or of blocks for a grid). The first launch
+// error.
+template <class Job, class... Shared>
+cudaError_t launch_batches(void (*kernel)(KernelJobs<Job>, Shared...), const std::vector<Job>& jobs, int threads,
+                           cudaStream_t stream, Shared... shared) {
   auto batch = std::make_unique<KernelJobs<Job>>();  // 32 KB: off the stack
   batch->count = 0;
   int64_t blocks = 0;
   auto flush = [&]() -> cudaError_t {
     if (batch->count == 0) return cudaSuccess;
-    kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(*batch);
+    kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(*batch, shared...);
     batch->count = 0;
     blocks = 0;
     return cudaGetLastError();

@@ -3,8 +3,7 @@
 
 #include "optim/aten_draws.cuh"
 #include "optim/kernel_jobs.cuh"
-
-#include <torch/headeronly/util/BFloat16.h>
+#include "optim/stochastic_bfloat16.cuh"
 
 #include <cstdint>
 
@@ -15,8 +14,7 @@ using aten_draws::kLanes;
 
 // One thread per (pass, thread of ATen's grid) of a job: the four values
 // that thread draws with one counter in that pass, as at::randint(0, 2^16)
-// draws them, added below bfloat16's cut and truncated; NaN stays NaN. The
-// conversion is c10's, as the ATen ops' copy into bfloat16.
+// draws them.
 __global__ void __launch_bounds__(kThreads) round_kernel(const KernelJobs<RoundingJob> jobs) {
   const RoundingJob& job = job_of_block(jobs);
   const int64_t item = (static_cast<int64_t>(blockIdx.x) - job.first_block) * kThreads + threadIdx.x;
@@ -30,11 +28,7 @@ __global__ void __launch_bounds__(kThreads) round_kernel(const KernelJobs<Roundi
   for (int lane = 0; lane < kLanes; ++lane) {
     const int64_t i = first + lane * job.stride;
     if (i >= job.numel) break;
-    const uint32_t bits = job.src[i];
-    const float x = __uint_as_float(bits);
-    const float rounded = x != x ? __int_as_float(0x7FC00000)  // masked_fill's quiet NaN
-                                 : __uint_as_float((bits + (lanes[lane] % 65536u)) & 0xFFFF0000u);
-    job.dst[i] = c10::BFloat16(rounded).x;
+    job.dst[i] = stochastic_bfloat16(__uint_as_float(job.src[i]), lanes[lane] % 65536u);
   }
 }
 

@@ -3,6 +3,7 @@
 
 #ifdef AMP_WITH_CUDA_KERNELS
 
+#include "optim/eight_bit_state.h"
 #include "optim/widened_step_launch.h"
 #include "support/kernel_image.h"
 
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <optional>
 
 namespace amp::detail {
 namespace {
@@ -32,12 +34,29 @@ int64_t aten_grid_threads(int64_t numel) {
   return blocks * widened_step::kThreads;
 }
 
-bool fits_packed(const at::Tensor& values, const at::Tensor& packed, const at::Tensor& table, c10::Device device) {
-  const int64_t rows = (values.numel() + kRowValues - 1) / kRowValues;
-  return values.scalar_type() == at::kFloat && values.is_contiguous() && packed.scalar_type() == at::kByte &&
-         packed.is_contiguous() && packed.numel() == rows * kRowBytes && table.scalar_type() == at::kFloat &&
-         values.device() == device && packed.device() == device && table.device() == device;
+int64_t rows_of(int64_t numel) { return (numel + kRowValues - 1) / kRowValues; }
+
+// Whether `packed` holds the rows of `numel` values, coded with `table`, on `device`.
+bool fits_packed(int64_t numel, const at::Tensor& packed, const at::Tensor& table, c10::Device device) {
+  return packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == rows_of(numel) * kRowBytes &&
+         table.scalar_type() == at::kFloat && packed.device() == device && table.device() == device;
 }
+
+bool fits_values(const at::Tensor& values, c10::Device device) {
+  return values.scalar_type() == at::kFloat && values.is_contiguous() && values.device() == device;
+}
+
+widened_step::CodeBook code_book(const at::Tensor& table, bool non_negative) {
+  const int last = static_cast<int>(table.numel()) - 1;
+  return {table.const_data_ptr<float>(), last, non_negative ? 0 : last / 2, non_negative ? 4 : 8};
+}
+
+// The noise of coding `numel` values' rows from stream `seed` (none: to nearest).
+widened_step::StateNoise coding_noise(int64_t numel, std::optional<uint64_t> seed) {
+  return {seed.value_or(0), aten_grid_threads(rows_of(numel) * kRowValues), seed.has_value()};
+}
+
+std::atomic<bool> fused_steps{true};
 
 }  // namespace
 
@@ -73,15 +92,12 @@ void pack_on_cuda(const std::vector<CudaPacking>& packings) {
   const c10::cuda::CUDAGuard guard(device);  // at::rand's grid is this device's
   std::vector<widened_step::PackingJob> jobs;
   for (const CudaPacking& p : packings) {
-    TORCH_INTERNAL_ASSERT(fits_packed(p.values, p.packed, p.table, device),
+    const int64_t numel = p.values.numel();
+    TORCH_INTERNAL_ASSERT(fits_values(p.values, device) && fits_packed(numel, p.packed, p.table, device),
                           "amp: the CUDA state coding kernel got an unfit tensor");
-    const int64_t rows = (p.values.numel() + kRowValues - 1) / kRowValues;
-    if (rows == 0) continue;
-    const int last = static_cast<int>(p.table.numel()) - 1;
+    if (numel == 0) continue;
     jobs.push_back({p.values.const_data_ptr<float>(), p.packed.mutable_data_ptr<uint8_t>(),
-                    p.table.const_data_ptr<float>(), p.values.numel(), aten_grid_threads(rows * kRowValues), rows, 0,
-                    p.seed.value_or(0), last, p.non_negative ? 0 : last / 2, p.non_negative ? 4 : 8,
-                    p.seed.has_value()});
+                    code_book(p.table, p.non_negative), coding_noise(numel, p.seed), numel, rows_of(numel), 0});
   }
   C10_CUDA_CHECK(widened_step::launch(jobs, at::cuda::getCurrentCUDAStream()));
 }
@@ -92,16 +108,80 @@ void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings) {
   const c10::cuda::CUDAGuard guard(device);
   std::vector<widened_step::UnpackingJob> jobs;
   for (const CudaUnpacking& u : unpackings) {
-    TORCH_INTERNAL_ASSERT(fits_packed(u.values, u.packed, u.table, device),
+    const int64_t numel = u.values.numel();
+    TORCH_INTERNAL_ASSERT(fits_values(u.values, device) && fits_packed(numel, u.packed, u.table, device),
                           "amp: the CUDA state decoding kernel got an unfit tensor");
-    const int64_t rows = (u.values.numel() + kRowValues - 1) / kRowValues;
-    if (rows == 0) continue;
+    if (numel == 0) continue;
     jobs.push_back({u.packed.const_data_ptr<uint8_t>(), u.values.mutable_data_ptr<float>(),
-                    u.table.const_data_ptr<float>(), u.values.numel(), rows, 0,
-                    static_cast<int>(u.table.numel()) - 1});
+                    code_book(u.table, u.non_negative), numel, rows_of(numel), 0});
   }
   C10_CUDA_CHECK(widened_step::launch(jobs, at::cuda::getCurrentCUDAStream()));
 }
+
+namespace {
+
+// `piece` of a slice of `numel` values as the fused kernel takes it.
+widened_step::ColumnJob column_job(const CudaWidePiece& piece, int64_t numel, c10::Device device) {
+  widened_step::ColumnJob job{};
+  job.kept = widened_step::Kept::kFloat32;
+  if (!piece.t.defined()) return job;
+  const at::Tensor& t = piece.t;
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && t.device() == device, "amp: the fused CUDA step got an unfit tensor");
+  job.data = t.data_ptr();
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      TORCH_INTERNAL_ASSERT(t.numel() == numel, "amp: the fused CUDA step got pieces of different sizes");
+      break;
+    case at::kBFloat16:
+      TORCH_INTERNAL_ASSERT(t.numel() == numel, "amp: the fused CUDA step got pieces of different sizes");
+      job.kept = widened_step::Kept::kBFloat16;
+      job.noise = {piece.seed, aten_grid_threads(numel), true};  // round_on_cuda's grid
+      break;
+    case at::kByte:
+      TORCH_INTERNAL_ASSERT(fits_packed(numel, t, piece.table, device), "amp: the fused CUDA step got unfit state");
+      job.kept = widened_step::Kept::kPacked;
+      job.book = code_book(piece.table, piece.non_negative);
+      job.noise = coding_noise(numel, piece.seed);  // pack_on_cuda's
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "amp: the fused CUDA step takes float32, bfloat16 or packed state, got ",
+                            t.scalar_type());
+  }
+  return job;
+}
+
+}  // namespace
+
+void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaAdamStep& step) {
+  if (slices.empty()) return;
+  const c10::Device device = slices.front().front().t.device();
+  const c10::cuda::CUDAGuard guard(device);  // ATen's grids are this device's
+  TORCH_INTERNAL_ASSERT(!step.found_inf.defined() || (step.found_inf.scalar_type() == at::kFloat &&
+                                                      step.found_inf.numel() == 1 && step.found_inf.device() == device),
+                        "amp: the fused CUDA step's overflow flag is unfit");
+  std::vector<widened_step::AdamJob> jobs;
+  for (const std::vector<CudaWidePiece>& s : slices) {
+    TORCH_INTERNAL_ASSERT(s.size() == 6 && s[5].t.scalar_type() == at::kFloat && s[5].t.numel() == 1 &&
+                          s[5].t.device() == device && s[4].t.defined() == step.amsgrad,
+                          "amp: the fused CUDA Adam step got an unfit slice");
+    const int64_t numel = s[0].t.numel();
+    if (numel == 0) continue;
+    jobs.push_back({column_job(s[0], numel, device), column_job(s[1], numel, device), column_job(s[2], numel, device),
+                    column_job(s[3], numel, device), column_job(s[4], numel, device),
+                    s[5].t.const_data_ptr<float>(), numel, rows_of(numel), 0});
+  }
+  // ATen's functor takes its options as float32 (opmath) values.
+  const widened_step::AdamStep shared{static_cast<float>(step.lr), static_cast<float>(step.beta1),
+                                      static_cast<float>(step.beta2), static_cast<float>(step.weight_decay),
+                                      static_cast<float>(step.eps),
+                                      step.found_inf.defined() ? step.found_inf.const_data_ptr<float>() : nullptr,
+                                      step.adamw, step.amsgrad};
+  C10_CUDA_CHECK(widened_step::launch(jobs, shared, at::cuda::getCurrentCUDAStream()));
+}
+
+void set_widened_steps_fused(bool fused) { fused_steps = fused; }
+
+bool widened_steps_fused() { return fused_steps; }
 
 }  // namespace amp::detail
 

@@ -49,6 +49,26 @@ struct CudaPacking {
 // state's numel) with the code whose values are `table`.
 struct CudaUnpacking {
   at::Tensor packed, values, table;
+  bool non_negative = false;
+};
+
+// One column's piece of a slice that a fused step (adam_on_cuda) steps in
+// place: float32; bfloat16, written back rounded stochastically from stream
+// `seed` (as round_on_cuda rounds); or packed 8-bit state, written back
+// coded stochastically from stream `seed` with the code whose values are
+// `table` (as pack_on_cuda codes). Contiguous. Undefined: an empty column.
+struct CudaWidePiece {
+  at::Tensor t, table;
+  uint64_t seed = 0;
+  bool non_negative = false;
+};
+
+// The options of an Adam or AdamW step, and its overflow flag (float32, one
+// element on the slices' device, 1: skip; undefined: none).
+struct CudaAdamStep {
+  double lr = 0, beta1 = 0, beta2 = 0, weight_decay = 0, eps = 0;
+  bool adamw = false, amsgrad = false;
+  at::Tensor found_inf;
 };
 
 // Whether `t` can be rounded, packed or unpacked by the kernels: the build has amp's CUDA
@@ -65,5 +85,22 @@ void pack_on_cuda(const std::vector<CudaPacking>& packings);
 // which the CPU refuses) decodes as NaN: the kernel cannot raise an error
 // without the host waiting for it.
 void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings);
+
+// Steps `slices` (all on one device, each widened_step_kernels_apply), each
+// [param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (undefined without
+// amsgrad), its parameter's device step count (float32, one element, this
+// step's included)], by ATen's fused Adam / AdamW arithmetic in one launch
+// for up to about 90 slices: each value decoded, stepped in float32 and written
+// back as the chunked path writes it - the bits of widening each piece,
+// at::_fused_adam(w)_ over them, then round_on_cuda and pack_on_cuda,
+// without the float32 copies or their launches. The gradient is only read.
+void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaAdamStep& step);
+
+// Whether widened steps run through the fused kernels where they can (the
+// default), or always as the chunked path: widened copies, ATen's fused
+// kernel, then rounded and packed - the reference the fused kernels are
+// tested and measured against.
+void set_widened_steps_fused(bool fused);
+bool widened_steps_fused();
 
 }  // namespace amp::detail
