@@ -369,6 +369,18 @@ TEST_F(CudaTrainingTest, CapturingWhatCannotBeCapturedSaysWhich) {
     EXPECT_FALSE(last_step_skipped(optimizer));
     EXPECT_FALSE(BitEqual(model->fc1->weight, before[0])) << "eager training goes on";
   }
+  {  // O6 after warm-up: its stochastic rounding would replay one step's noise
+    FusedCudaRun net(O6);
+    TinyNet& model = net.model;
+    amp::optim::FusedAdamW& optimizer = net.optimizer;
+    step(model, optimizer);
+    (void)skipped_steps(optimizer);
+    EXPECT_THAT(refused(model, optimizer), ::testing::HasSubstr("draw fresh noise every step"));
+    const auto before = clones(model->parameters());
+    step(model, optimizer);
+    EXPECT_FALSE(last_step_skipped(optimizer));
+    EXPECT_FALSE(BitEqual(model->fc1->weight, before[0])) << "eager training goes on";
+  }
 }
 
 }  // namespace

@@ -16,8 +16,6 @@
 #include "optim/widened_step_kernels.h"
 #endif
 
-#include <torch/csrc/autograd/profiler_kineto.h>
-
 #include <algorithm>
 #include <iostream>
 #include <limits>
@@ -172,9 +170,9 @@ struct WidenedRun {
   int64_t skipped = 0;
 };
 
-// Five Adam(W) steps of `options` on CUDA, the third overflowing (skipped on
-// the device), through the fused kernel or the chunked path; the fourth
-// step's kernels counted by LibTorch's profiler.
+// Five steps of `Optimizer` on CUDA at `options`, the third overflowing
+// (skipped on the device), through the fused kernel or the chunked path;
+// the fourth step's kernels counted by LibTorch's profiler.
 template <class Optimizer, class ParamState, class OptimizerOptions>
 WidenedRun widened_run(Options options, const OptimizerOptions& optimizer_options, bool fused) {
 #ifdef AMP_TEST_CUDA_KERNELS
@@ -207,65 +205,81 @@ WidenedRun widened_run(Options options, const OptimizerOptions& optimizer_option
     torch::cuda::synchronize();
     for (const auto& e : profiler::disableProfiler()->events()) {
       ++run.step_kernels;
-      if (e.name().find("widened_step") != std::string::npos && e.name().find("adam_kernel") != std::string::npos) {
-        ++run.fused_launches;
-      }
+      const std::string& name = e.name();
+      const bool fused_kernel = name.find("adam_kernel") != std::string::npos || name.find("sgd_kernel") != std::string::npos;
+      if (name.find("widened_step") != std::string::npos && fused_kernel) ++run.fused_launches;
     }
   }
 #ifdef AMP_TEST_CUDA_KERNELS
   detail::set_widened_steps_fused(true);
 #endif
   run.skipped = skipped_steps(optimizer);
-  for (const at::Tensor& p : optimizer.param_groups()[0].params()) {  // O5: the float32 masters
+  for (const at::Tensor& p : optimizer.param_groups()[0].params()) {  // O2, O5: the float32 masters
     run.params.push_back(p.detach().clone());
-    const auto& s = static_cast<const ParamState&>(*optimizer.state().at(p.unsafeGetTensorImpl()));
-    run.state.insert(run.state.end(), {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq()});
-    if (s.max_exp_avg_sq().defined()) run.state.push_back(s.max_exp_avg_sq());
+    auto entry = optimizer.state().find(p.unsafeGetTensorImpl());
+    if (entry == optimizer.state().end()) continue;  // SGD without momentum keeps none
+    const auto& s = static_cast<const ParamState&>(*entry->second);
+    if constexpr (std::is_same_v<ParamState, torch::optim::SGDParamState>) {
+      run.state.push_back(s.momentum_buffer());
+    } else {
+      run.state.insert(run.state.end(), {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq()});
+      if (s.max_exp_avg_sq().defined()) run.state.push_back(s.max_exp_avg_sq());
+    }
   }
   return run;
 }
 
-// The fused kernel writes the chunked path's bits - widened copies, ATen's
-// _fused_adam(w)_, then amp's rounding and coding kernels - for O6's
-// bfloat16 weights and state, 8-bit state at O5 and O6, Adam with L2 and
-// AMSGrad, AdamW with decoupled decay, through a skipped step; in one launch
-// where the chunked path takes five a chunk.
-TEST(WidenedStepTest, OnCudaOneKernelStepsAdamAsTheChunkedPathBitForBit) {
+// The runs of one optimizer through both paths, compared.
+template <class Optimizer, class ParamState, class OptimizerOptions>
+void expect_one_kernel_as_chunked(const std::string& what, const Options& options, const OptimizerOptions& o) {
+  SCOPED_TRACE(what);
+  const WidenedRun fused = widened_run<Optimizer, ParamState>(options, o, true);
+  const WidenedRun chunked = widened_run<Optimizer, ParamState>(options, o, false);
+  EXPECT_EQ(fused.skipped, 1);
+  EXPECT_EQ(chunked.skipped, 1);
+  EXPECT_TRUE(AllBitEqual(fused.params, chunked.params));
+  EXPECT_TRUE(AllBitEqual(fused.state, chunked.state));
+  // The steps moved the weights: the comparison is not of untouched tensors.
+  Edges start;
+  EXPECT_FALSE(BitEqual(fused.params[0].cpu(), start->big.to(fused.params[0].scalar_type())));
+  if (chunked.step_kernels == 0) {  // CUPTI taken, as under compute-sanitizer
+    std::cout << "[   NOTE   ] the profiler saw no kernels: " << what << ": launches not counted\n";
+    return;
+  }
+  EXPECT_EQ(fused.fused_launches, 1);
+  EXPECT_EQ(chunked.fused_launches, 0);
+  EXPECT_LT(fused.step_kernels, chunked.step_kernels);
+  std::cout << "[   NOTE   ] " << what << ": " << fused.step_kernels << " kernels a step in one, "
+            << chunked.step_kernels << " chunked\n";
+}
+
+// The fused kernels write the chunked path's bits - widened copies, ATen's
+// _fused_adam(w)_ or _fused_sgd_, then amp's rounding and coding kernels -
+// for O6's bfloat16 weights and state, 8-bit state at O5 and O6: Adam with
+// L2 and AMSGrad, AdamW with decoupled decay, SGD with momentum (Nesterov's,
+// dampened) and without, through a skipped step; in one launch where the
+// chunked path takes five a chunk.
+TEST(WidenedStepTest, OnCudaOneKernelStepsAsTheChunkedPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device on this machine; runs on the GPU machine (tools/gpu_run.sh)";
 #ifndef AMP_TEST_CUDA_KERNELS
   GTEST_SKIP() << "this build has no CUDA kernels (no CUDA compiler): the chunked path steps widened parameters";
 #endif
   Options o6_packed = O6, o5_packed = O5;
   o6_packed.optimizer_state_dtype = o5_packed.optimizer_state_dtype = at::kByte;
-  const std::vector<std::pair<const char*, Options>> levels = {{"O6", O6}, {"O6 + 8-bit state", o6_packed},
+  const std::vector<std::pair<std::string, Options>> levels = {{"O6", O6}, {"O6 + 8-bit state", o6_packed},
                                                               {"O5 + 8-bit state", o5_packed}};
   for (const auto& [name, options] : levels) {
-    const auto adam = torch::optim::AdamOptions(1e-3).weight_decay(0.01).amsgrad(true);
-    const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
-    const WidenedRun adam_fused = widened_run<amp::optim::FusedAdam, torch::optim::AdamParamState>(options, adam, true);
-    const WidenedRun adam_chunked = widened_run<amp::optim::FusedAdam, torch::optim::AdamParamState>(options, adam, false);
-    const WidenedRun adamw_fused = widened_run<amp::optim::FusedAdamW, torch::optim::AdamWParamState>(options, adamw, true);
-    const WidenedRun adamw_chunked = widened_run<amp::optim::FusedAdamW, torch::optim::AdamWParamState>(options, adamw, false);
-    for (const WidenedRun* run : {&adam_fused, &adam_chunked, &adamw_fused, &adamw_chunked}) {
-      EXPECT_EQ(run->skipped, 1) << name;
-    }
-    EXPECT_TRUE(AllBitEqual(adam_fused.params, adam_chunked.params)) << name << ", Adam";
-    EXPECT_TRUE(AllBitEqual(adam_fused.state, adam_chunked.state)) << name << ", Adam";
-    EXPECT_TRUE(AllBitEqual(adamw_fused.params, adamw_chunked.params)) << name << ", AdamW";
-    EXPECT_TRUE(AllBitEqual(adamw_fused.state, adamw_chunked.state)) << name << ", AdamW";
-    // The steps moved the weights: the comparison is not of untouched tensors.
-    Edges start;
-    const at::Tensor& big = adamw_fused.params[0];
-    EXPECT_FALSE(BitEqual(big.cpu(), start->big.to(big.scalar_type()))) << name;
-    if (adamw_chunked.step_kernels == 0) {  // CUPTI taken, as under compute-sanitizer
-      std::cout << "[   NOTE   ] the profiler saw no kernels: " << name << "'s launches not counted\n";
-      continue;
-    }
-    EXPECT_EQ(adamw_fused.fused_launches, 1) << name;
-    EXPECT_EQ(adamw_chunked.fused_launches, 0) << name;
-    EXPECT_LT(adamw_fused.step_kernels, adamw_chunked.step_kernels) << name;
-    std::cout << "[   NOTE   ] " << name << ", AdamW: " << adamw_fused.step_kernels << " kernels a step fused, "
-              << adamw_chunked.step_kernels << " chunked\n";
+    using torch::optim::SGDOptions;
+    expect_one_kernel_as_chunked<amp::optim::FusedAdam, torch::optim::AdamParamState>(
+        name + ", Adam", options, torch::optim::AdamOptions(1e-3).weight_decay(0.01).amsgrad(true));
+    expect_one_kernel_as_chunked<amp::optim::FusedAdamW, torch::optim::AdamWParamState>(
+        name + ", AdamW", options, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    expect_one_kernel_as_chunked<amp::optim::FusedSGD, torch::optim::SGDParamState>(
+        name + ", SGD with Nesterov momentum", options, SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01));
+    expect_one_kernel_as_chunked<amp::optim::FusedSGD, torch::optim::SGDParamState>(
+        name + ", SGD with dampened momentum", options, SGDOptions(0.05).momentum(0.9).dampening(0.1));
+    expect_one_kernel_as_chunked<amp::optim::FusedSGD, torch::optim::SGDParamState>(
+        name + ", SGD", options, SGDOptions(0.05).weight_decay(0.01));
   }
 }
 

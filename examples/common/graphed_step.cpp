@@ -51,6 +51,12 @@ void check_cuda_graph(c10::Device device, bool fused_optimizer, const amp::Optio
   throw std::invalid_argument("--cuda_graph: this build's LibTorch has no CUDA; build against a CUDA LibTorch, "
                               "or run without --cuda_graph");
 #endif
+  if (options.stochastic_rounding.value_or(options.opt_level == amp::O6) ||
+      options.optimizer_state_dtype == at::kByte) {
+    throw std::invalid_argument("--cuda_graph cannot replay O6's stochastic rounding or 8-bit state, which draw "
+                                "fresh noise every step (a replay would round with one step's noise): use O5, or "
+                                "run without --cuda_graph");
+  }
   if (!device.is_cuda()) {
     throw std::invalid_argument("--cuda_graph captures the step's GPU work and needs --device=cuda; on the CPU "
                                 "run without it");

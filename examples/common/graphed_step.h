@@ -50,7 +50,8 @@ class GraphedStep {
 };
 
 // Throws std::invalid_argument, naming the flag and what to do, where
-// --cuda_graph cannot run: not on CUDA, LibTorch's optimizer (--optimizer=
+// --cuda_graph cannot run: O6's stochastic rounding or 8-bit state (fresh
+// noise every step), not on CUDA, LibTorch's optimizer (--optimizer=
 // libtorch: it reads the overflow verdict on the host every step), or a
 // flag whose work happens on the host every step (--inject_non_finite, the
 // value of `inject_non_finite`; --measured_policy, options.measured_policy).

@@ -61,7 +61,8 @@
 /// which LibTorch's step cannot take either; inside a CUDA graph capture, a
 /// step the graph could not replay: gradients the kernels cannot take, state
 /// not yet created (no warm-up), a pending step's outcome the capture would
-/// have to wait for, or a verdict already read on the host.
+/// have to wait for, a verdict already read on the host, or a step that
+/// rounds stochastically (O6, 8-bit state: a replay cannot draw fresh noise).
 #pragma once
 
 #include <torch/optim/adam.h>

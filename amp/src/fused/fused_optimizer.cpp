@@ -32,7 +32,8 @@ bool Fused::fused_step(torch::optim::Optimizer& optimizer) {
               "parameter on one CPU or CUDA device. Make the gradients so (sparse=false embeddings, no gradient "
               "hooks that change their dtype), or keep the state in float32 (optimizer_state_dtype unset).");
   detail::OptimizerStep::FusedDecision decision;
-  if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels);
+  const bool rounds = kept != nullptr && (kept->rounds_weights || kept->state_dtype == at::kByte);
+  if (amp_step != nullptr) decision = amp_step->begin_fused_step(kernels, rounds);
   if (decision.skip) return true;
   if (!kernels) {
     stepping_->reset();  // LibTorch's step counts on the host

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // The kernel of amp::optim::FusedSGD: LibTorch's SGD step
 // (torch/optim/sgd.cpp) as ATen's _fused_sgd_, one call per dtype, rounding
-// and first step. Parameters without a momentum buffer yet take their first
+// and first step (on CUDA, amp's one kernel for the widened parameters: O6's,
+// 8-bit state's). Parameters without a momentum buffer yet take their first
 // step, which sets it to the gradient.
 #include "optim/fused_kernel.h"
 
@@ -67,10 +68,19 @@ class SgdKernel final : public FusedKernel {
       };
       if (!widened) {
         kernel(batch.params, batch.grads, batch.buffers);
-      } else {
-        step_widened({{&batch.params, true}, {&batch.grads}, {&batch.buffers, true}}, batch.keys, *g.precision,
-                     [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
+        continue;
       }
+      const std::vector<WideColumn> columns = {{&batch.params, true}, {&batch.grads}, {&batch.buffers, true}};
+#ifdef AMP_WITH_CUDA_KERNELS
+      // On CUDA one kernel decodes, steps and codes back every slice.
+      if (const auto slices = pieces_in_place(columns, batch.keys, *g.precision); !slices.empty()) {
+        detail::sgd_on_cuda(slices, {options.lr(), options.weight_decay(), options.momentum(), options.dampening(),
+                                     options.nesterov(), first, flag.value_or(at::Tensor())});
+        continue;
+      }
+#endif
+      step_widened(columns, batch.keys, *g.precision,
+                   [&](const std::vector<std::vector<at::Tensor>>& w) { kernel(w[0], w[1], w[2]); });
     }
   }
 };

@@ -3,7 +3,7 @@
 // coded and decoded by one thread, a row of 256 values by a block of 256
 // threads, as the ATen ops of eight_bit_state.cpp compute them, in the same
 // float32 operations, so the bytes are theirs. The coding kernels
-// (state_coding_kernel.cu) and the fused step (widened_adam_kernel.cu) share it.
+// (state_coding_kernel.cu) and the fused step (widened_update_kernels.cu) share it.
 #pragma once
 
 #include "optim/aten_draws.cuh"

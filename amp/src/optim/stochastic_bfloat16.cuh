@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // Private, CUDA only: one float32 value rounded stochastically to bfloat16
 // as stochastic_rounding.cpp's ATen ops round it (the rounding kernel,
-// rounding_kernel.cu, and the fused step, widened_adam_kernel.cu, share it).
+// rounding_kernel.cu, and the fused step, widened_update_kernels.cu, share it).
 #pragma once
 
 #include <torch/headeronly/util/BFloat16.h>

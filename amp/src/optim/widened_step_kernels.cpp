@@ -150,15 +150,20 @@ widened_step::ColumnJob column_job(const CudaWidePiece& piece, int64_t numel, c1
   return job;
 }
 
+// The overflow flag as the kernels read it (null: none).
+const float* found_inf_of(const at::Tensor& found_inf, c10::Device device) {
+  if (!found_inf.defined()) return nullptr;
+  TORCH_INTERNAL_ASSERT(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1 && found_inf.device() == device,
+                        "amp: the fused CUDA step's overflow flag is unfit");
+  return found_inf.const_data_ptr<float>();
+}
+
 }  // namespace
 
 void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaAdamStep& step) {
   if (slices.empty()) return;
   const c10::Device device = slices.front().front().t.device();
   const c10::cuda::CUDAGuard guard(device);  // ATen's grids are this device's
-  TORCH_INTERNAL_ASSERT(!step.found_inf.defined() || (step.found_inf.scalar_type() == at::kFloat &&
-                                                      step.found_inf.numel() == 1 && step.found_inf.device() == device),
-                        "amp: the fused CUDA step's overflow flag is unfit");
   std::vector<widened_step::AdamJob> jobs;
   for (const std::vector<CudaWidePiece>& s : slices) {
     TORCH_INTERNAL_ASSERT(s.size() == 6 && s[5].t.scalar_type() == at::kFloat && s[5].t.numel() == 1 &&
@@ -173,9 +178,28 @@ void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const C
   // ATen's functor takes its options as float32 (opmath) values.
   const widened_step::AdamStep shared{static_cast<float>(step.lr), static_cast<float>(step.beta1),
                                       static_cast<float>(step.beta2), static_cast<float>(step.weight_decay),
-                                      static_cast<float>(step.eps),
-                                      step.found_inf.defined() ? step.found_inf.const_data_ptr<float>() : nullptr,
+                                      static_cast<float>(step.eps), found_inf_of(step.found_inf, device),
                                       step.adamw, step.amsgrad};
+  C10_CUDA_CHECK(widened_step::launch(jobs, shared, at::cuda::getCurrentCUDAStream()));
+}
+
+void sgd_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaSgdStep& step) {
+  if (slices.empty()) return;
+  const c10::Device device = slices.front().front().t.device();
+  const c10::cuda::CUDAGuard guard(device);  // ATen's grids are this device's
+  const bool momentum = step.momentum != 0;
+  std::vector<widened_step::SgdJob> jobs;
+  for (const std::vector<CudaWidePiece>& s : slices) {
+    TORCH_INTERNAL_ASSERT(s.size() == 3 && s[2].t.defined() == momentum, "amp: the fused CUDA SGD step got an unfit slice");
+    const int64_t numel = s[0].t.numel();
+    if (numel == 0) continue;
+    jobs.push_back({column_job(s[0], numel, device), column_job(s[1], numel, device), column_job(s[2], numel, device),
+                    numel, rows_of(numel), 0});
+  }
+  // ATen's functor takes its options as float32 (opmath) values.
+  const widened_step::SgdStep shared{static_cast<float>(step.lr),       static_cast<float>(step.weight_decay),
+                                     static_cast<float>(step.momentum), static_cast<float>(step.dampening),
+                                     found_inf_of(step.found_inf, device), step.nesterov, step.first_step};
   C10_CUDA_CHECK(widened_step::launch(jobs, shared, at::cuda::getCurrentCUDAStream()));
 }
 

@@ -96,6 +96,17 @@ void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings);
 // without the float32 copies or their launches. The gradient is only read.
 void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaAdamStep& step);
 
+// The options of an SGD step, as CudaAdamStep's; `first_step`: the
+// momentum buffers are new (set to the gradient).
+struct CudaSgdStep {
+  double lr = 0, weight_decay = 0, momentum = 0, dampening = 0;
+  bool nesterov = false, first_step = false;
+  at::Tensor found_inf;
+};
+// Steps `slices`, each [param, grad, momentum_buffer (undefined without
+// momentum)], by ATen's fused SGD arithmetic, as adam_on_cuda steps Adam's.
+void sgd_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaSgdStep& step);
+
 // Whether widened steps run through the fused kernels where they can (the
 // default), or always as the chunked path: widened copies, ATen's fused
 // kernel, then rounded and packed - the reference the fused kernels are

@@ -93,6 +93,23 @@ struct AdamStep {
   bool amsgrad;
 };
 
+// One slice of SGD's step, as AdamJob's: the parameter, its gradient (read
+// only) and its momentum buffer (empty without momentum).
+struct SgdJob {
+  ColumnJob param, grad, momentum_buffer;
+  int64_t numel;
+  int64_t blocks;
+  int64_t first_block;
+};
+
+// What every slice of one SGD step shares, as AdamStep's.
+struct SgdStep {
+  float lr, weight_decay, momentum, dampening;
+  const float* found_inf;  // 1: the step is skipped
+  bool nesterov;
+  bool first_step;  // the momentum buffer is the gradient
+};
+
 // Threads a block, as ATen's distribution kernels launch them.
 inline constexpr int kThreads = 256;
 
@@ -102,6 +119,7 @@ cudaError_t launch(const std::vector<RoundingJob>& jobs, cudaStream_t stream);
 cudaError_t launch(const std::vector<PackingJob>& jobs, cudaStream_t stream);
 cudaError_t launch(const std::vector<UnpackingJob>& jobs, cudaStream_t stream);
 cudaError_t launch(const std::vector<AdamJob>& jobs, const AdamStep& step, cudaStream_t stream);
+cudaError_t launch(const std::vector<SgdJob>& jobs, const SgdStep& step, cudaStream_t stream);
 
 // The rounding kernel, whose image for a device says whether the kernels
 // run there.

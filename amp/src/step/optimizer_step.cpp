@@ -198,7 +198,7 @@ void OptimizerStep::record_outcome(bool skipped, std::shared_ptr<const OverflowR
 
 // ---- amp's fused step() -------------------------------------------------------
 
-OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply) {
+OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply, bool rounds) {
   const State state = iteration_.state;
   TORCH_CHECK(state == State::kReady, "amp: step() while the optimizer is ", to_string(state),
               state == State::kInGuard
@@ -219,7 +219,7 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   settle(/*wait=*/created);
   if (capturing()) {
     try {
-      check_capturable(kernels_apply);
+      check_capturable(kernels_apply, rounds);
     } catch (...) {
       end_iteration();  // verdicts of the failed capture: never computed
       throw;
@@ -253,11 +253,18 @@ OptimizerStep::FusedDecision OptimizerStep::begin_fused_step(bool kernels_apply)
   return decision;
 }
 
-void OptimizerStep::check_capturable(bool kernels_apply) const {
+void OptimizerStep::check_capturable(bool kernels_apply, bool rounds) const {
   TORCH_CHECK(kernels_apply, "amp: step() is being captured in a CUDA graph, but the fused kernels "
               "cannot step these parameters (each gradient must be dense, contiguous and of its "
               "parameter's dtype, all on one device), and LibTorch's own step needs the overflow "
               "verdict on the host, which a capture cannot read.");
+  // The rounding's streams are numbered by the host's step count, which a
+  // replay does not advance: each replay would draw the captured step's
+  // noise again, the same for a value every step - a bias, not noise.
+  TORCH_CHECK(!rounds, "amp: step() is being captured in a CUDA graph, but O6's stochastic rounding and 8-bit "
+              "state's coding draw fresh noise every step, which a replay cannot: every replay would round with "
+              "the captured step's noise, and the rounding would be biased. Run these steps without a graph, or "
+              "use O5, whose float32 masters and state need no rounding.");
   TORCH_CHECK(replay_tally_.defined() && fused_->stepping().holds_all_state(*optimizer_),
               "amp: step() is being captured in a CUDA graph before the optimizer has taken a step "
               "on every parameter: the state it would create here would be reset on every replay. "

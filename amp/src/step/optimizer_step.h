@@ -131,10 +131,12 @@ class OptimizerStep {
     at::Tensor found_inf;   // defined: the kernels decide (exactly 0 or 1)
     Verdicts verdicts;      // what found_inf combines
   };
-  // Errors: a step inside a guard or during delay_unscale accumulation; an
-  // overflow at the floor with AtFloor::kRaise (the step is skipped). After
-  // a guard that stepped in backward: decides `skip` (nothing is left).
-  FusedDecision begin_fused_step(bool kernels_apply);
+  // `rounds`: the step rounds or codes its results stochastically (O6,
+  // 8-bit state). Errors: a step inside a guard or during delay_unscale
+  // accumulation; an overflow at the floor with AtFloor::kRaise (the step is
+  // skipped); a capture the graph could not replay. After a guard that
+  // stepped in backward: decides `skip` (nothing is left).
+  FusedDecision begin_fused_step(bool kernels_apply, bool rounds);
   // The kernels ran as `decision` said: with a device verdict the step is
   // pending until it reaches the host; without one it was taken.
   void end_fused_step(optim::internal::FusedAttempt attempt, FusedDecision decision);
@@ -162,7 +164,7 @@ class OptimizerStep {
   void record_outcome(bool skipped, std::shared_ptr<const OverflowReport> report = nullptr);
   const at::Tensor* first_parameter() const;  // where the optimizer's device work runs
   bool capturing() const;
-  void check_capturable(bool kernels_apply) const;
+  void check_capturable(bool kernels_apply, bool rounds) const;
 
   // One iteration of this optimizer, from its first guard to its step, as
   // torch.amp keeps {stage, found_inf_per_device} per optimizer: what the
