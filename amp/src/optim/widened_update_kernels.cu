@@ -14,9 +14,24 @@ namespace {
 using coding::kBlock;
 using coding::kRow;
 
-// Value `i` of `column` in float32 (0 past the slice's values, `mine` false).
-__device__ float read(const ColumnJob& column, int64_t row, int64_t i, bool mine) {
-  if (!mine || column.data == nullptr) return 0.0f;
+// This thread's value of its block's slice: value `i`, in packed row `row`;
+// `mine` false past the slice's values (the last row's padding).
+struct Place {
+  int64_t row, i;
+  bool mine;
+};
+
+template <class Job>
+__device__ Place place_in(const Job& job) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
+  const int64_t i = row * kBlock + threadIdx.x;
+  return {row, i, i < job.numel};
+}
+
+// Value `at` of `column` in float32 (0 past the slice's values).
+__device__ float read(const ColumnJob& column, const Place& at) {
+  const int64_t row = at.row, i = at.i;
+  if (!at.mine || column.data == nullptr) return 0.0f;
   switch (column.kept) {
     case Kept::kFloat32: return static_cast<const float*>(column.data)[i];
     case Kept::kBFloat16: return __uint_as_float(uint32_t{static_cast<const uint16_t*>(column.data)[i]} << 16);
@@ -25,10 +40,12 @@ __device__ float read(const ColumnJob& column, int64_t row, int64_t i, bool mine
   return 0.0f;
 }
 
-// Writes `x` as value `i` of `column`: rounded or coded as the chunked
+// Writes `x` as value `at` of `column`: rounded or coded as the chunked
 // path's kernels write it back. Every thread of the block calls it (a
 // packed row is coded by all of them).
-__device__ void write(const ColumnJob& column, int64_t row, int64_t i, bool mine, float x, float* scratch) {
+__device__ void write(const ColumnJob& column, const Place& at, float x, float* scratch) {
+  const int64_t row = at.row, i = at.i;
+  const bool mine = at.mine;
   switch (column.kept) {
     case Kept::kFloat32:
       if (mine) static_cast<float*>(column.data)[i] = x;
@@ -99,32 +116,28 @@ __device__ bool skipped(const float* found_inf) { return found_inf != nullptr &&
 __global__ void __launch_bounds__(kBlock) adam_kernel(const KernelJobs<AdamJob> jobs, const AdamStep h) {
   __shared__ float scratch[kBlock / 32];
   const AdamJob& job = job_of_block(jobs);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
-  const int64_t i = row * kBlock + threadIdx.x;
-  const bool mine = i < job.numel;
-  float param = read(job.param, row, i, mine), grad = read(job.grad, row, i, mine);
-  float exp_avg = read(job.exp_avg, row, i, mine), exp_avg_sq = read(job.exp_avg_sq, row, i, mine);
-  float max_exp_avg_sq = h.amsgrad ? read(job.max_exp_avg_sq, row, i, mine) : 0.0f;
-  if (mine && !skipped(h.found_inf)) adam_update(h, *job.step, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq);
-  write(job.param, row, i, mine, param, scratch);
-  write(job.exp_avg, row, i, mine, exp_avg, scratch);
-  write(job.exp_avg_sq, row, i, mine, exp_avg_sq, scratch);
-  if (h.amsgrad) write(job.max_exp_avg_sq, row, i, mine, max_exp_avg_sq, scratch);
+  const Place at = place_in(job);
+  float param = read(job.param, at), grad = read(job.grad, at);
+  float exp_avg = read(job.exp_avg, at), exp_avg_sq = read(job.exp_avg_sq, at);
+  float max_exp_avg_sq = h.amsgrad ? read(job.max_exp_avg_sq, at) : 0.0f;
+  if (at.mine && !skipped(h.found_inf)) adam_update(h, *job.step, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq);
+  write(job.param, at, param, scratch);
+  write(job.exp_avg, at, exp_avg, scratch);
+  write(job.exp_avg_sq, at, exp_avg_sq, scratch);
+  if (h.amsgrad) write(job.max_exp_avg_sq, at, max_exp_avg_sq, scratch);
 }
 
 // SGD's, as adam_kernel's.
 __global__ void __launch_bounds__(kBlock) sgd_kernel(const KernelJobs<SgdJob> jobs, const SgdStep h) {
   __shared__ float scratch[kBlock / 32];
   const SgdJob& job = job_of_block(jobs);
-  const int64_t row = static_cast<int64_t>(blockIdx.x) - job.first_block;
-  const int64_t i = row * kBlock + threadIdx.x;
-  const bool mine = i < job.numel;
+  const Place at = place_in(job);
   const bool has_buffer = job.momentum_buffer.data != nullptr;
-  float param = read(job.param, row, i, mine), grad = read(job.grad, row, i, mine);
-  float buffer = has_buffer ? read(job.momentum_buffer, row, i, mine) : 0.0f;
-  if (mine && !skipped(h.found_inf)) sgd_update(h, has_buffer, param, grad, buffer);
-  write(job.param, row, i, mine, param, scratch);
-  if (has_buffer) write(job.momentum_buffer, row, i, mine, buffer, scratch);
+  float param = read(job.param, at), grad = read(job.grad, at);
+  float buffer = has_buffer ? read(job.momentum_buffer, at) : 0.0f;
+  if (at.mine && !skipped(h.found_inf)) sgd_update(h, has_buffer, param, grad, buffer);
+  write(job.param, at, param, scratch);
+  if (has_buffer) write(job.momentum_buffer, at, buffer, scratch);
 }
 
 }  // namespace
