@@ -38,11 +38,11 @@
 /// of parameters of 4096 elements or more is kept in 8 bits (blockwise,
 /// docs/guide.md "8-bit optimizer state"): each step unpacks it into
 /// float32 a chunk at a time, runs the kernel and packs the results again.
-/// On CUDA, where amp was built with its kernels, FusedAdam's and
-/// FusedAdamW's widened steps (O6's bfloat16 weights and state, 8-bit state)
-/// run as one kernel instead: each value decoded, stepped with ATen's fused
-/// Adam arithmetic and written back, with the same bits, no float32 copies,
-/// and one launch for up to about 90 slices of 2^20 values.
+/// On CUDA, where amp was built with its kernels, these widened steps (O6's
+/// bfloat16 weights and state, 8-bit state) run as one kernel instead: each
+/// value decoded, stepped with ATen's fused Adam, AdamW or SGD arithmetic
+/// and written back, with the same bits, no float32 copies, and one launch
+/// for up to about 90 slices of 2^20 values.
 /// A block of 256 values holding an inf or NaN (a moment that overflowed, a
 /// NaN gradient under a static loss scale) is kept as NaN, never as finite
 /// values: the next step is not finite, as it would be with float32 state.
