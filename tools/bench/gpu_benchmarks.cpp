@@ -15,7 +15,9 @@
 // 1e-8 is 0) | O4 | O5 | O5+fp8 (float8 where Fp8Scaling's rule says it
 // pays) | O5+fp8 with every GEMM in float8 | amp O1 and O2 with LibTorch's
 // own AdamW step | each amp level's whole step captured in a CUDA graph and
-// replayed - in float16 and bfloat16 (O4-O6: bfloat16 only), every row but
+// replayed (O1-O5: O6's rounding draws fresh noise every step, which a
+// replay cannot) | O6 and O6 + 8-bit state, recomputed, with the widened
+// step chunked through ATen's kernel, beside amp's one kernel - in float16 and bfloat16 (O4-O6: bfloat16 only), every row but
 // LibTorch's own step's with amp's fused AdamW (native and FP32 too: the
 // same optimizer everywhere). Prints Markdown tables: the mean step of one
 // window of steps with one sync at its end (CUDA events), speedup over the
