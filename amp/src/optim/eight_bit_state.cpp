@@ -42,7 +42,6 @@ at::Tensor make_code_values(bool non_negative) {
   return values.to(at::kFloat);
 }
 
-
 // 2^e (int32 exponents in [-126, 127]) as float32, exactly: the bit pattern.
 at::Tensor power_of_two(const at::Tensor& exponent) {
   return exponent.add(127).mul_(int64_t{1} << 23).view(at::kFloat);

@@ -196,6 +196,7 @@ std::vector<std::vector<detail::CudaWidePiece>> pieces_in_place(const std::vecto
       if (!kept || t.device() != device || !t.is_contiguous()) return {};
     }
   }
+  std::vector<at::Tensor> tables(columns.size());  // each column's code, looked up once
   std::vector<std::vector<detail::CudaWidePiece>> slices;
   for (const Slice& slice : slices_of(params)) {
     const int64_t numel = params[slice.index].numel();
@@ -206,7 +207,10 @@ std::vector<std::vector<detail::CudaWidePiece>> pieces_in_place(const std::vecto
       detail::CudaWidePiece& piece = pieces[c];
       piece.t = columns[c].whole ? t : slice_of(t, slice, numel);
       piece.non_negative = columns[c].non_negative;
-      if (detail::is_packed_state(t)) piece.table = detail::code_values(piece.non_negative, device);
+      if (detail::is_packed_state(t)) {
+        if (!tables[c].defined()) tables[c] = detail::code_values(piece.non_negative, device);
+        piece.table = tables[c];
+      }
       // step_widened's streams: the slice's, this column's.
       const detail::RoundingKey key{precision.step, keys[slice.index] * columns.size() + c, slice.part};
       if (columns[c].written && t.scalar_type() != at::kFloat) piece.seed = precision.rounder->stream_seed(key);

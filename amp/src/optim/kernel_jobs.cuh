@@ -49,8 +49,6 @@ __device__ inline const Job& job_of_block(const KernelJobs<Job>& jobs) {
 template <class Job, class... Shared>
 cudaError_t launch_batches(void (*kernel)(KernelJobs<Job>, Shared...), const std::vector<Job>& jobs, int threads,
                            cudaStream_t stream, Shared... shared) {
-  static_assert(sizeof(KernelJobs<Job>) + (sizeof(Shared) + ... + 0) + 8 * sizeof...(Shared) <= 32764,
-                "a launch's arguments must fit the 32764 bytes CUDA passes to a kernel");
   auto batch = std::make_unique<KernelJobs<Job>>();  // 32 KB: off the stack
   batch->count = 0;
   int64_t blocks = 0;

@@ -90,8 +90,8 @@ void unpack_on_cuda(const std::vector<CudaUnpacking>& unpackings);
 // [param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (undefined without
 // amsgrad), its parameter's device step count (float32, one element, this
 // step's included)], by ATen's fused Adam / AdamW arithmetic in one launch
-// for up to about 90 slices: each value decoded, stepped in float32 and written
-// back as the chunked path writes it - the bits of widening each piece,
+// for up to about 90 slices: each value decoded, stepped in float32 and
+// written back as the chunked path writes it - the bits of widening each piece,
 // at::_fused_adam(w)_ over them, then round_on_cuda and pack_on_cuda,
 // without the float32 copies or their launches. The gradient is only read.
 void adam_on_cuda(const std::vector<std::vector<CudaWidePiece>>& slices, const CudaAdamStep& step);
