@@ -40,10 +40,12 @@
 # WidenedStepTest.OnCudaOneKernelStepsAsTheChunkedPathBitForBit (all in
 # the CUDA filter above and under compute-sanitizer), timed by the
 # benchmark's "amp O5/O6 (+ 8-bit state), blocks recomputed" rows beside
-# O6's "step chunked (ATen's kernel)" rows.) The benchmark
+# O6's "step chunked (ATen's kernel)" rows. Nor has the loss table -
+# amp::linear_cross_entropy beside ATen's and the Python peers', Liger
+# Kernel's among them - or gpt's fused-loss rows.) The benchmark
 # windows are AMP_GPU_BENCH_STEPS="warm-up timed" (default "3 12"), its
 # workloads AMP_GPU_BENCH_MODELS (default all:
-# resnet,gpt,small_batch,te_layers,sweep); the suite's tests
+# resnet,gpt,small_batch,te_layers,loss,sweep); the suite's tests
 # AMP_GPU_SUITE_FILTER (a --gtest_filter; default all).
 #
 # --simulate runs the same script on a machine without a GPU, as the GPU
@@ -154,7 +156,8 @@ if wants configure; then
   [ -e "${debs[0]}" ] || { say "gpu_run: no third_party_debs/*.deb: run tools/fetch_gpu_deps.sh here and carry third_party_debs"; exit 1; }
   rm -rf "$deps" && mkdir -p "$deps"
   for deb in "${debs[@]}"; do unpack_deb "$deb" "$deps"; done
-  # torchao for the Python peer: a wheel is a zip, unpacked onto PYTHONPATH.
+  # The Python peers' wheels (torchao, Liger Kernel, packaging): a wheel is a
+  # zip, unpacked onto PYTHONPATH.
   for wheel in "$root"/third_party_debs/*.whl; do
     [ -e "$wheel" ] && "$python" -m zipfile -e "$wheel" "$deps/python"
   done
@@ -290,7 +293,9 @@ fi
 if device_stage benchmarks; then
   start=$SECONDS
   # shellcheck disable=SC2086  # two numbers
-  timeout 420 "$build/tools/gpu_benchmarks" $bench_steps ${AMP_GPU_BENCH_MODELS:-} > "$out/benchmarks.md" 2>> "$out/log.txt"
+  # (PYTHONPATH: the loss table's Python peers import Liger Kernel.)
+  PYTHONPATH="$deps/python${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$build/tools/gpu_benchmarks" $bench_steps \
+    ${AMP_GPU_BENCH_MODELS:-} > "$out/benchmarks.md" 2>> "$out/log.txt"
   say "gpu_run: gpu_benchmarks exit $? ($((SECONDS - start)) s): benchmarks.md"
 fi
 

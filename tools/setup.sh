@@ -39,6 +39,13 @@ then
   echo "setup: installing torch==$torch_version (LibTorch) into .venv"
   "$venv/bin/pip" install -q "torch==$torch_version"
 fi
+# The loss layer's Python peers (tools/bench/loss_layer_peer.py): Liger
+# Kernel's fused linear cross-entropy, and numpy, which Triton's interpreter
+# needs to run Liger's kernels on a CPU (numpy 2.4 breaks it).
+if ! "$venv/bin/python" -c 'import liger_kernel, numpy, packaging' 2>/dev/null; then
+  echo "setup: installing liger-kernel, numpy and packaging into .venv"
+  "$venv/bin/pip" install -q --no-deps "liger-kernel==0.8.5" "numpy<2.4" packaging
+fi
 torch_prefix=$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
 
 read -r -a extra <<< "${AMP_CMAKE_ARGS:-}"

@@ -9,6 +9,11 @@
 //   te_layers   four of Transformer Engine's quickstart layer (hidden 4096,
 //               FFN 16384, 32 heads, sequence 2048, batch 4): where float8
 //               can pay
+//   loss        gpt's output layer and loss alone (8192 tokens x 768 x
+//               50304): amp::linear_cross_entropy beside ATen's linear +
+//               cross_entropy and the Python peers (loss_layer_peer.py:
+//               torch.autocast, torch.compile, torchtune's chunked upcast,
+//               Liger Kernel's fused linear cross-entropy), peak and time
 // each at FP32 (TF32 off, and on) | native LibTorch autocast + hand-written
 // GradScaler loop | amp O1 | O2 | O2, O5, O6 and O6 with 8-bit optimizer
 // state, each block recomputed (amp::recompute) | O3 (dynamic scale; AdamW eps 1e-4 in float16, where
@@ -17,7 +22,9 @@
 // own AdamW step | each amp level's whole step captured in a CUDA graph and
 // replayed (O1-O5: O6's rounding draws fresh noise every step, which a
 // replay cannot) | O6 and O6 + 8-bit state, recomputed, with the widened
-// step chunked through ATen's kernel, beside amp's one kernel - in float16 and bfloat16 (O4-O6: bfloat16 only), every row but
+// step chunked through ATen's kernel, beside amp's one kernel | O5 and O6,
+// recomputed, with the head and loss through amp::linear_cross_entropy
+// (gpt) - in float16 and bfloat16 (O4-O6: bfloat16 only), every row but
 // LibTorch's own step's with amp's fused AdamW (native and FP32 too: the
 // same optimizer everywhere). Prints Markdown tables: the mean step of one
 // window of steps with one sync at its end (CUDA events), speedup over the
@@ -40,14 +47,16 @@
 // memsets, copies) each step launches; and the same per Linear layer from
 // 768 x 3072 to 8192 x 28672 (sweep): where float8 pays.
 //
-//   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt,small_batch,te_layers,sweep]
+//   gpu_benchmarks [warmup_steps=10] [timed_steps=50] [models=resnet,gpt,small_batch,te_layers,loss,sweep]
 #include <amp/amp.h>
 #include <amp/casting.h>
 #include <amp/diagnostics.h>
 #include <amp/distributed.h>
+#include <amp/linear_cross_entropy.h>
 #include <amp/testing.h>
 
 #include "common/char_transformer.h"
+#include "loss_layer_peer.h"
 #ifdef AMP_BENCH_CUDA_KERNELS
 #include "optim/widened_step_kernels.h"  // the chunked rows' switch
 #endif
@@ -125,7 +134,8 @@ TORCH_MODULE(ResNet18);
 
 enum class Mode {
   kFp32, kFp32Tf32, kNative, kO1, kO2, kO2Recompute, kO3, kO4, kO5, kO5Fp8, kO5Fp8All, kO5Recompute, kO6Recompute,
-  kO6Recompute8Bit, kO6RecomputeChunked, kO6Recompute8BitChunked, kO1Own, kO2Own
+  kO6Recompute8Bit, kO6RecomputeChunked, kO6Recompute8BitChunked, kO1Own, kO2Own, kO5RecomputeFusedLoss,
+  kO6RecomputeFusedLoss
 };
 const char* name(Mode m) {
   switch (m) {
@@ -145,15 +155,21 @@ const char* name(Mode m) {
     case Mode::kO2: return "amp O2";
     case Mode::kO2Recompute: return "amp O2, blocks recomputed";
     case Mode::kO3: return "amp O3";
+    case Mode::kO5RecomputeFusedLoss: return "amp O5, blocks recomputed, fused loss (amp::linear_cross_entropy)";
+    case Mode::kO6RecomputeFusedLoss: return "amp O6, blocks recomputed, fused loss (amp::linear_cross_entropy)";
     case Mode::kO1Own: return "amp O1, LibTorch's own step";
     case Mode::kO2Own: return "amp O2, LibTorch's own step";
   }
   return "?";
 }
 
+// The head and its loss through amp::linear_cross_entropy: the logits never
+// held whole (the transformers' blocks recomputed too).
+bool has_fused_loss(Mode m) { return m == Mode::kO5RecomputeFusedLoss || m == Mode::kO6RecomputeFusedLoss; }
+
 bool is_recomputed(Mode m) {
   return m == Mode::kO2Recompute || m == Mode::kO5Recompute || m == Mode::kO6Recompute || m == Mode::kO6Recompute8Bit ||
-         m == Mode::kO6RecomputeChunked || m == Mode::kO6Recompute8BitChunked;
+         m == Mode::kO6RecomputeChunked || m == Mode::kO6Recompute8BitChunked || has_fused_loss(m);
 }
 
 // O6's widened step through the chunked path amp's one-kernel step replaces
@@ -176,7 +192,8 @@ std::vector<Row> all_rows() {
   std::vector<Row> rows;
   for (Mode mode : {Mode::kFp32, Mode::kFp32Tf32, Mode::kNative, Mode::kO1, Mode::kO2, Mode::kO2Recompute,
                     Mode::kO5Recompute, Mode::kO6Recompute, Mode::kO6Recompute8Bit, Mode::kO3, Mode::kO4, Mode::kO5,
-                    Mode::kO5Fp8, Mode::kO5Fp8All, Mode::kO1Own, Mode::kO2Own}) {
+                    Mode::kO5Fp8, Mode::kO5Fp8All, Mode::kO1Own, Mode::kO2Own, Mode::kO5RecomputeFusedLoss,
+                    Mode::kO6RecomputeFusedLoss}) {
     rows.push_back({mode});
   }
   for (Mode mode : {Mode::kO1, Mode::kO2, Mode::kO3, Mode::kO4, Mode::kO5, Mode::kO5Fp8}) rows.push_back({mode, true});
@@ -190,6 +207,7 @@ struct Workload {
   std::string name;
   std::function<std::shared_ptr<torch::nn::Module>()> make;
   std::function<std::shared_ptr<torch::nn::Module>()> make_recomputed;  // null: no such row
+  std::function<std::shared_ptr<torch::nn::Module>()> make_fused_loss;  // recomputed, fused loss; null: no such row
   std::function<at::Tensor(torch::nn::Module&, int64_t step)> loss;  // forward + loss
   double flops_per_step = 0;  // 0: not reported
   std::vector<Row> rows = all_rows();
@@ -275,7 +293,7 @@ Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int t
   if (row.graphed) side.emplace(c10::cuda::getStreamFromPool());
   torch::manual_seed(0);
   const bool recomputed = is_recomputed(mode);
-  auto model = recomputed ? w.make_recomputed() : w.make();
+  auto model = has_fused_loss(mode) ? w.make_fused_loss() : recomputed ? w.make_recomputed() : w.make();
   model->to(torch::kCUDA);
   const bool fp32 = mode == Mode::kFp32 || mode == Mode::kFp32Tf32;
   const bool amp_mode = !fp32 && mode != Mode::kNative;
@@ -296,10 +314,10 @@ Result measure(const Workload& w, Row row, at::ScalarType low, int warmup, int t
                                ? amp::O2
                            : mode == Mode::kO4                         ? amp::O4
                            : mode == Mode::kO6Recompute || mode == Mode::kO6Recompute8Bit ||
-                                     is_chunked(mode)
+                                     is_chunked(mode) || mode == Mode::kO6RecomputeFusedLoss
                                ? amp::O6
-                           : mode == Mode::kO5 || mode == Mode::kO5Fp8 ||
-                                     mode == Mode::kO5Fp8All || mode == Mode::kO5Recompute
+                           : mode == Mode::kO5 || mode == Mode::kO5Fp8 || mode == Mode::kO5Fp8All ||
+                                     mode == Mode::kO5Recompute || mode == Mode::kO5RecomputeFusedLoss
                                ? amp::O5
                                : amp::O3;
     if (mode == Mode::kO5Fp8 || mode == Mode::kO5Fp8All) options.fp8 = true;
@@ -496,6 +514,81 @@ double bf16_matmul_tflops() {
   return 20 * 2.0 * 8192.0 * 8192.0 * 8192.0 / (start.elapsed_time(stop) / 1e3) / 1e12;
 }
 
+// The output layer and its mean cross-entropy alone at GPT-2-small's step
+// (8192 tokens, width 768, vocabulary 50304; hidden states and weight in
+// bfloat16, held before it), forward and backward: the peak allocated above
+// the inputs (the bfloat16 gradients of both included, which every way
+// makes) and the median time of `repeats` after one warm-up, by CUDA events;
+// amp::linear_cross_entropy beside ATen's linear + cross_entropy and the
+// Python peers (tools/bench/loss_layer_peer.py: the same in Python, under
+// torch.compile, torchtune's chunked upcast, Liger Kernel's fused linear
+// cross-entropy) on the same inputs' shapes, in the same run.
+void loss_layer_table(int repeats) {
+  const int64_t tokens = 8 * 1024, width = 768, vocab = 50304, window = 8192;
+  std::printf("\nThe output layer and its loss alone (%lld tokens, width %lld, vocabulary %lld, bfloat16), forward and "
+              "backward: peak allocated above its inputs, median of %d\n| loss | peak MiB | / unfused | ms | / unfused | "
+              "loss |\n|---|---:|---:|---:|---:|---:|\n",
+              (long long)tokens, (long long)width, (long long)vocab, repeats);
+  torch::manual_seed(0);
+  const auto cuda = torch::TensorOptions(torch::kCUDA);
+  const at::Tensor h = torch::randn({tokens, width}, cuda).to(at::kBFloat16).requires_grad_();
+  const at::Tensor w = (torch::randn({vocab, width}, cuda) * 0.02).to(at::kBFloat16).requires_grad_();
+  const at::Tensor y = torch::randint(0, vocab, {tokens}, cuda.dtype(torch::kLong));
+  const std::vector<std::pair<std::string, std::function<at::Tensor()>>> ways = {
+      {"linear + cross_entropy (ATen)", [&] { return torch::cross_entropy_loss(at::linear(h, w).to(at::kFloat), y); }},
+      {"amp::linear_cross_entropy (chunks of " + std::to_string(amp::default_loss_chunk_tokens(tokens, vocab)) +
+           " tokens)",
+       [&] { return amp::linear_cross_entropy(h, w, {}, y); }},
+      {"amp::linear_cross_entropy, chunks of 1024 tokens", [&] { return amp::linear_cross_entropy(h, w, {}, y, {}, 1024); }},
+      {"amp::linear_cross_entropy, vocabulary in windows of " + std::to_string(window) + " (chunks of " +
+           std::to_string(amp::default_loss_chunk_tokens(tokens, window)) + " tokens)",
+       [&] { return amp::linear_cross_entropy(h, w, {}, y, {}, 0, window); }}};
+  double unfused_mib = 0, unfused_ms = 0;
+  for (const auto& [name, loss_of] : ways) {
+    std::vector<double> ms;
+    double mib = 0, loss = 0;
+    for (int i = 0; i <= repeats; ++i) {  // the first: warm-up
+      h.mutable_grad().reset();
+      w.mutable_grad().reset();
+      torch::cuda::synchronize();
+      c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+      const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      start.record();
+      const at::Tensor l = loss_of();
+      l.backward();
+      stop.record();
+      stop.synchronize();
+      if (i > 0) ms.push_back(start.elapsed_time(stop));
+      mib = (c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before) / 1048576.0;
+      loss = l.item<double>();
+    }
+    std::sort(ms.begin(), ms.end());
+    if (unfused_ms == 0) unfused_mib = mib, unfused_ms = ms[ms.size() / 2];
+    std::printf("| %s | %.1f | %.3f | %.2f | %.2f | %.5f |\n", name.c_str(), mib, mib / unfused_mib, ms[ms.size() / 2],
+                ms[ms.size() / 2] / unfused_ms, loss);
+    std::fflush(stdout);
+  }
+  h.mutable_grad().reset();
+  w.mutable_grad().reset();
+  try {
+    for (const bench::LossLayerPeerRow& row :
+         bench::loss_layer_peer_rows(AMP_PEER_PYTHON, AMP_SOURCE_DIR "/tools/bench/loss_layer_peer.py", "cuda", tokens,
+                                     width, vocab, "plain,compiled,chunked,liger")) {
+      const std::string label = bench::loss_layer_peer_label(row.way);
+      if (!row.not_run.empty()) {
+        std::printf("| %s | not run: %s | | | | |\n", label.c_str(), row.not_run.c_str());
+      } else {
+        std::printf("| %s | %.1f | %.3f | %.2f | %.2f | %.5f |\n", label.c_str(), row.peak_mib, row.peak_mib / unfused_mib,
+                    row.ms, row.ms / unfused_ms, row.loss);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::printf("| Python peers | not run: %s | | | | |\n", e.what());
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 // A transformer workload of the examples' model: next-token loss over
@@ -504,15 +597,21 @@ double bf16_matmul_tflops() {
 Workload transformer(std::string name, examples::TransformerConfig config, int64_t batch) {
   examples::TransformerConfig recomputed = config;
   recomputed.recompute = true;
+  examples::TransformerConfig fused_loss = recomputed;
+  fused_loss.fused_loss = true;
   const double w = static_cast<double>(config.width), tokens = static_cast<double>(batch * config.context);
   const double params = config.layers * 12.0 * w * w + 2.0 * config.vocab * w + config.context * w;
   Workload out{std::move(name), [config] { return std::make_shared<examples::CharTransformerImpl>(config); },
                [recomputed] { return std::make_shared<examples::CharTransformerImpl>(recomputed); },
+               [fused_loss] { return std::make_shared<examples::CharTransformerImpl>(fused_loss); },
                [config, batch](torch::nn::Module& m, int64_t) {
                  const auto tokens = torch::randint(0, config.vocab, {batch, config.context + 1},
                                                     torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
-                 const auto logits =
-                     static_cast<examples::CharTransformerImpl&>(m).forward(tokens.narrow(1, 0, config.context));
+                 auto& model = static_cast<examples::CharTransformerImpl&>(m);
+                 if (model.config.fused_loss) {
+                   return model.loss(tokens.narrow(1, 0, config.context), tokens.narrow(1, 1, config.context));
+                 }
+                 const auto logits = model.forward(tokens.narrow(1, 0, config.context));
                  return torch::cross_entropy_loss(logits.reshape({-1, config.vocab}),
                                                   tokens.narrow(1, 1, config.context).reshape({-1}));
                },
@@ -528,7 +627,7 @@ int main(int argc, char** argv) {
   const int warmup = argc > 1 ? std::stoi(argv[1]) : 10, timed = argc > 2 ? std::stoi(argv[2]) : 50;
   std::set<std::string> models;
   {
-    std::stringstream list(argc > 3 ? argv[3] : "resnet,gpt,small_batch,te_layers,sweep");
+    std::stringstream list(argc > 3 ? argv[3] : "resnet,gpt,small_batch,te_layers,loss,sweep");
     for (std::string m; std::getline(list, m, ',');) models.insert(m);
   }
   at::globalContext().setBenchmarkCuDNN(true);
@@ -564,7 +663,7 @@ int main(int argc, char** argv) {
     workloads.push_back(std::move(te));
   }
   if (models.count("resnet")) {
-    Workload resnet{"ResNet-18, batch 256, 3x224x224", [] { return std::make_shared<ResNet18Impl>(); }, nullptr,
+    Workload resnet{"ResNet-18, batch 256, 3x224x224", [] { return std::make_shared<ResNet18Impl>(); }, nullptr, nullptr,
                     [](torch::nn::Module& m, int64_t) {
                       const auto x = torch::randn({256, 3, 224, 224}, torch::kCUDA);
                       const auto y = torch::randint(0, 1000, {256}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
@@ -591,9 +690,11 @@ int main(int argc, char** argv) {
       for (const Row& row : w.rows) {
         const bool bf16_level = row.mode == Mode::kO4 || row.mode == Mode::kO5 || row.mode == Mode::kO5Fp8 ||
                                 row.mode == Mode::kO5Fp8All || row.mode == Mode::kO5Recompute ||
-                                row.mode == Mode::kO6Recompute || row.mode == Mode::kO6Recompute8Bit;
+                                row.mode == Mode::kO6Recompute || row.mode == Mode::kO6Recompute8Bit ||
+                                has_fused_loss(row.mode);
         if (bf16_level && low != at::kBFloat16) continue;
         if (is_recomputed(row.mode) && !w.make_recomputed) continue;
+        if (has_fused_loss(row.mode) && !w.make_fused_loss) continue;
         const Result res = measure(w, row, low, warmup, timed);
         if (!first) first = res;
         if (row.mode == Mode::kNative) native = res;
@@ -609,6 +710,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (models.count("loss")) loss_layer_table(5);
   if (models.count("gpt")) fp8_gemm_table();
   if (models.count("sweep")) fp8_sweep_table();
   return 0;

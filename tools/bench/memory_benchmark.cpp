@@ -26,9 +26,10 @@
 // and that with torchao's AdamW8bit.
 // --vocab (byte pairs folded into that many ids; 50304: GPT-2's) and
 // --width set the output layer (--loss_layer: that layer alone, unfused against
-// fused): "+ fused loss" rows compute it and the loss
-// with amp::linear_cross_entropy, and the Python peer adds a row that
-// upcasts one chunk of logits at a time (torchtune's CEWithChunkedOutputLoss).
+// fused, and with --python Python's ways: loss_layer_peer.py): "+ fused loss"
+// rows compute it and the loss with amp::linear_cross_entropy, and the Python
+// peer adds a row that upcasts one chunk of logits at a time (torchtune's
+// CEWithChunkedOutputLoss).
 //
 // Table 1: one step at equal batch and depth: the allocator's peak bytes
 // (amp::allocated_bytes: everything the step's tensors held at once,
@@ -51,6 +52,7 @@
 #include <amp/linear_cross_entropy.h>
 
 #include "bench_util.h"
+#include "loss_layer_peer.h"
 #include "common/char_transformer.h"
 #include "common/run_setup.h"
 
@@ -622,7 +624,21 @@ int loss_layer_table() {
     std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", name.c_str(), mib, mib / unfused_mib, bench::median(ms),
                 bench::median(ms) / unfused_ms);
   }
-  std::printf("\nBoth include the gradients of hidden (%.1f MiB) and weight (%.1f MiB) in bfloat16.\n",
+  // Python's ways, on the same shape and inputs' dtypes (the same bytes: the
+  // unfused rows count alike).
+  if (!absl::GetFlag(FLAGS_python).empty()) {
+    for (const bench::LossLayerPeerRow& row :
+         bench::loss_layer_peer_rows(absl::GetFlag(FLAGS_python), std::string(AMP_SOURCE_DIR) + "/tools/bench/loss_layer_peer.py",
+                                     "cpu", tokens, width, vocab, "plain,compiled,chunked,liger")) {
+      if (!row.not_run.empty()) {
+        std::printf("| %s | not run: %s | | | |\n", bench::loss_layer_peer_label(row.way).c_str(), row.not_run.c_str());
+        continue;
+      }
+      std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", bench::loss_layer_peer_label(row.way).c_str(), row.peak_mib,
+                  row.peak_mib / unfused_mib, row.ms, row.ms / unfused_ms);
+    }
+  }
+  std::printf("\nAll include the gradients of hidden (%.1f MiB) and weight (%.1f MiB) in bfloat16.\n",
               tokens * width * 2 / 1048576.0, vocab * width * 2 / 1048576.0);
   return 0;
 }
