@@ -110,14 +110,35 @@ ChunkLogits chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, con
   return {logits.to(call.acc), hidden8};
 }
 
+// rows += grad_logits^T h, summed in `rows`' dtype (the accumulation dtype)
+// from a chunk's logit gradient (in the accumulation dtype, and `g` in the
+// GEMMs' dtype) and hidden rows: on CUDA cuBLAS takes the GEMMs' dtype and
+// writes float32 (addmm's out_dtype); ATen's CPU GEMMs take one dtype, so
+// there from float32 operands.
+void add_weight_rows(at::Tensor rows, const at::Tensor& grad_logits, const at::Tensor& g, const at::Tensor& h) {
+  if (rows.scalar_type() == g.scalar_type()) {
+    rows.addmm_(g.t(), h);
+  } else if (rows.is_cuda()) {
+    at::addmm_out(rows, rows, g.t(), h, rows.scalar_type());
+  } else {
+    rows.addmm_(grad_logits.t(), h.to(rows.scalar_type()));
+  }
+}
+
 // The gradients of the inputs, summed over chunks.
 struct ChunkedGradients {
   at::Tensor hidden, weight, bias;
+  at::ScalarType weight_dtype = at::kFloat;  // the weight's: `weight` sums in the accumulation dtype
 
+  // The weight's gradient sums each chunk's share in the accumulation dtype,
+  // as one GEMM over all tokens sums it: added into a running sum in the
+  // GEMMs' dtype, each share would be rounded to the sum's last bit - and
+  // over many chunks, a share under half of it lost. It costs 4 bytes a
+  // weight element during the layer (the GEMMs' dtype's 2 once it returns).
   ChunkedGradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
             at::ScalarType acc) {
     if (needed[0]) hidden = at::empty_like(h, at::MemoryFormat::Contiguous);
-    if (needed[1]) weight = at::zeros_like(w, at::MemoryFormat::Contiguous);
+    if (needed[1]) weight = at::zeros(w.sizes(), w.options().dtype(acc)), weight_dtype = w.scalar_type();
     if (needed[2] && b.defined()) bias = at::zeros(b.sizes(), b.options().dtype(acc));
   }
 
@@ -145,7 +166,7 @@ struct ChunkedGradients {
         const at::Tensor part = at::mm(g, w_window);
         hidden_sum = hidden_sum.defined() ? hidden_sum.add_(part) : part.to(call.acc);
       }
-      if (weight.defined()) window.rows_of(weight).addmm_(g.t(), h);
+      if (weight.defined()) add_weight_rows(window.rows_of(weight), grad_logits, g, h);
     }
     if (bias.defined()) window.rows_of(bias).add_(grad_logits.sum(0));
   }
@@ -175,6 +196,7 @@ struct ChunkedGradients {
   }
 
   variable_list finish(const at::Tensor& b) {
+    if (weight.defined()) weight = weight.to(weight_dtype);
     if (bias.defined()) bias = bias.to(b.scalar_type());
     return {hidden, weight, bias};
   }
