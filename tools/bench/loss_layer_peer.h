@@ -37,7 +37,7 @@ inline std::vector<LossLayerPeerRow> loss_layer_peer_rows(const std::string& pyt
                                                           long long width, long long vocab, const std::string& ways) {
   std::ostringstream command;
   command << python << ' ' << script << " --device=" << device << " --tokens=" << tokens << " --width=" << width
-          << " --vocab=" << vocab << " --ways=" << ways << " 2>/dev/null";
+          << " --vocab=" << vocab << " --ways=" << ways;  // its stderr (a traceback) stays the caller's
   FILE* pipe = popen(command.str().c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + command.str());
   std::vector<LossLayerPeerRow> rows;
