@@ -56,6 +56,7 @@
 #include <amp/testing.h>
 
 #include "common/char_transformer.h"
+#include "bench_util.h"  // median
 #include "loss_layer_peer.h"
 #ifdef AMP_BENCH_CUDA_KERNELS
 #include "optim/widened_step_kernels.h"  // the chunked rows' switch
@@ -563,30 +564,15 @@ void loss_layer_table(int repeats) {
       mib = (c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before) / 1048576.0;
       loss = l.item<double>();
     }
-    std::sort(ms.begin(), ms.end());
-    if (unfused_ms == 0) unfused_mib = mib, unfused_ms = ms[ms.size() / 2];
-    std::printf("| %s | %.1f | %.3f | %.2f | %.2f | %.5f |\n", name.c_str(), mib, mib / unfused_mib, ms[ms.size() / 2],
-                ms[ms.size() / 2] / unfused_ms, loss);
+    if (unfused_ms == 0) unfused_mib = mib, unfused_ms = bench::median(ms);
+    std::printf("| %s | %.1f | %.3f | %.2f | %.2f | %.5f |\n", name.c_str(), mib, mib / unfused_mib, bench::median(ms),
+                bench::median(ms) / unfused_ms, loss);
     std::fflush(stdout);
   }
   h.mutable_grad().reset();
   w.mutable_grad().reset();
-  try {
-    for (const bench::LossLayerPeerRow& row :
-         bench::loss_layer_peer_rows(AMP_PEER_PYTHON, AMP_SOURCE_DIR "/tools/bench/loss_layer_peer.py", "cuda", tokens,
-                                     width, vocab, "plain,compiled,chunked,liger")) {
-      const std::string label = bench::loss_layer_peer_label(row.way);
-      if (!row.not_run.empty()) {
-        std::printf("| %s | not run: %s | | | | |\n", label.c_str(), row.not_run.c_str());
-      } else {
-        std::printf("| %s | %.1f | %.3f | %.2f | %.2f | %.5f |\n", label.c_str(), row.peak_mib, row.peak_mib / unfused_mib,
-                    row.ms, row.ms / unfused_ms, row.loss);
-      }
-    }
-  } catch (const std::exception& e) {
-    std::printf("| Python peers | not run: %s | | | | |\n", e.what());
-  }
-  std::fflush(stdout);
+  bench::print_loss_layer_peers(AMP_PEER_PYTHON, AMP_SOURCE_DIR "/tools/bench/loss_layer_peer.py", "cuda", tokens,
+                                width, vocab, {unfused_mib, unfused_ms, 2, true});
 }
 
 }  // namespace

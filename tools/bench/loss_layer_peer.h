@@ -2,7 +2,8 @@
 // The loss layer's Python peers (tools/bench/loss_layer_peer.py), for the
 // benchmark tables that print them beside amp::linear_cross_entropy:
 // gpu_benchmarks' `loss` table and memory_benchmark --loss_layer --python.
-// Header-only: gpu_benchmarks links nothing but amp.
+// Header-only: gpu_benchmarks links nothing but amp. Both tables print
+// every way the peer has (loss_layer_peer.py's WAYS).
 #pragma once
 
 #include <cstdio>
@@ -30,14 +31,14 @@ inline std::string loss_layer_peer_label(const std::string& way) {
   return "Python: " + way;
 }
 
-// Runs `python script` with the layer's shape and `ways` (comma-separated)
-// and returns its rows. Throws with the command when it fails.
+// Runs `python script` (every way) on the layer's shape and returns its
+// rows. Throws with the command when it fails.
 inline std::vector<LossLayerPeerRow> loss_layer_peer_rows(const std::string& python, const std::string& script,
                                                           const std::string& device, long long tokens,
-                                                          long long width, long long vocab, const std::string& ways) {
+                                                          long long width, long long vocab) {
   std::ostringstream command;
   command << python << ' ' << script << " --device=" << device << " --tokens=" << tokens << " --width=" << width
-          << " --vocab=" << vocab << " --ways=" << ways;  // its stderr (a traceback) stays the caller's
+          << " --vocab=" << vocab;  // its stderr (a traceback) stays the caller's
   FILE* pipe = popen(command.str().c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + command.str());
   std::vector<LossLayerPeerRow> rows;
@@ -58,6 +59,38 @@ inline std::vector<LossLayerPeerRow> loss_layer_peer_rows(const std::string& pyt
   }
   if (pclose(pipe) != 0) throw std::runtime_error("the loss layer's Python peer failed: " + command.str());
   return rows;
+}
+
+// A loss-layer table's format: the unfused row its ratios divide by, the
+// digits of its milliseconds, and whether it has a loss column.
+struct LossLayerTable {
+  double unfused_mib, unfused_ms;
+  int ms_digits;
+  bool loss_column;
+};
+
+// Prints the peer's rows into `table` (the Markdown rows of | loss | peak
+// MiB | / unfused | ms | / unfused | [loss |]), or one row saying why the
+// peer did not run.
+inline void print_loss_layer_peers(const std::string& python, const std::string& script, const std::string& device,
+                                   long long tokens, long long width, long long vocab, const LossLayerTable& table) {
+  const char* empty = table.loss_column ? " | | | |" : " | | |";
+  try {
+    for (const LossLayerPeerRow& row : loss_layer_peer_rows(python, script, device, tokens, width, vocab)) {
+      const std::string label = loss_layer_peer_label(row.way);
+      if (!row.not_run.empty()) {
+        std::printf("| %s | not run: %s%s\n", label.c_str(), row.not_run.c_str(), empty);
+        continue;
+      }
+      std::printf("| %s | %.1f | %.3f | %.*f | %.2f |", label.c_str(), row.peak_mib, row.peak_mib / table.unfused_mib,
+                  table.ms_digits, row.ms, row.ms / table.unfused_ms);
+      if (table.loss_column) std::printf(" %.5f |", row.loss);
+      std::printf("\n");
+    }
+  } catch (const std::exception& e) {
+    std::printf("| Python peers | not run: %s%s\n", e.what(), empty);
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace bench

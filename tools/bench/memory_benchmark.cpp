@@ -627,16 +627,8 @@ int loss_layer_table() {
   // Python's ways, on the same shape and inputs' dtypes (the same bytes: the
   // unfused rows count alike).
   if (!absl::GetFlag(FLAGS_python).empty()) {
-    for (const bench::LossLayerPeerRow& row :
-         bench::loss_layer_peer_rows(absl::GetFlag(FLAGS_python), std::string(AMP_SOURCE_DIR) + "/tools/bench/loss_layer_peer.py",
-                                     "cpu", tokens, width, vocab, "plain,compiled,chunked,liger")) {
-      if (!row.not_run.empty()) {
-        std::printf("| %s | not run: %s | | | |\n", bench::loss_layer_peer_label(row.way).c_str(), row.not_run.c_str());
-        continue;
-      }
-      std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", bench::loss_layer_peer_label(row.way).c_str(), row.peak_mib,
-                  row.peak_mib / unfused_mib, row.ms, row.ms / unfused_ms);
-    }
+    bench::print_loss_layer_peers(absl::GetFlag(FLAGS_python), std::string(AMP_SOURCE_DIR) + "/tools/bench/loss_layer_peer.py",
+                                  "cpu", tokens, width, vocab, {unfused_mib, unfused_ms, 0, false});
   }
   std::printf("\nAll include the gradients of hidden (%.1f MiB) and weight (%.1f MiB) in bfloat16.\n",
               tokens * width * 2 / 1048576.0, vocab * width * 2 / 1048576.0);
