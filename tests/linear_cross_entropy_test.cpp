@@ -285,6 +285,39 @@ TEST_F(LinearCrossEntropyTest, ItsPeakIsBoundedByTheChunkNotByTokensTimesVocabul
   }
 }
 
+// In bfloat16 the weight's gradient is summed in float32 (below): with the
+// vocabulary in windows that sum is a window's rows, not the whole weight's -
+// through forward's gradients (mean) and backward's (none) alike.
+TEST_F(LinearCrossEntropyTest, InWindowsTheWeightsFloat32SumIsAWindows) {
+  amp::track_allocations();
+  constexpr int64_t kTokens = 256, kVocab = 4096, kHidden = 256, kChunk = 64, kWindow = 512;
+  const at::Tensor h = torch::randn({kTokens, kHidden}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor w = torch::randn({kVocab, kHidden}).to(at::kBFloat16).requires_grad_();
+  const at::Tensor y = torch::randint(0, kVocab, {kTokens});
+  const int64_t gradient_bytes = (kTokens + kVocab) * kHidden * 2, weight_sum_bytes = kVocab * kHidden * 4;
+  // The window's float32 sum and (CPU) its weight rows in float32, the
+  // hidden rows' float32 sum, and a few chunks' logits.
+  const int64_t window_bytes = 2 * kWindow * kHidden * 4 + kTokens * kHidden * 4 + 4 * kChunk * kWindow * 4;
+  auto peak_of = [&](const std::function<at::Tensor()>& loss) {
+    amp::reset_peak_allocated();
+    const int64_t before = amp::allocated_bytes().current;
+    loss().backward();
+    const int64_t peak = amp::allocated_bytes().peak - before;
+    h.mutable_grad().reset();
+    w.mutable_grad().reset();
+    return peak;
+  };
+  for (auto reduction : {F::CrossEntropyFuncOptions::reduction_t(torch::kMean),
+                         F::CrossEntropyFuncOptions::reduction_t(torch::kNone)}) {
+    const auto options = F::CrossEntropyFuncOptions().reduction(reduction);
+    const int64_t whole = peak_of([&] { return amp::linear_cross_entropy(h, w, {}, y, options, kChunk).sum(); });
+    const int64_t windowed =
+        peak_of([&] { return amp::linear_cross_entropy(h, w, {}, y, options, kChunk, kWindow).sum(); });
+    EXPECT_GT(whole, gradient_bytes + weight_sum_bytes);
+    EXPECT_LT(windowed, gradient_bytes + window_bytes + (1 << 16)) << "whole vocabulary " << whole;
+  }
+}
+
 // A real batch walks many chunks: the weight's gradient, summed over them,
 // is as accurate against float64 as the unfused layer's one GEMM over all
 // tokens (within twice its error, where summing 128 shares in bfloat16 is

@@ -70,6 +70,7 @@ at::ScalarType accumulation_dtype(at::ScalarType compute) {
 struct TokenChunk {
   int64_t begin, end;
   at::Tensor of(const at::Tensor& t) const { return t.slice(0, begin, end); }
+  ChunkTargets of(const ChunkTargets& t) const { return {of(t.valid), of(t.safe), of(t.weight)}; }
 };
 
 template <class Fn>
@@ -110,97 +111,140 @@ ChunkLogits chunk_logits(const at::Tensor& hidden, const at::Tensor& weight, con
   return {logits.to(call.acc), hidden8};
 }
 
-// rows += grad_logits^T h, summed in `rows`' dtype (the accumulation dtype)
-// from a chunk's logit gradient (in the accumulation dtype, and `g` in the
-// GEMMs' dtype) and hidden rows: on CUDA cuBLAS takes the GEMMs' dtype and
-// writes float32 (addmm's out_dtype); ATen's CPU GEMMs take one dtype, so
-// there from float32 operands.
-void add_weight_rows(at::Tensor rows, const at::Tensor& grad_logits, const at::Tensor& g, const at::Tensor& h) {
-  if (rows.scalar_type() == g.scalar_type()) {
-    rows.addmm_(g.t(), h);
-  } else if (rows.is_cuda()) {
-    at::addmm_out(rows, rows, g.t(), h, rows.scalar_type());
+// out += a b, summed in out's dtype (the accumulation dtype), from `a` in it
+// (`a_low`: the same in the GEMMs' dtype, made on demand) and `b` in the
+// GEMMs' dtype (`b_acc`: b in out's dtype where the caller keeps it). On
+// CUDA cuBLAS takes the GEMMs' dtype and writes float32 (addmm's
+// out_dtype); ATen's CPU GEMMs take one dtype, so there from float32
+// operands.
+template <class Low>
+void add_summed(at::Tensor out, const at::Tensor& a, Low&& a_low, const at::Tensor& b, const at::Tensor& b_acc = {}) {
+  const at::ScalarType acc = out.scalar_type();
+  if (b.scalar_type() == acc) {
+    out.addmm_(a, b);
+  } else if (out.is_cuda()) {
+    at::addmm_out(out, out, a_low(), b, acc);
   } else {
-    rows.addmm_(grad_logits.t(), h.to(rows.scalar_type()));
+    out.addmm_(a, b_acc.defined() ? b_acc : b.to(acc));
   }
 }
 
-// The gradients of the inputs, summed over chunks.
-struct ChunkedGradients {
-  at::Tensor hidden, weight, bias;
-  at::ScalarType weight_dtype = at::kFloat;  // the weight's: `weight` sums in the accumulation dtype
-
-  // The weight's gradient sums each chunk's share in the accumulation dtype,
-  // as one GEMM over all tokens sums it: added into a running sum in the
-  // GEMMs' dtype, each share would be rounded to the sum's last bit - and
-  // over many chunks, a share under half of it lost. It costs 4 bytes a
-  // weight element during the layer (the GEMMs' dtype's 2 once it returns).
+// The gradients of the inputs, summed over chunks of tokens and windows of
+// the vocabulary in the accumulation dtype, as one GEMM over all tokens and
+// classes sums them, and rounded to the inputs' dtype once: added into a
+// running sum in the GEMMs' dtype, each chunk's share would be rounded to
+// the sum's last bit - and over many chunks, a share under half of it lost.
+// The weight's rows are summed a window at a time (begin_window, add for
+// each chunk, end_window): its float32 sum takes 4 bytes a weight element
+// of the window. With one window, forward adds each chunk's share as it
+// makes the chunk's logits; with several, the tokens' log-sum-exp comes
+// first and the windows are walked after it (walk_windows).
+class ChunkedGradients {
+ public:
   ChunkedGradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
-            at::ScalarType acc) {
-    if (needed[0]) hidden = at::empty_like(h, at::MemoryFormat::Contiguous);
-    if (needed[1]) weight = at::zeros(w.sizes(), w.options().dtype(acc)), weight_dtype = w.scalar_type();
-    if (needed[2] && b.defined()) bias = at::zeros(b.sizes(), b.options().dtype(acc));
+                   at::ScalarType acc, bool several_windows)
+      : several_windows_(several_windows) {
+    // With one window a chunk's rows take one GEMM over all classes; with
+    // several they are summed over windows.
+    if (needed[0]) hidden_ = several_windows ? at::zeros(h.sizes(), h.options().dtype(acc)) : at::empty_like(h, at::MemoryFormat::Contiguous);
+    if (needed[1]) weight_ = w.scalar_type() == acc ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options());
+    if (needed[2] && b.defined()) bias_ = at::zeros(b.sizes(), b.options().dtype(acc));
+    acc_ = acc;
   }
 
-  // Adds one chunk's, from its logits of `window` [C, width]
-  // (accumulation dtype, overwritten by their gradient) and the tokens'
-  // log-sum-exp, for its hidden rows `h` [C, H]; `row_scale` [C]: the
-  // incoming gradient of each token's loss. The hidden rows' gradient over
-  // several windows is summed in `hidden_sum` ([C, H], accumulation dtype)
-  // and written by finish_rows.
+  void begin_window(const ClassWindow& window, const at::Tensor& w) {
+    if (!weight_.defined()) return;
+    weight_sum_ = weight_.scalar_type() == acc_ ? window.rows_of(weight_)
+                                                : at::zeros({window.width(), w.size(1)}, w.options().dtype(acc_));
+    // The CPU's float32 GEMM for the hidden rows reads the window's weight
+    // rows in float32: converted once a window, not once a chunk.
+    if (hidden_.defined() && several_windows_ && w.is_cpu() && w.scalar_type() != acc_) {
+      window_weight_acc_ = window.rows_of(w).to(acc_);
+    }
+  }
+
+  // Adds one chunk's, from its logits of `window` [C, width] (accumulation
+  // dtype, overwritten by their gradient) and the tokens' log-sum-exp, for
+  // its hidden rows `h` [C, H]; `row_scale` [C]: the incoming gradient of
+  // each token's loss.
   void add(const TokenChunk& rows, const ClassWindow& window, ChunkLogits& chunk, const at::Tensor& lse,
            const ChunkTargets& targets, const LossCall& call, const at::Tensor& row_scale, const at::Tensor& h,
            const at::Tensor& w) {
-    at::Tensor& logits = chunk.logits;
-    logits_to_gradient_(logits, window, lse, targets, call.terms, row_scale);
-    const at::Tensor& grad_logits = logits;
-    const at::Tensor g = grad_logits.to(w.scalar_type());
+    logits_to_gradient_(chunk.logits, window, lse, targets, call.terms, row_scale);
+    const at::Tensor& grad_logits = chunk.logits;
+    at::Tensor g;  // in the GEMMs' dtype, made where a GEMM takes it
+    auto low = [&]() -> const at::Tensor& {
+      if (!g.defined()) g = grad_logits.to(w.scalar_type());
+      return g;
+    };
     if (chunk.hidden8.values.defined()) {
-      add_in_float8(rows, g, chunk.hidden8, *call.fp8, w);
+      add_in_float8(rows, low(), chunk.hidden8, *call.fp8, w);
     } else {
       const at::Tensor w_window = window.rows_of(w);
-      if (hidden.defined() && window.whole()) {
-        at::Tensor out = rows.of(hidden);
-        at::mm_out(out, g, w_window);
-      } else if (hidden.defined()) {
-        const at::Tensor part = at::mm(g, w_window);
-        hidden_sum = hidden_sum.defined() ? hidden_sum.add_(part) : part.to(call.acc);
+      if (hidden_.defined() && !several_windows_) {
+        at::Tensor out = rows.of(hidden_);
+        at::mm_out(out, low(), w_window);
+      } else if (hidden_.defined()) {
+        add_summed(rows.of(hidden_), grad_logits, low, w_window, window_weight_acc_);
       }
-      if (weight.defined()) add_weight_rows(window.rows_of(weight), grad_logits, g, h);
+      if (weight_sum_.defined()) add_summed(weight_sum_, grad_logits.t(), [&] { return low().t(); }, h);
     }
-    if (bias.defined()) window.rows_of(bias).add_(grad_logits.sum(0));
+    if (bias_.defined()) window.rows_of(bias_).add_(grad_logits.sum(0));
   }
 
-  // Writes the hidden rows' gradient summed over windows.
-  void finish_rows(const TokenChunk& rows) {
-    if (!hidden_sum.defined()) return;
-    rows.of(hidden).copy_(hidden_sum);
-    hidden_sum = at::Tensor();
+  // Rounds the window's weight rows to the weight's dtype.
+  void end_window(const ClassWindow& window) {
+    if (weight_sum_.defined() && weight_.scalar_type() != acc_) window.rows_of(weight_).copy_(weight_sum_);
+    weight_sum_ = window_weight_acc_ = at::Tensor();
   }
 
-  at::Tensor hidden_sum;
+  variable_list finish(const at::Tensor& h, const at::Tensor& b) {
+    at::Tensor hidden = hidden_.defined() ? hidden_.to(h.scalar_type()) : at::Tensor();
+    at::Tensor bias = bias_.defined() ? bias_.to(b.scalar_type()) : at::Tensor();
+    return {std::move(hidden), weight_, std::move(bias)};
+  }
 
+ private:
   // The hidden rows' and the weight's gradients from the chunk's logit
   // gradient `g` in float8, as a float8 linear layer's backward computes them.
   void add_in_float8(const TokenChunk& rows, const at::Tensor& g, const Fp8Operand& hidden8, Fp8Site& site,
                      const at::Tensor& w) {
     auto [weight8, weight_inv] = site.quantized_weight(w);
-    if (weight.defined()) {
+    if (weight_sum_.defined()) {
       auto [g8, g_inv, g8_t] = site.grad_output.quantize_transposed(g.contiguous());
-      if (hidden.defined()) rows.of(hidden).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden.scalar_type()));
-      weight.add_(fp8_weight_gradient_gemm({g8_t, g_inv}, hidden8, weight.scalar_type()));
-    } else if (hidden.defined()) {
+      if (hidden_.defined()) rows.of(hidden_).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden_.scalar_type()));
+      weight_sum_.add_(fp8_weight_gradient_gemm({g8_t, g_inv}, hidden8, acc_));
+    } else if (hidden_.defined()) {
       auto [g8, g_inv] = site.grad_output.quantize(g.contiguous());
-      rows.of(hidden).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden.scalar_type()));
+      rows.of(hidden_).copy_(fp8_input_gradient_gemm({g8, g_inv}, {weight8, weight_inv}, hidden_.scalar_type()));
     }
   }
 
-  variable_list finish(const at::Tensor& b) {
-    if (weight.defined()) weight = weight.to(weight_dtype);
-    if (bias.defined()) bias = bias.to(b.scalar_type());
-    return {hidden, weight, bias};
-  }
+  bool several_windows_;
+  at::ScalarType acc_;
+  at::Tensor hidden_;  // [N, H]: the inputs' dtype with one window, else the accumulation dtype
+  at::Tensor weight_;  // [V, H] in the weight's dtype
+  at::Tensor bias_;    // [V] in the accumulation dtype
+  at::Tensor weight_sum_;         // the window's rows of the weight's gradient, accumulation dtype
+  at::Tensor window_weight_acc_;  // CPU, several windows: the window's weight rows in it
 };
+
+// Every window of the vocabulary in turn over every chunk of tokens: the
+// logits again, their gradient from the tokens' log-sum-exp `lse` [N] and
+// incoming gradient `token_scale` [N], added to `grads`.
+void walk_windows(ChunkedGradients& grads, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& bias,
+                  const ChunkTargets& targets, const at::Tensor& lse, const at::Tensor& token_scale,
+                  const LossCall& call) {
+  for (const ClassWindow& window : windows_of(weight.size(0), call)) {
+    grads.begin_window(window, weight);
+    for_each_chunk(hidden.size(0), call.chunk, [&](const TokenChunk& rows) {
+      const at::Tensor h = rows.of(hidden);
+      ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false, window);
+      grads.add(rows, window, chunk, rows.of(lse), rows.of(targets), call, rows.of(token_scale), h, weight);
+    });
+    grads.end_window(window);
+  }
+}
 
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
@@ -213,21 +257,25 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const bool any_needed = needed[0] || needed[1] || needed[2];
     // Unscaled gradients need float16's range only in float16.
     const bool in_forward = any_needed && call.reduction != LossReduction::kNone && hidden.scalar_type() != at::kHalf;
+    const std::vector<ClassWindow> windows = windows_of(weight.size(0), call);
+    // With one window a chunk's logits stay for its gradients; with several
+    // the gradients walk the windows after the log-sum-exp.
+    const bool one_pass = in_forward && windows.size() == 1;
     const int64_t tokens = hidden.size(0);
+    const ChunkTargets targets = chunk_targets(target, call.terms, call.acc);
+    // The mean's denominator, as ATen's: the sum of w[y] over valid tokens.
     const at::Tensor denominator = call.reduction == LossReduction::kMean
-                                       ? mean_denominator(target, call.terms, call.acc)
+                                       ? targets.weight.sum()
                                        : at::ones({}, hidden.options().dtype(call.acc));
     at::Tensor losses = at::empty({tokens}, hidden.options().dtype(call.acc));
-    at::Tensor lse = any_needed && !in_forward ? at::empty({tokens}, losses.options()) : at::Tensor();
+    at::Tensor lse = any_needed && !one_pass ? at::empty({tokens}, losses.options()) : at::Tensor();
     std::optional<ChunkedGradients> grads;
-    if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc);
-    const at::Tensor row_scale = denominator.reciprocal();  // forward's gradients: an incoming 1
-    const std::vector<ClassWindow> windows = windows_of(weight.size(0), call);
+    if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc, !one_pass);
+    const at::Tensor row_scale = denominator.reciprocal().expand({tokens});  // forward's gradients: an incoming 1
+    if (one_pass) grads->begin_window(windows[0], weight);
     for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
       const at::Tensor h = rows.of(hidden);
-      const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
-      // The log-sum-exp over all windows first; with one window its logits
-      // stay for the gradient, with several each is computed again.
+      const ChunkTargets row_targets = rows.of(targets);
       at::Tensor chunk_lse;
       LogitSums sums;
       std::optional<ChunkLogits> kept;
@@ -235,23 +283,19 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
         ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/true, window);
         const at::Tensor window_lse = chunk.logits.logsumexp(1);
         chunk_lse = chunk_lse.defined() ? at::logaddexp(chunk_lse, window_lse) : window_lse;
-        sums.add(chunk.logits, window, targets, call.terms);
-        if (windows.size() == 1) kept = std::move(chunk);
+        sums.add(chunk.logits, window, row_targets, call.terms);
+        if (one_pass) kept = std::move(chunk);
       }
-      rows.of(losses).copy_(token_losses(chunk_lse, sums, targets, call.terms, weight.size(0)));
+      rows.of(losses).copy_(token_losses(chunk_lse, sums, row_targets, call.terms, weight.size(0)));
       if (lse.defined()) rows.of(lse).copy_(chunk_lse);
-      if (!grads) return;
-      const at::Tensor scale = row_scale.expand({h.size(0)});
-      for (const ClassWindow& window : windows) {
-        ChunkLogits chunk = kept ? std::move(*kept) : chunk_logits(h, weight, bias, call, /*tally=*/false, window);
-        grads->add(rows, window, chunk, chunk_lse, targets, call, scale, h, weight);
-      }
-      grads->finish_rows(rows);
+      if (one_pass) grads->add(rows, windows[0], *kept, chunk_lse, row_targets, call, rows.of(row_scale), h, weight);
     });
+    if (one_pass) grads->end_window(windows[0]);
+    if (in_forward && !one_pass) walk_windows(*grads, hidden, weight, bias, targets, lse, row_scale, call);
     ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
     ctx->saved_data["in_forward"] = in_forward;
     if (in_forward) {
-      const variable_list g = grads->finish(bias);
+      const variable_list g = grads->finish(hidden, bias);
       ctx->save_for_backward({g[0], g[1], g[2]});
     } else if (any_needed) {
       ctx->save_for_backward({hidden, weight, bias, target, lse, denominator, call.terms.class_weights});
@@ -297,27 +341,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     // float16 GEMM (the loss scale keeps small gradients in range).
     at::Tensor token_scale = g.to(call.acc);
     if (reduction == LossReduction::kMean) token_scale = token_scale / denominator;
+    const int64_t tokens = hidden.size(0);
     ChunkedGradients grads(hidden, weight, bias,
-                    {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
-                    call.acc);
-    const std::vector<ClassWindow> windows = windows_of(weight.size(0), call);
-    for_each_chunk(hidden.size(0), call.chunk, [&](const TokenChunk& rows) {
-      const at::Tensor h = rows.of(hidden);
-      const ChunkTargets targets = chunk_targets(rows.of(target), call.terms, call.acc);
-      const at::Tensor scale = reduction == LossReduction::kNone ? rows.of(token_scale)
-                                                                 : token_scale.expand({h.size(0)});
-      for (const ClassWindow& window : windows) {
-        ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false, window);
-        grads.add(rows, window, chunk, rows.of(lse), targets, call, scale, h, weight);
-      }
-      grads.finish_rows(rows);
-    });
-    const variable_list g3 = grads.finish(bias);
+                           {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
+                           call.acc, windows_of(weight.size(0), call).size() > 1);
+    walk_windows(grads, hidden, weight, bias, chunk_targets(target, call.terms, call.acc), lse,
+                 token_scale.expand({tokens}), call);
+    const variable_list g3 = grads.finish(hidden, bias);
     std::copy(g3.begin(), g3.end(), out.begin());
     return out;
   }
 };
-
 void check_target(const at::Tensor& target, int64_t vocabulary, int64_t ignore_index) {
   const at::Tensor outside = (target.lt(0) | target.ge(vocabulary)) & target.ne(ignore_index);
   if (target.is_cpu()) {

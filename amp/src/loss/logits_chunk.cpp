@@ -36,10 +36,6 @@ at::Tensor window_target_logits(const at::Tensor& logits, const ClassWindow& win
 
 }  // namespace
 
-at::Tensor mean_denominator(const at::Tensor& target, const CrossEntropyTerms& terms, at::ScalarType acc) {
-  return chunk_targets(target, terms, acc).weight.sum();
-}
-
 void LogitSums::add(const at::Tensor& logits, const ClassWindow& window, const ChunkTargets& targets,
                     const CrossEntropyTerms& terms) {
   at::Tensor target = window.whole() ? logits.gather(1, targets.safe.unsqueeze(1)).squeeze(1)

@@ -32,9 +32,6 @@ struct ChunkTargets {
 
 ChunkTargets chunk_targets(const at::Tensor& target, const CrossEntropyTerms& terms, at::ScalarType acc);
 
-// The sum over valid tokens of w[y]: the mean's denominator, as ATen's.
-at::Tensor mean_denominator(const at::Tensor& target, const CrossEntropyTerms& terms, at::ScalarType acc);
-
 // Classes [begin, end) of `classes`: the columns a chunk's logits hold (all
 // of them, or a window of the vocabulary).
 struct ClassWindow {
