@@ -38,6 +38,10 @@ ABSL_FLAG(int, layers, 2, "transformer blocks");
 ABSL_FLAG(int, width, 64, "model width");
 ABSL_FLAG(int, vocab, 256, "output classes: 256 (bytes), or more from byte pairs (50304: GPT-2's vocabulary size)");
 ABSL_FLAG(bool, fused_loss, false, "the head and its loss through amp::linear_cross_entropy: logits never held whole");
+ABSL_FLAG(int, loss_vocab_window, 0, "with --fused_loss, > 0: the vocabulary in windows of this many classes "
+          "(chunk_vocabulary: less memory for a large vocabulary, one more GEMM a chunk)");
+ABSL_FLAG(int, loss_chunk_tokens, 0, "with --fused_loss: tokens a chunk of the loss holds (0 picks: float32 logits "
+          "of at most 32 MiB)");
 ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
 ABSL_FLAG(int, recompute_run, 0, "with --recompute, > 1: runs of this many blocks recomputed as one too (two levels; "
           "about sqrt(layers) keeps the fewest block inputs)");
@@ -175,6 +179,8 @@ int run() {
   config.width = absl::GetFlag(FLAGS_width);
   config.vocab = absl::GetFlag(FLAGS_vocab);
   config.fused_loss = absl::GetFlag(FLAGS_fused_loss);
+  config.loss_vocab_window = absl::GetFlag(FLAGS_loss_vocab_window);
+  config.loss_chunk_tokens = absl::GetFlag(FLAGS_loss_chunk_tokens);
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
   config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
@@ -186,6 +192,11 @@ int run() {
       config.recompute_run < 0 || config.recompute_slices < 0 || config.vocab < 2) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
                                 "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
+  }
+  if (config.loss_vocab_window < 0 || config.loss_chunk_tokens < 0 ||
+      (!config.fused_loss && (config.loss_vocab_window > 0 || config.loss_chunk_tokens > 0))) {
+    throw std::invalid_argument("--loss_vocab_window and --loss_chunk_tokens must be >= 0, and set only with "
+                                "--fused_loss (they shape amp::linear_cross_entropy's chunks)");
   }
   const bool cuda_graph = absl::GetFlag(FLAGS_cuda_graph);
   const bool fused = examples::use_fused_optimizer(absl::GetFlag(FLAGS_optimizer), options, cuda_graph);

@@ -81,7 +81,8 @@ torch::Tensor CharTransformerImpl::forward(const torch::Tensor& tokens) {
 torch::Tensor CharTransformerImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
   if (config.fused_loss) {
     return amp::linear_cross_entropy(hidden(tokens), config.tied_head ? token->weight : head->weight,
-                                     config.tied_head ? torch::Tensor() : head->bias, targets);
+                                     config.tied_head ? torch::Tensor() : head->bias, targets, {},
+                                     config.loss_chunk_tokens, config.loss_vocab_window);
   }
   return at::cross_entropy_loss(forward(tokens).to(torch::kFloat).reshape({-1, config.vocab}), targets.reshape({-1}));
 }

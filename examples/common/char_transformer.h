@@ -39,6 +39,11 @@ struct TransformerConfig {
   // The loss through amp::linear_cross_entropy: the head's logits computed
   // and dropped chunk by chunk (what a large vocabulary needs).
   bool fused_loss = false;
+  // With fused_loss, > 0: the vocabulary in windows of this many classes
+  // (chunk_vocabulary: the weight gradient's float32 sum is a window's), and
+  // chunks of this many tokens (chunk_tokens; 0 picks).
+  int64_t loss_vocab_window = 0;
+  int64_t loss_chunk_tokens = 0;
 };
 
 struct BlockImpl : torch::nn::Module {

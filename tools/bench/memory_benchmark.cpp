@@ -87,6 +87,12 @@ ABSL_FLAG(bool, loss_layer, false, "only the output layer and its loss, bfloat16
           "allocator's peak above its inputs, unfused against amp::linear_cross_entropy");
 ABSL_FLAG(int, loss_vocab_window, 8192, "--loss_layer: the classes of a window of the vocabulary in its third row "
           "(amp::linear_cross_entropy's chunk_vocabulary)");
+ABSL_FLAG(int, loss_window_chunk_tokens, 0, "--loss_layer: the tokens of a chunk in its third row (chunk_tokens; "
+          "0 picks: float32 logits of at most 32 MiB)");
+ABSL_FLAG(int, fused_loss_vocab_window, 0, "the fused-loss rows of the model tables, > 0: the vocabulary in windows "
+          "of this many classes (chunk_vocabulary)");
+ABSL_FLAG(int, fused_loss_chunk_tokens, 0, "the fused-loss rows of the model tables: tokens a chunk holds "
+          "(chunk_tokens; 0 picks)");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
@@ -215,6 +221,8 @@ class Trainer {
     shape.width = absl::GetFlag(FLAGS_width);
     shape.vocab = absl::GetFlag(FLAGS_vocab);
     shape.fused_loss = config.fused_loss;
+    shape.loss_vocab_window = absl::GetFlag(FLAGS_fused_loss_vocab_window);
+    shape.loss_chunk_tokens = absl::GetFlag(FLAGS_fused_loss_chunk_tokens);
     shape.layers = layers;
     shape.tied_head = true;
     shape.recompute = config.recompute;
@@ -598,6 +606,9 @@ int loss_layer_table() {
   const at::Tensor w = (torch::randn({vocab, width}) * 0.02).to(at::kBFloat16).requires_grad_();
   const at::Tensor y = torch::randint(0, vocab, {tokens});
   const int64_t window = absl::GetFlag(FLAGS_loss_vocab_window);
+  const int64_t window_chunk = absl::GetFlag(FLAGS_loss_window_chunk_tokens) > 0
+                                   ? absl::GetFlag(FLAGS_loss_window_chunk_tokens)
+                                   : amp::default_loss_chunk_tokens(tokens, window);
   double unfused_mib = 0, unfused_ms = 0;
   for (int way = 0; way < 3; ++way) {  // unfused, fused, fused in windows of the vocabulary
     const bool fused = way > 0;
@@ -609,7 +620,8 @@ int loss_layer_table() {
       amp::reset_peak_allocated();
       const int64_t before = amp::allocated_bytes().current;
       const auto start = std::chrono::steady_clock::now();
-      const at::Tensor loss = fused ? amp::linear_cross_entropy(h, w, {}, y, {}, 0, way == 2 ? window : 0)
+      const at::Tensor loss = fused ? (way == 2 ? amp::linear_cross_entropy(h, w, {}, y, {}, window_chunk, window)
+                                                        : amp::linear_cross_entropy(h, w, {}, y))
                                     : torch::cross_entropy_loss(at::linear(h, w).to(at::kFloat), y);
       loss.backward();
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
@@ -620,7 +632,7 @@ int loss_layer_table() {
                              : way == 1 ? "amp::linear_cross_entropy"
                                         : "amp::linear_cross_entropy, vocabulary in windows of " + std::to_string(window) +
                                               " (chunks of " +
-                                              std::to_string(amp::default_loss_chunk_tokens(tokens, window)) + " tokens)";
+                                              std::to_string(window_chunk) + " tokens)";
     std::printf("| %s | %.1f | %.3f | %.0f | %.2f |\n", name.c_str(), mib, mib / unfused_mib, bench::median(ms),
                 bench::median(ms) / unfused_ms);
   }

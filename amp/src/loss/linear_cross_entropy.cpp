@@ -147,14 +147,17 @@ class ChunkedGradients {
     // With one window a chunk's rows take one GEMM over all classes; with
     // several they are summed over windows.
     if (needed[0]) hidden_ = several_windows ? at::zeros(h.sizes(), h.options().dtype(acc)) : at::empty_like(h, at::MemoryFormat::Contiguous);
-    if (needed[1]) weight_ = w.scalar_type() == acc ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options());
+    // The weight's gradient in its dtype is made when the first window is
+    // summed: with one window, after the chunks' logits are gone.
+    if (needed[1] && w.scalar_type() == acc) weight_ = at::zeros(w.sizes(), w.options());
+    weight_needed_ = needed[1];
     if (needed[2] && b.defined()) bias_ = at::zeros(b.sizes(), b.options().dtype(acc));
     acc_ = acc;
   }
 
   void begin_window(const ClassWindow& window, const at::Tensor& w) {
-    if (!weight_.defined()) return;
-    weight_sum_ = weight_.scalar_type() == acc_ ? window.rows_of(weight_)
+    if (!weight_needed_) return;
+    weight_sum_ = w.scalar_type() == acc_ ? window.rows_of(weight_)
                                                 : at::zeros({window.width(), w.size(1)}, w.options().dtype(acc_));
     // The CPU's float32 GEMM for the hidden rows reads the window's weight
     // rows in float32: converted once a window, not once a chunk.
@@ -193,8 +196,11 @@ class ChunkedGradients {
   }
 
   // Rounds the window's weight rows to the weight's dtype.
-  void end_window(const ClassWindow& window) {
-    if (weight_sum_.defined() && weight_.scalar_type() != acc_) window.rows_of(weight_).copy_(weight_sum_);
+  void end_window(const ClassWindow& window, const at::Tensor& w) {
+    if (weight_sum_.defined() && w.scalar_type() != acc_) {
+      if (!weight_.defined()) weight_ = at::empty(w.sizes(), w.options());
+      window.rows_of(weight_).copy_(weight_sum_);
+    }
     weight_sum_ = window_weight_acc_ = at::Tensor();
   }
 
@@ -221,6 +227,7 @@ class ChunkedGradients {
   }
 
   bool several_windows_;
+  bool weight_needed_ = false;
   at::ScalarType acc_;
   at::Tensor hidden_;  // [N, H]: the inputs' dtype with one window, else the accumulation dtype
   at::Tensor weight_;  // [V, H] in the weight's dtype
@@ -242,7 +249,7 @@ void walk_windows(ChunkedGradients& grads, const at::Tensor& hidden, const at::T
       ChunkLogits chunk = chunk_logits(h, weight, bias, call, /*tally=*/false, window);
       grads.add(rows, window, chunk, rows.of(lse), rows.of(targets), call, rows.of(token_scale), h, weight);
     });
-    grads.end_window(window);
+    grads.end_window(window, weight);
   }
 }
 
@@ -290,7 +297,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       if (lse.defined()) rows.of(lse).copy_(chunk_lse);
       if (one_pass) grads->add(rows, windows[0], *kept, chunk_lse, row_targets, call, rows.of(row_scale), h, weight);
     });
-    if (one_pass) grads->end_window(windows[0]);
+    if (one_pass) grads->end_window(windows[0], weight);
     if (in_forward && !one_pass) walk_windows(*grads, hidden, weight, bias, targets, lse, row_scale, call);
     ctx->saved_data["reduction"] = static_cast<int64_t>(call.reduction);
     ctx->saved_data["in_forward"] = in_forward;
