@@ -85,14 +85,10 @@ ABSL_FLAG(int, vocab, 256, "output classes: 256 byte tokens, or more (50304: GPT
 ABSL_FLAG(int, width, 256, "model width (768: GPT-2-small's)");
 ABSL_FLAG(bool, loss_layer, false, "only the output layer and its loss, bfloat16, batch x context tokens: the "
           "allocator's peak above its inputs, unfused against amp::linear_cross_entropy");
-ABSL_FLAG(int, loss_vocab_window, 8192, "--loss_layer: the classes of a window of the vocabulary in its third row "
-          "(amp::linear_cross_entropy's chunk_vocabulary)");
-ABSL_FLAG(int, loss_window_chunk_tokens, 0, "--loss_layer: the tokens of a chunk in its third row (chunk_tokens; "
-          "0 picks: float32 logits of at most 32 MiB)");
-ABSL_FLAG(int, fused_loss_vocab_window, 0, "the fused-loss rows of the model tables, > 0: the vocabulary in windows "
-          "of this many classes (chunk_vocabulary)");
-ABSL_FLAG(int, fused_loss_chunk_tokens, 0, "the fused-loss rows of the model tables: tokens a chunk holds "
-          "(chunk_tokens; 0 picks)");
+ABSL_FLAG(int, loss_vocab_window, 4096, "the \"fused loss in windows\" rows and --loss_layer's third: the classes "
+          "of a window of the vocabulary (amp::linear_cross_entropy's chunk_vocabulary)");
+ABSL_FLAG(int, loss_window_chunk_tokens, 512, "the same rows: the tokens of a chunk (chunk_tokens; 0 picks: float32 "
+          "logits of at most 32 MiB)");
 ABSL_FLAG(double, budget_mib, 512, "allocator budget of the largest-model table, MiB (0: skip that table)");
 ABSL_FLAG(int, train_steps, 20, "steps each largest model trains for its loss (0: none)");
 ABSL_FLAG(int, timed_steps, 3, "steps timed per configuration (median)");
@@ -133,6 +129,7 @@ struct Config {
   bool two_levels = false;  // with recompute: runs of about sqrt(depth) blocks recomputed around the blocks
   int slices = 0;  // with recompute, > 1: each block run in this many slices of the batch (recompute_in_slices)
   bool fused_loss = false;  // the head and loss through amp::linear_cross_entropy
+  bool loss_windows = false;  // with fused_loss: the vocabulary in windows (--loss_vocab_window)
   bool keep_gemms = false;  // with recompute: each block keeps its GEMMs' outputs (amp::Keep::gemm_outputs)
   bool fused_adam = false;  // amp's FusedAdamW where LibTorch's AdamW would step
 };
@@ -144,10 +141,12 @@ Config selective(Config config) {
   return config;
 }
 
-// `config` with its loss through amp::linear_cross_entropy.
-Config fused(Config config) {
-  config.name += " + fused loss";
+// `config` with its loss through amp::linear_cross_entropy (`windows`: the
+// vocabulary in windows, whose weight gradient's float32 sum is a window's).
+Config fused(Config config, bool windows = false) {
+  config.name += windows ? " + fused loss in windows" : " + fused loss";
   config.fused_loss = true;
+  config.loss_windows = windows;
   return config;
 }
 
@@ -174,6 +173,10 @@ std::vector<Config> configs() {
   for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O5 + recompute + fused AdamW",
                                  "amp O6 + recompute", "amp O6 + recompute + 8-bit state + step in backward"}) {
     out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
+  }
+  for (const std::string name : {"amp O5 + recompute + fused AdamW", "amp O6 + recompute",
+                                 "amp O6 + recompute + 8-bit state + step in backward"}) {
+    out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; }), true));
   }
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {
@@ -221,8 +224,10 @@ class Trainer {
     shape.width = absl::GetFlag(FLAGS_width);
     shape.vocab = absl::GetFlag(FLAGS_vocab);
     shape.fused_loss = config.fused_loss;
-    shape.loss_vocab_window = absl::GetFlag(FLAGS_fused_loss_vocab_window);
-    shape.loss_chunk_tokens = absl::GetFlag(FLAGS_fused_loss_chunk_tokens);
+    if (config.loss_windows) {
+      shape.loss_vocab_window = absl::GetFlag(FLAGS_loss_vocab_window);
+      shape.loss_chunk_tokens = absl::GetFlag(FLAGS_loss_window_chunk_tokens);
+    }
     shape.layers = layers;
     shape.tied_head = true;
     shape.recompute = config.recompute;

@@ -15,10 +15,13 @@
 /// windows of that many classes, joining their log-sum-exps (as Cut
 /// Cross-Entropy does): the peak is set by tokens x window, so a large
 /// vocabulary (256k) keeps chunks of many tokens - GEMMs that read the
-/// weight once per chunk - in the same memory. Where forward computes the
-/// gradients, each window's logits are computed twice (once for the
-/// log-sum-exp, once for the gradient): one more GEMM per chunk. The hidden
-/// rows' gradient is summed over windows in float32.
+/// weight once per chunk - in the same memory. The tokens' log-sum-exps come
+/// first; then the gradients walk the windows one at a time, each over all
+/// chunks, so the float32 sum of the weight's gradient (Precision, below) is
+/// one window's rows, not the whole weight's. Each window's logits are
+/// computed twice (for the log-sum-exp, for the gradient): one more GEMM per
+/// chunk and window than with the vocabulary whole. The hidden rows'
+/// gradient is summed over windows in float32 (tokens x width x 4 bytes).
 ///
 /// ```
 ///   at::Tensor h = model->body(tokens);                        // [batch, sequence, width]
@@ -42,7 +45,9 @@
 /// each chunk's share would be rounded into the running sum: 3-8 times the
 /// unfused error over 128 chunks, and a share under half the sum's last bit
 /// lost). That sum takes 4 bytes a weight element while the layer runs
-/// (147 MiB for GPT-2's 50304 x 768), beside the gradient's own 2 at its end.
+/// (147 MiB for GPT-2's 50304 x 768), beside the gradient's own 2 at its end;
+/// with the vocabulary in windows, 4 bytes a weight element of one window
+/// (12 MiB in windows of 4096 classes), where memory is short.
 /// With the fp8 property (O5), where `weight` is a layer's weight and the
 /// rule chooses float8 for it (its intensity over all tokens; on CUDA a
 /// chunk whose rows are not a multiple of 16 runs in bfloat16), the three
