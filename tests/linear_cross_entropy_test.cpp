@@ -202,6 +202,17 @@ INSTANTIATE_TEST_SUITE_P(Levels, LinearCrossEntropyLevelTest, every_level(), lev
 
 class LinearCrossEntropyTest : public AmpTest {};
 
+// The allocator's peak above what was allocated before `loss` ran, through
+// its backward; the gradients of `inputs` are reset after.
+int64_t backward_peak(const std::function<at::Tensor()>& loss, std::vector<at::Tensor> inputs) {
+  amp::reset_peak_allocated();
+  const int64_t before = amp::allocated_bytes().current;
+  loss().backward();
+  const int64_t peak = amp::allocated_bytes().peak - before;
+  for (at::Tensor& input : inputs) input.mutable_grad().reset();
+  return peak;
+}
+
 // The weight is cast once an iteration through the cast cache, as
 // at::linear's would be: a second loss over it hits the cache.
 TEST_F(LinearCrossEntropyTest, CastsAFloat32WeightThroughTheCastCache) {
@@ -260,15 +271,7 @@ TEST_F(LinearCrossEntropyTest, ItsPeakIsBoundedByTheChunkNotByTokensTimesVocabul
   const at::Tensor y = torch::randint(0, kVocab, {kTokens});
   const int64_t logits_bytes = kTokens * kVocab * 4, chunk_bytes = kChunk * kVocab * 4;
   const int64_t gradient_bytes = (kTokens + kVocab) * kHidden * 4;
-  auto peak_of = [&](const std::function<at::Tensor()>& loss) {
-    amp::reset_peak_allocated();
-    const int64_t before = amp::allocated_bytes().current;
-    loss().backward();
-    const int64_t peak = amp::allocated_bytes().peak - before;
-    h.mutable_grad().reset();
-    w.mutable_grad().reset();
-    return peak;
-  };
+  auto peak_of = [&](const std::function<at::Tensor()>& loss) { return backward_peak(loss, {h, w}); };
   for (auto reduction : {F::CrossEntropyFuncOptions::reduction_t(torch::kMean),
                          F::CrossEntropyFuncOptions::reduction_t(torch::kNone)}) {
     const auto options = F::CrossEntropyFuncOptions().reduction(reduction);
@@ -298,15 +301,7 @@ TEST_F(LinearCrossEntropyTest, InWindowsTheWeightsFloat32SumIsAWindows) {
   // The window's float32 sum and (CPU) its weight rows in float32, the
   // hidden rows' float32 sum, and a few chunks' logits.
   const int64_t window_bytes = 2 * kWindow * kHidden * 4 + kTokens * kHidden * 4 + 4 * kChunk * kWindow * 4;
-  auto peak_of = [&](const std::function<at::Tensor()>& loss) {
-    amp::reset_peak_allocated();
-    const int64_t before = amp::allocated_bytes().current;
-    loss().backward();
-    const int64_t peak = amp::allocated_bytes().peak - before;
-    h.mutable_grad().reset();
-    w.mutable_grad().reset();
-    return peak;
-  };
+  auto peak_of = [&](const std::function<at::Tensor()>& loss) { return backward_peak(loss, {h, w}); };
   for (auto reduction : {F::CrossEntropyFuncOptions::reduction_t(torch::kMean),
                          F::CrossEntropyFuncOptions::reduction_t(torch::kNone)}) {
     const auto options = F::CrossEntropyFuncOptions().reduction(reduction);

@@ -143,22 +143,23 @@ class ChunkedGradients {
  public:
   ChunkedGradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
                    at::ScalarType acc, bool several_windows)
-      : several_windows_(several_windows) {
+      : several_windows_(several_windows), weight_needed_(needed[1]), acc_(acc) {
     // With one window a chunk's rows take one GEMM over all classes; with
     // several they are summed over windows.
-    if (needed[0]) hidden_ = several_windows ? at::zeros(h.sizes(), h.options().dtype(acc)) : at::empty_like(h, at::MemoryFormat::Contiguous);
+    if (needed[0]) {
+      hidden_ = several_windows ? at::zeros(h.sizes(), h.options().dtype(acc))
+                                : at::empty_like(h, at::MemoryFormat::Contiguous);
+    }
     // The weight's gradient in its dtype is made when the first window is
     // summed: with one window, after the chunks' logits are gone.
     if (needed[1] && w.scalar_type() == acc) weight_ = at::zeros(w.sizes(), w.options());
-    weight_needed_ = needed[1];
     if (needed[2] && b.defined()) bias_ = at::zeros(b.sizes(), b.options().dtype(acc));
-    acc_ = acc;
   }
 
   void begin_window(const ClassWindow& window, const at::Tensor& w) {
     if (!weight_needed_) return;
     weight_sum_ = w.scalar_type() == acc_ ? window.rows_of(weight_)
-                                                : at::zeros({window.width(), w.size(1)}, w.options().dtype(acc_));
+                                          : at::zeros({window.width(), w.size(1)}, w.options().dtype(acc_));
     // The CPU's float32 GEMM for the hidden rows reads the window's weight
     // rows in float32: converted once a window, not once a chunk.
     if (hidden_.defined() && several_windows_ && w.is_cpu() && w.scalar_type() != acc_) {
@@ -227,7 +228,7 @@ class ChunkedGradients {
   }
 
   bool several_windows_;
-  bool weight_needed_ = false;
+  bool weight_needed_;
   at::ScalarType acc_;
   at::Tensor hidden_;  // [N, H]: the inputs' dtype with one window, else the accumulation dtype
   at::Tensor weight_;  // [V, H] in the weight's dtype
@@ -349,9 +350,9 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     at::Tensor token_scale = g.to(call.acc);
     if (reduction == LossReduction::kMean) token_scale = token_scale / denominator;
     const int64_t tokens = hidden.size(0);
-    ChunkedGradients grads(hidden, weight, bias,
-                           {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias.defined() && ctx->needs_input_grad(2)},
-                           call.acc, windows_of(weight.size(0), call).size() > 1);
+    const std::array<bool, 3> needed = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                        bias.defined() && ctx->needs_input_grad(2)};
+    ChunkedGradients grads(hidden, weight, bias, needed, call.acc, windows_of(weight.size(0), call).size() > 1);
     walk_windows(grads, hidden, weight, bias, chunk_targets(target, call.terms, call.acc), lse,
                  token_scale.expand({tokens}), call);
     const variable_list g3 = grads.finish(hidden, bias);
@@ -359,6 +360,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     return out;
   }
 };
+
 void check_target(const at::Tensor& target, int64_t vocabulary, int64_t ignore_index) {
   const at::Tensor outside = (target.lt(0) | target.ge(vocabulary)) & target.ne(ignore_index);
   if (target.is_cpu()) {
