@@ -134,6 +134,11 @@ struct Config {
   bool fused_adam = false;  // amp's FusedAdamW where LibTorch's AdamW would step
 };
 
+// The configuration of `configs` called `name`.
+const Config& named(const std::vector<Config>& configs, const std::string& name) {
+  return *std::find_if(configs.begin(), configs.end(), [&](const Config& c) { return c.name == name; });
+}
+
 // `config` recomputing selectively: its blocks keep their GEMMs' outputs.
 Config selective(Config config) {
   config.name.replace(config.name.find("recompute"), 9, "selective recompute");
@@ -168,15 +173,15 @@ std::vector<Config> configs() {
   fused_adam.fused_adam = true;  // no step transient of LibTorch's AdamW (a tensor-sized temporary or two)
   out.push_back(fused_adam);
   for (const std::string name : {"amp O5 + recompute", "amp O6 + recompute"}) {
-    out.push_back(selective(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
+    out.push_back(selective(named(out, name)));
   }
   for (const std::string name : {"amp O1", "amp O5 + recompute", "amp O5 + recompute + fused AdamW",
                                  "amp O6 + recompute", "amp O6 + recompute + 8-bit state + step in backward"}) {
-    out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; })));
+    out.push_back(fused(named(out, name)));
   }
   for (const std::string name : {"amp O5 + recompute + fused AdamW", "amp O6 + recompute",
                                  "amp O6 + recompute + 8-bit state + step in backward"}) {
-    out.push_back(fused(*std::find_if(out.begin(), out.end(), [&](const Config& c) { return c.name == name; }), true));
+    out.push_back(fused(named(out, name), true));
   }
   for (int world : {2, 4}) {
     for (bool shard : {false, true}) {

@@ -142,18 +142,18 @@ void add_summed(at::Tensor out, const at::Tensor& a, Low&& a_low, const at::Tens
 class ChunkedGradients {
  public:
   ChunkedGradients(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, std::array<bool, 3> needed,
-                   at::ScalarType acc, bool several_windows)
-      : several_windows_(several_windows), weight_needed_(needed[1]), acc_(acc) {
+                   const LossCall& call)
+      : several_windows_(call.vocab_chunk < w.size(0)), weight_needed_(needed[1]), acc_(call.acc) {
     // With one window a chunk's rows take one GEMM over all classes; with
     // several they are summed over windows.
     if (needed[0]) {
-      hidden_ = several_windows ? at::zeros(h.sizes(), h.options().dtype(acc))
-                                : at::empty_like(h, at::MemoryFormat::Contiguous);
+      hidden_ = several_windows_ ? at::zeros(h.sizes(), h.options().dtype(acc_))
+                                 : at::empty_like(h, at::MemoryFormat::Contiguous);
     }
     // The weight's gradient in its dtype is made when the first window is
     // summed: with one window, after the chunks' logits are gone.
-    if (needed[1] && w.scalar_type() == acc) weight_ = at::zeros(w.sizes(), w.options());
-    if (needed[2] && b.defined()) bias_ = at::zeros(b.sizes(), b.options().dtype(acc));
+    if (needed[1] && w.scalar_type() == acc_) weight_ = at::zeros(w.sizes(), w.options());
+    if (needed[2] && b.defined()) bias_ = at::zeros(b.sizes(), b.options().dtype(acc_));
   }
 
   void begin_window(const ClassWindow& window, const at::Tensor& w) {
@@ -278,7 +278,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     at::Tensor losses = at::empty({tokens}, hidden.options().dtype(call.acc));
     at::Tensor lse = any_needed && !one_pass ? at::empty({tokens}, losses.options()) : at::Tensor();
     std::optional<ChunkedGradients> grads;
-    if (in_forward) grads.emplace(hidden, weight, bias, needed, call.acc, !one_pass);
+    if (in_forward) grads.emplace(hidden, weight, bias, needed, call);
     const at::Tensor row_scale = denominator.reciprocal().expand({tokens});  // forward's gradients: an incoming 1
     if (one_pass) grads->begin_window(windows[0], weight);
     for_each_chunk(tokens, call.chunk, [&](const TokenChunk& rows) {
@@ -352,7 +352,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const int64_t tokens = hidden.size(0);
     const std::array<bool, 3> needed = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                         bias.defined() && ctx->needs_input_grad(2)};
-    ChunkedGradients grads(hidden, weight, bias, needed, call.acc, windows_of(weight.size(0), call).size() > 1);
+    ChunkedGradients grads(hidden, weight, bias, needed, call);
     walk_windows(grads, hidden, weight, bias, chunk_targets(target, call.terms, call.acc), lse,
                  token_scale.expand({tokens}), call);
     const variable_list g3 = grads.finish(hidden, bias);
