@@ -16,6 +16,7 @@
 #include "common/fashion_mnist_net.h"
 #include "common/graphed_step.h"
 #include "common/diagnostics.h"
+#include "common/step_csv.h"
 #include "common/step_trace.h"
 #include "common/run_setup.h"
 
@@ -26,7 +27,6 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 
 ABSL_FLAG(std::string, opt_level, "O1",
@@ -104,12 +104,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
     amp::load_checkpoint(absl::GetFlag(FLAGS_resume), {model}, {optimizer});
     std::cout << "resumed from " << absl::GetFlag(FLAGS_resume) << "\n";
   }
-  std::ofstream csv;
-  if (!absl::GetFlag(FLAGS_csv).empty()) {
-    csv.open(absl::GetFlag(FLAGS_csv));
-    if (!csv) throw std::invalid_argument("--csv: cannot write " + absl::GetFlag(FLAGS_csv));
-    csv << "step,loss,loss_scale\n";
-  }
+  examples::StepCsv csv(absl::GetFlag(FLAGS_csv));
 
   // The step, as LibTorch's examples write it with amp's two edits; with
   // --cuda_graph captured once and replayed (images, labels and loss then
@@ -158,7 +153,7 @@ int train(Net& model, Optimizer& optimizer, amp::Options options, c10::Device de
       const double loss_value = loss.item<double>();
       const double scale = amp::loss_scaler()->scale();
       progress.update(step, loss_value, scale, index.size(0));
-      if (csv) csv << step << "," << loss_value << "," << scale << "\n";
+      csv.add(step, loss_value, scale);
     }
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }

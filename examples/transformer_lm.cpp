@@ -13,6 +13,7 @@
 #include "common/char_transformer.h"
 #include "common/diagnostics.h"
 #include "common/graphed_step.h"
+#include "common/step_csv.h"
 #include "common/step_trace.h"
 #include "common/run_setup.h"
 
@@ -59,6 +60,7 @@ ABSL_FLAG(bool, cuda_graph, false,
 ABSL_FLAG(std::string, corpus_dir, "/usr/share/common-licenses", "directory of text files to learn");
 ABSL_FLAG(int, sample_chars, 200, "characters to sample after training");
 ABSL_FLAG(int, verbosity, 1, "amp verbosity");
+ABSL_FLAG(std::string, csv, "", "write step,loss,loss_scale per step to this CSV file");
 ABSL_FLAG(std::string, trace, "", "write a Chrome trace of training steps 3-5 (LibTorch's profiler) to this file");
 ABSL_FLAG(bool, keep_cpu_memory, true,
           "on the CPU, reuse the memory the step before freed instead of faulting it in again "
@@ -106,6 +108,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
   }
 
   examples::Progress progress(50, steps);
+  examples::StepCsv csv(absl::GetFlag(FLAGS_csv));
   examples::StepTrace trace(absl::GetFlag(FLAGS_trace), device);
   double last_loss = 0;
   // The step, with amp's two edits; with --cuda_graph captured once and
@@ -147,6 +150,7 @@ int train(examples::CharTransformer& model, Optimizer& optimizer, amp::Options o
     if (injection.at(step + 1)) examples::print_injection_outcome(std::cout, optimizer);
     last_loss = loss.item<double>();
     progress.update(step + 1, last_loss, amp::loss_scaler()->scale(), int64_t(batch) * config.context);
+    csv.add(step + 1, last_loss, amp::loss_scaler()->scale());
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   progress.finish();
