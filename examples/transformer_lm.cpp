@@ -43,6 +43,9 @@ ABSL_FLAG(int, loss_vocab_window, 0, "with --fused_loss, > 0: the vocabulary in 
           "(chunk_vocabulary: less memory for a large vocabulary, one more GEMM a chunk)");
 ABSL_FLAG(int, loss_chunk_tokens, 0, "with --fused_loss: tokens a chunk of the loss holds (0 picks: float32 logits "
           "of at most 32 MiB)");
+ABSL_FLAG(std::string, attention, "fused",
+          "fused (scaled_dot_product_attention's fused kernel) or math (its ops, which keep each head's scores and "
+          "softmax for backward: what --recompute_keep_gemms drops)");
 ABSL_FLAG(bool, recompute, false, "recompute each block's activations in backward (amp::recompute)");
 ABSL_FLAG(int, recompute_run, 0, "with --recompute, > 1: runs of this many blocks recomputed as one too (two levels; "
           "about sqrt(layers) keeps the fewest block inputs)");
@@ -185,6 +188,7 @@ int run() {
   config.fused_loss = absl::GetFlag(FLAGS_fused_loss);
   config.loss_vocab_window = absl::GetFlag(FLAGS_loss_vocab_window);
   config.loss_chunk_tokens = absl::GetFlag(FLAGS_loss_chunk_tokens);
+  config.fused_attention = absl::GetFlag(FLAGS_attention) == "fused";
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
   config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
@@ -196,6 +200,9 @@ int run() {
       config.recompute_run < 0 || config.recompute_slices < 0 || config.vocab < 2) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
                                 "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
+  }
+  if (absl::GetFlag(FLAGS_attention) != "fused" && absl::GetFlag(FLAGS_attention) != "math") {
+    throw std::invalid_argument("--attention must be fused or math");
   }
   if (config.loss_vocab_window < 0 || config.loss_chunk_tokens < 0 ||
       (!config.fused_loss && (config.loss_vocab_window > 0 || config.loss_chunk_tokens > 0))) {

@@ -17,7 +17,7 @@
 
 namespace examples {
 
-BlockImpl::BlockImpl(const TransformerConfig& c) : heads(c.heads) {
+BlockImpl::BlockImpl(const TransformerConfig& c) : heads(c.heads), fused_attention(c.fused_attention) {
   norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
   norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
   qkv = register_module("qkv", torch::nn::Linear(c.width, 3 * c.width));
@@ -41,7 +41,10 @@ torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   const int64_t batch = x.size(0), time = x.size(1), width = x.size(2);
   auto split = linear(qkv, norm1(x)).view({batch, time, 3, heads, width / heads}).permute({2, 0, 3, 1, 4});
-  auto attended = at::scaled_dot_product_attention(split[0], split[1], split[2], {}, 0.0, /*is_causal=*/true);
+  auto attended =
+      fused_attention
+          ? at::scaled_dot_product_attention(split[0], split[1], split[2], {}, 0.0, /*is_causal=*/true)
+          : std::get<0>(at::_scaled_dot_product_attention_math(split[0], split[1], split[2], {}, 0.0, /*is_causal=*/true));
   auto h = x + linear(proj, attended.transpose(1, 2).reshape({batch, time, width}));
   return h + linear(down, at::gelu(linear(up, norm2(h))));
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: BSD-3-Clause
 // A small character-level transformer language model (GPT-style): token and
 // position embeddings, pre-norm blocks of causal multi-head attention
-// (scaled_dot_product_attention) and a GELU MLP, a final layer norm and a
+// (scaled_dot_product_attention, or its ops) and a GELU MLP, a final layer norm and a
 // linear head (or the token embedding, tied). Each block may run under
 // amp::recompute (whole, or in slices of the batch, or keeping its GEMMs'
 // outputs), and runs of blocks around them (two levels).
@@ -22,6 +22,12 @@ struct TransformerConfig {
   int64_t width = 64;
   int64_t heads = 4;
   int64_t layers = 2;
+  // Attention as one fused kernel (scaled_dot_product_attention: flash
+  // attention, which keeps no sequence x sequence tensor for backward), or,
+  // false, as its ops (PyTorch's math path: the scores and their softmax,
+  // per head, kept for backward, as attention without a fused kernel keeps
+  // them; what Megatron's selective recomputation was measured against).
+  bool fused_attention = true;
   bool tied_head = false;  // logits from the token embedding's weight, no head of its own
   bool recompute = false;  // each block's activations recomputed in backward
   // With recompute, > 1: runs of this many blocks are recomputed as one as
@@ -50,6 +56,7 @@ struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const TransformerConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
   int64_t heads;
+  bool fused_attention;
   torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, up{nullptr}, down{nullptr};
 };

@@ -3,7 +3,7 @@
 //
 // A GPT-shaped decoder (examples/common/char_transformer.h: byte tokens,
 // learned positions, pre-norm blocks of causal 4-head attention and a 4x
-// GELU MLP, tied head; width 256, context 256, batch 8) takes AdamW steps on
+// GELU MLP, tied head; width 256, context 256, batch 8 by default) takes AdamW steps on
 // Debian's license texts under each configuration: plain LibTorch float32;
 // amp O1, O2, O5; O5 with every block recomputed (amp::recompute), and
 // selectively (its GEMMs' outputs kept, amp::Keep::gemm_outputs); O6 (bf16
@@ -24,6 +24,10 @@
 // Python's torch on the same model
 // (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint,
 // and that with torchao's AdamW8bit.
+// --width, --heads, --context and --batch set the decoder's shape (768, 12,
+// 1024: GPT-2-small's); --attention=math computes attention as its ops,
+// which keep each head's scores and softmax for backward (what selective
+// recomputation was designed to drop), instead of the fused kernel.
 // --vocab (byte pairs folded into that many ids; 50304: GPT-2's) and
 // --width set the output layer (--loss_layer: that layer alone, unfused against
 // fused, and with --python Python's ways: loss_layer_peer.py): "+ fused loss"
@@ -83,6 +87,12 @@ extern char** environ;
 ABSL_FLAG(int, layers, 4, "depth of the equal-batch table");
 ABSL_FLAG(int, vocab, 256, "output classes: 256 byte tokens, or more (50304: GPT-2's) from byte pairs");
 ABSL_FLAG(int, width, 256, "model width (768: GPT-2-small's)");
+ABSL_FLAG(int, heads, 4, "attention heads (12: GPT-2-small's)");
+ABSL_FLAG(int, context, 256, "tokens per sequence (1024: GPT-2-small's)");
+ABSL_FLAG(int, batch, 8, "sequences per step (the \"in slices\" rows run one at a time)");
+ABSL_FLAG(std::string, attention, "fused",
+          "fused (scaled_dot_product_attention: no sequence x sequence tensor kept for backward) or math (its ops: "
+          "the scores and their softmax kept per head, as attention without a fused kernel keeps them)");
 ABSL_FLAG(bool, loss_layer, false, "only the output layer and its loss, bfloat16, batch x context tokens: the "
           "allocator's peak above its inputs, unfused against amp::linear_cross_entropy");
 ABSL_FLAG(int, loss_vocab_window, 4096, "the \"fused loss in windows\" rows and --loss_layer's third: the classes "
@@ -114,8 +124,9 @@ ABSL_FLAG(std::string, result, "", "internal: where a rank writes its figures");
 
 namespace {
 
-constexpr int64_t kContext = 256, kBatch = 8;
-constexpr int kSlices = 8;  // "in slices": one sequence of the batch at a time
+int64_t context() { return absl::GetFlag(FLAGS_context); }
+int64_t batch() { return absl::GetFlag(FLAGS_batch); }
+int slices() { return absl::GetFlag(FLAGS_batch); }  // "in slices": one sequence of the batch at a time
 
 struct Config {
   std::string name;
@@ -166,9 +177,9 @@ std::vector<Config> configs() {
                              {"amp O6 + recompute in two levels + 8-bit state + step in backward", amp::O6, true, 1,
                               false, true, true, false, true},
                              {"amp O5 + recompute in slices + 8-bit state", amp::O5, true, 1, false, true, false, false,
-                              false, kSlices},
+                              false, slices()},
                              {"amp O6 + recompute in slices + 8-bit state + step in backward", amp::O6, true, 1, false,
-                              true, true, false, false, kSlices}};
+                              true, true, false, false, slices()}};
   Config fused_adam{"amp O5 + recompute + fused AdamW", amp::O5, true};
   fused_adam.fused_adam = true;  // no step transient of LibTorch's AdamW (a tensor-sized temporary or two)
   out.push_back(fused_adam);
@@ -192,14 +203,14 @@ std::vector<Config> configs() {
       out.push_back({"amp O6 + recompute" + per, amp::O6, true, world, shard});
       out.push_back({"amp O6 + recompute + 8-bit state" + per, amp::O6, true, world, shard, true});
       out.push_back({"amp O6 + recompute in slices and two levels + 8-bit state" + per, amp::O6, true, world, shard,
-                     true, false, false, true, kSlices});
+                     true, false, false, true, slices()});
     }
     const std::string zero3 = " ZeRO-3 x" + std::to_string(world);
     out.push_back({"amp O5 + recompute" + zero3, amp::O5, true, world, true, false, false, true});
     out.push_back({"amp O6 + recompute" + zero3, amp::O6, true, world, true, false, false, true});
     out.push_back({"amp O6 + recompute + 8-bit state" + zero3, amp::O6, true, world, true, true, false, true});
     out.push_back({"amp O6 + recompute in slices and two levels + 8-bit state" + zero3, amp::O6, true, world, true,
-                   true, false, true, true, kSlices});
+                   true, false, true, true, slices()});
     // Each rank steps its pieces as their buckets are reduced.
     const std::string in_backward = "amp O6 + recompute + 8-bit state + step in backward";
     out.push_back({in_backward + " sharded x" + std::to_string(world), amp::O6, true, world, true, true, true});
@@ -225,8 +236,10 @@ class Trainer {
   Trainer(const Config& config, int layers, c10::intrusive_ptr<c10d::ProcessGroupGloo> group)
       : config_(config), group_(std::move(group)), corpus_(corpus()) {
     examples::TransformerConfig shape;
-    shape.context = kContext;
+    shape.context = context();
     shape.width = absl::GetFlag(FLAGS_width);
+    shape.heads = absl::GetFlag(FLAGS_heads);
+    shape.fused_attention = absl::GetFlag(FLAGS_attention) == "fused";
     shape.vocab = absl::GetFlag(FLAGS_vocab);
     shape.fused_loss = config.fused_loss;
     if (config.loss_windows) {
@@ -305,10 +318,10 @@ class Trainer {
   // One step on batch `number` (this rank's rows of it in data parallel).
   double step(int number) {
     torch::manual_seed(1000 + number);
-    const auto starts = torch::randint(0, corpus_.size(0) - kContext - 1, {kBatch});
-    at::Tensor windows = corpus_.index({starts.unsqueeze(1) + torch::arange(kContext + 1)}).to(torch::kLong);
+    const auto starts = torch::randint(0, corpus_.size(0) - context() - 1, {batch()});
+    at::Tensor windows = corpus_.index({starts.unsqueeze(1) + torch::arange(context() + 1)}).to(torch::kLong);
     if (group_) windows = windows.chunk(config_.world)[group_->getRank()];
-    const at::Tensor inputs = windows.narrow(1, 0, kContext), targets = windows.narrow(1, 1, kContext);
+    const at::Tensor inputs = windows.narrow(1, 0, context()), targets = windows.narrow(1, 1, context());
     optimizer_->zero_grad();
     // --phases: the measured step's allocator bytes after each phase (rank 0).
     const bool phases = absl::GetFlag(FLAGS_phases) && number == 1 && (!group_ || group_->getRank() == 0);
@@ -362,6 +375,10 @@ Figures deserialize(const std::string& text) {
 // A data-parallel configuration: its ranks as processes of this program; the
 // largest rank's peak, rank 0's time and loss.
 Figures run_ranks(const Config& config, int layers, int timed, int train_steps) {
+  if (batch() % config.world != 0) {
+    throw std::invalid_argument("\"" + config.name + "\" splits the batch over its ranks: --batch must be a multiple " +
+                                "of " + std::to_string(config.world) + " (or leave it out with --only)");
+  }
   const std::string base = "/tmp/amp_memory_" + std::to_string(getpid()) + "_" + std::to_string(std::rand());
   std::vector<pid_t> pids;
   for (int rank = 0; rank < config.world; ++rank) {
@@ -372,6 +389,9 @@ Figures run_ranks(const Config& config, int layers, int timed, int train_steps) 
                                      "--timed_steps=" + std::to_string(timed),
                                      "--vocab=" + std::to_string(absl::GetFlag(FLAGS_vocab)),
                                      "--width=" + std::to_string(absl::GetFlag(FLAGS_width)),
+                                     "--heads=" + std::to_string(absl::GetFlag(FLAGS_heads)),
+                                     "--context=" + std::to_string(context()), "--batch=" + std::to_string(batch()),
+                                     "--attention=" + absl::GetFlag(FLAGS_attention),
                                      "--bucket_mib=" + std::to_string(absl::GetFlag(FLAGS_bucket_mib)),
                                      std::string("--phases=") + (absl::GetFlag(FLAGS_phases) ? "true" : "false"),
                                      "--result=" + base + "." + std::to_string(rank)};
@@ -435,6 +455,9 @@ Figures peer(const std::string& mode, int layers, int timed, int train_steps, co
   const std::string command = python + " " + script + " --mode=" + mode + " --loss=" + loss_kind + " --layers=" + std::to_string(layers) +
                               " --vocab=" + std::to_string(absl::GetFlag(FLAGS_vocab)) +
                               " --width=" + std::to_string(absl::GetFlag(FLAGS_width)) +
+                              " --heads=" + std::to_string(absl::GetFlag(FLAGS_heads)) +
+                              " --context=" + std::to_string(context()) + " --batch=" + std::to_string(batch()) +
+                              " --attention=" + absl::GetFlag(FLAGS_attention) +
                               " --train_steps=" + std::to_string(train_steps) +
                               " --timed_steps=" + std::to_string(timed) + " 2>/dev/null";
   FILE* pipe = popen(command.c_str(), "r");
@@ -510,9 +533,10 @@ std::vector<Row> rows() {
 double bytes_per_parameter(const Figures& f) { return f.peak_mib * 1048576.0 / static_cast<double>(f.parameters); }
 
 void equal_batch_table(const std::vector<Row>& table, int layers) {
-  std::printf("\n1. One AdamW step, GPT-shaped decoder (width %d, vocabulary %d, context %lld, batch %lld, %d blocks), "
-              "allocator bytes (per rank in data parallel)\n\n",
-              absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_vocab), (long long)kContext, (long long)kBatch, layers);
+  std::printf("\n1. One AdamW step, GPT-shaped decoder (width %d, %d heads, %s attention, vocabulary %d, context %lld, "
+              "batch %lld, %d blocks), allocator bytes (per rank in data parallel)\n\n",
+              absl::GetFlag(FLAGS_width), absl::GetFlag(FLAGS_heads), absl::GetFlag(FLAGS_attention).c_str(),
+              absl::GetFlag(FLAGS_vocab), (long long)context(), (long long)batch(), layers);
   std::printf("| configuration | parameters | peak MiB | peak / fp32 | above start MiB | above start / fp32 | ms/step | "
               "time / fp32 | peak bytes / parameter | floor |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::optional<Figures> fp32;
@@ -607,7 +631,7 @@ void budget_table(const std::vector<Row>& table, double budget, int train_steps)
 // and backward, its inputs (hidden states, weight) in bfloat16 and held
 // before it: the peak above them, and time, median of 3.
 int loss_layer_table() {
-  const int64_t tokens = kBatch * kContext, width = absl::GetFlag(FLAGS_width), vocab = absl::GetFlag(FLAGS_vocab);
+  const int64_t tokens = batch() * context(), width = absl::GetFlag(FLAGS_width), vocab = absl::GetFlag(FLAGS_vocab);
   std::printf("\n0. The output layer and its loss alone (%lld tokens, width %lld, vocabulary %lld, bfloat16): "
               "peak allocator bytes above its inputs\n\n| loss | peak MiB | / unfused | ms | / unfused |\n"
               "|---|---:|---:|---:|---:|\n", (long long)tokens, (long long)width, (long long)vocab);
@@ -658,6 +682,12 @@ int loss_layer_table() {
 }
 
 int run() {
+  const std::string attention = absl::GetFlag(FLAGS_attention);
+  if (context() < 2 || batch() < 1 || absl::GetFlag(FLAGS_heads) < 1 ||
+      absl::GetFlag(FLAGS_width) % absl::GetFlag(FLAGS_heads) != 0 || (attention != "fused" && attention != "math")) {
+    throw std::invalid_argument("--context must be >= 2, --batch >= 1, --width a multiple of --heads, --attention "
+                                "fused or math");
+  }
   if (absl::GetFlag(FLAGS_rank) >= 0) return rank_main();
   if (absl::GetFlag(FLAGS_loss_layer)) return loss_layer_table();
   const std::vector<Row> table = rows();

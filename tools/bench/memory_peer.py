@@ -21,6 +21,7 @@ held before the step, plus the most the profiler's memory events
 Prints one line: "peer <mode> layers L parameters P peak_mib X above_start_mib A ms_step Y loss Z".
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,6 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
@@ -110,6 +112,9 @@ def main():
     parser.add_argument("--loss", choices=["plain", "chunked"], default="plain")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--attention", choices=["fused", "math"], default="fused",
+                        help="math: attention as its ops (PyTorch's math backend), its scores kept for backward")
     parser.add_argument("--timed_steps", type=int, default=3)
     parser.add_argument("--train_steps", type=int, default=0, help="train this many steps and report the loss")
     parser.add_argument("--threads", type=int, default=0)
@@ -118,7 +123,8 @@ def main():
         torch.set_num_threads(args.threads)
     corpus = corpus_tokens(args.vocab)
     torch.manual_seed(0)
-    model = Gpt(args.layers, args.width, args.context, vocab=args.vocab, recompute=args.mode.startswith("checkpoint"))
+    model = Gpt(args.layers, args.width, args.context, heads=args.heads, vocab=args.vocab,
+                recompute=args.mode.startswith("checkpoint"))
     if args.mode == "checkpoint8bit":
         from torchao.optim import AdamW8bit
         optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's default decay
@@ -126,6 +132,10 @@ def main():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(number):
+        with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
+            return attended_step(number)
+
+    def attended_step(number):
         inputs, targets = batch_for(corpus, number, args.batch, args.context)
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mode != "fp32"):
