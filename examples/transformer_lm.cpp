@@ -37,6 +37,7 @@ ABSL_FLAG(std::string, optimizer, "",
           "applies (O6's stochastic rounding, 8-bit state, the step in backward), libtorch otherwise");
 ABSL_FLAG(int, layers, 2, "transformer blocks");
 ABSL_FLAG(int, width, 64, "model width");
+ABSL_FLAG(int, heads, 4, "attention heads (a divisor of --width)");
 ABSL_FLAG(int, vocab, 256, "output classes: 256 (bytes), or more from byte pairs (50304: GPT-2's vocabulary size)");
 ABSL_FLAG(bool, fused_loss, false, "the head and its loss through amp::linear_cross_entropy: logits never held whole");
 ABSL_FLAG(int, loss_vocab_window, 0, "with --fused_loss, > 0: the vocabulary in windows of this many classes "
@@ -184,6 +185,7 @@ int run() {
   config.context = absl::GetFlag(FLAGS_context);
   config.layers = absl::GetFlag(FLAGS_layers);
   config.width = absl::GetFlag(FLAGS_width);
+  config.heads = absl::GetFlag(FLAGS_heads);
   config.vocab = absl::GetFlag(FLAGS_vocab);
   config.fused_loss = absl::GetFlag(FLAGS_fused_loss);
   config.loss_vocab_window = absl::GetFlag(FLAGS_loss_vocab_window);
@@ -196,10 +198,10 @@ int run() {
   if (absl::GetFlag(FLAGS_eight_bit_state)) options.optimizer_state_dtype = torch::kUInt8;
   options.step_in_backward = absl::GetFlag(FLAGS_step_in_backward);
   if (absl::GetFlag(FLAGS_steps) < 0 || absl::GetFlag(FLAGS_batch_size) < 1 || config.context < 2 ||
-      config.layers < 1 || config.width < config.heads || config.width % config.heads != 0 ||
+      config.layers < 1 || config.heads < 1 || config.width % config.heads != 0 ||
       config.recompute_run < 0 || config.recompute_slices < 0 || config.vocab < 2) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
-                                "--width a multiple of 4, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
+                                "--heads >= 1, --width a multiple of --heads, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
   }
   if (absl::GetFlag(FLAGS_attention) != "fused" && absl::GetFlag(FLAGS_attention) != "math") {
     throw std::invalid_argument("--attention must be fused or math");

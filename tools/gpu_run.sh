@@ -244,6 +244,18 @@ if device_stage examples; then
   say "    O6 transformer_lm: $(example_result 120 transformer_lm --steps=20 --opt_level=O6)"
   say "    O5 transformer_lm --recompute: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute)"
   say "    O5 transformer_lm --recompute --recompute_keep_gemms: $(example_result 120 transformer_lm --steps=20 --opt_level=O5 --recompute --recompute_keep_gemms)"
+  # Selective recomputation at GPT-2-small's block shape (12 heads of 64,
+  # context 1024, 12 blocks), where attention keeps its scores (its ops) and
+  # with the fused kernel: peak allocated and ms/step with no recomputation,
+  # whole blocks, and blocks keeping their GEMMs' outputs.
+  for attention in math fused; do
+    for recompute in "" "--recompute" "--recompute --recompute_keep_gemms"; do
+      # shellcheck disable=SC2086  # recompute: flags
+      say "    O5 transformer_lm GPT-2-small blocks --attention=$attention ${recompute:-(no recomputation)}: $(example_result 180 \
+        transformer_lm --steps=10 --opt_level=O5 --width=768 --heads=12 --layers=12 --context=1024 --batch_size=8 --sample_chars=0 \
+        --attention=$attention $recompute)"
+    done
+  done
   say "    O1 transformer_lm --measured_policy: $(example_result 120 transformer_lm --steps=20 --opt_level=O1 --measured_policy)"
   # Launch-free steps: the whole step captured in a CUDA graph and replayed
   # (--cuda_graph) beside eager O0 and O1: graphed O1 no slower than eager O0.
