@@ -29,6 +29,16 @@
 /// place after its op returned (relu_ on a GEMM's output) is not kept: the
 /// rerun computes that call again.
 ///
+/// When it pays: where attention keeps its scores and softmax per head
+/// (computed as its ops), Keep::gemm_outputs() drops them for little
+/// arithmetic - at GPT-2-small's shape 78% of amp::recompute's saving of
+/// peak bytes for next to none of its time. A fused attention kernel
+/// (at::scaled_dot_product_attention's) keeps none of them, so there a
+/// block's bytes are mostly its GEMMs' outputs: 50% of the saving for a
+/// third of the time, and amp::recompute of whole blocks with the fused
+/// kernel takes less memory than this with attention as its ops
+/// (BENCHMARKS.md, "Where the attention keeps its scores").
+///
 /// Cost: once a Keep names an op, every call of that op in the process
 /// passes through one more kernel of amp's (at the ADInplaceOrView key,
 /// below autograd: a few hundred nanoseconds), inside recomputed blocks or
