@@ -22,8 +22,9 @@
 // configuration replicated (plain data parallel) at the same per-rank
 // batch, which separates sharding's saving from the smaller batch's; and
 // Python's torch on the same model
-// (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint,
-// and that with torchao's AdamW8bit.
+// (memory_peer.py): float32, autocast, autocast + torch.utils.checkpoint
+// (whole blocks, or keeping the GEMMs' outputs: selective activation
+// checkpointing), and that with torchao's AdamW8bit.
 // --width, --heads, --context and --batch set the decoder's shape (768, 12,
 // 1024: GPT-2-small's); --attention=math computes attention as its ops,
 // which keep each head's scores and softmax for backward (what selective
@@ -513,6 +514,7 @@ std::vector<Row> rows() {
   if (absl::GetFlag(FLAGS_python).empty()) return out;
   for (const auto& [name, mode] : std::vector<std::pair<std::string, std::string>>{
            {"Python fp32", "fp32"}, {"Python autocast", "autocast"}, {"Python autocast + checkpoint", "checkpoint"},
+           {"Python autocast + selective checkpoint (GEMMs kept)", "checkpoint_gemms"},
            {"Python autocast + checkpoint + torchao AdamW8bit", "checkpoint8bit"}}) {
     if (!std::regex_search(name, only)) continue;
     // float32 weights and gradients; autocast without checkpoint keeps the

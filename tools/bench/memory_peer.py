@@ -5,7 +5,9 @@ The same GPT-shaped decoder as examples/common/char_transformer.cpp (byte
 tokens, learned positions, pre-norm blocks of causal 4-head attention and a
 4x GELU MLP, tied head), the same AdamW step, in Python's torch: float32,
 torch.autocast(bfloat16), autocast with torch.utils.checkpoint on every
-block, and that with torchao's 8-bit AdamW (torchao.optim.AdamW8bit:
+block, or selectively (checkpoint_gemms: PyTorch's selective activation
+checkpointing keeping the GEMMs' outputs, as amp::Keep::gemm_outputs), and
+that with torchao's 8-bit AdamW (torchao.optim.AdamW8bit:
 blockwise 8-bit moments; `pip install torchao` into the same Python).
 With --vocab larger than 256 the tokens are byte pairs folded into that
 many ids (examples::corpus_tokens), and --loss=chunked computes the output
@@ -32,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from peer_examples import Block, read_license_corpus  # the transformer peer's block, the same corpus
 
 
 class Gpt(torch.nn.Module):
-    def __init__(self, layers, width, context, heads=4, vocab=256, recompute=False):
+    def __init__(self, layers, width, context, heads=4, vocab=256, recompute=None):
         super().__init__()
         self.token = torch.nn.Embedding(vocab, width)
         self.position = torch.nn.Embedding(context, width)
@@ -50,11 +52,26 @@ class Gpt(torch.nn.Module):
     def hidden(self, tokens):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1]))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+            if self.recompute == "gemms":
+                x = checkpoint(block, x, use_reentrant=False, context_fn=keep_gemm_outputs)
+            elif self.recompute == "whole":
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.norm(x)
 
     def forward(self, tokens):
         return F.linear(self.hidden(tokens), self.token.weight)
+
+
+GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.convolution.default}
+
+
+def keep_gemm_outputs():
+    """Selective activation checkpointing's contexts: the GEMMs' outputs saved, the rest recomputed."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in GEMMS else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def corpus_tokens(vocab, directory="/usr/share/common-licenses"):
@@ -105,7 +122,8 @@ def tensor_bytes(model, optimizer):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint", "checkpoint8bit"], required=True)
+    parser.add_argument("--mode", choices=["fp32", "autocast", "checkpoint", "checkpoint_gemms", "checkpoint8bit"],
+                        required=True)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=256)
@@ -124,7 +142,7 @@ def main():
     corpus = corpus_tokens(args.vocab)
     torch.manual_seed(0)
     model = Gpt(args.layers, args.width, args.context, heads=args.heads, vocab=args.vocab,
-                recompute=args.mode.startswith("checkpoint"))
+                recompute={"checkpoint_gemms": "gemms", "fp32": None, "autocast": None}.get(args.mode, "whole"))
     if args.mode == "checkpoint8bit":
         from torchao.optim import AdamW8bit
         optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's default decay
