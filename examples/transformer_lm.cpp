@@ -190,7 +190,7 @@ int run() {
   config.fused_loss = absl::GetFlag(FLAGS_fused_loss);
   config.loss_vocab_window = absl::GetFlag(FLAGS_loss_vocab_window);
   config.loss_chunk_tokens = absl::GetFlag(FLAGS_loss_chunk_tokens);
-  config.fused_attention = absl::GetFlag(FLAGS_attention) == "fused";
+  config.fused_attention = examples::fused_attention_named(absl::GetFlag(FLAGS_attention));
   config.recompute = absl::GetFlag(FLAGS_recompute);
   config.recompute_run = absl::GetFlag(FLAGS_recompute_run);
   config.recompute_slices = absl::GetFlag(FLAGS_recompute_slices);
@@ -202,9 +202,6 @@ int run() {
       config.recompute_run < 0 || config.recompute_slices < 0 || config.vocab < 2) {
     throw std::invalid_argument("--steps must be >= 0, --batch_size >= 1, --context >= 2, --layers >= 1, "
                                 "--heads >= 1, --width a multiple of --heads, --recompute_run and --recompute_slices >= 0, --vocab >= 2");
-  }
-  if (absl::GetFlag(FLAGS_attention) != "fused" && absl::GetFlag(FLAGS_attention) != "math") {
-    throw std::invalid_argument("--attention must be fused or math");
   }
   if (config.loss_vocab_window < 0 || config.loss_chunk_tokens < 0 ||
       (!config.fused_loss && (config.loss_vocab_window > 0 || config.loss_chunk_tokens > 0))) {

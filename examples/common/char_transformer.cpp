@@ -105,6 +105,13 @@ torch::Tensor CharTransformerImpl::hidden(const torch::Tensor& tokens) {
   return norm(x);
 }
 
+bool fused_attention_named(const std::string& name) {
+  if (name != "fused" && name != "math") {
+    throw std::invalid_argument("--attention must be fused or math, not '" + name + "'");
+  }
+  return name == "fused";
+}
+
 std::string read_license_corpus(const std::string& dir) {
   std::vector<std::filesystem::path> files;
   std::error_code error;

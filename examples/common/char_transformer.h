@@ -14,6 +14,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <string>
+
 namespace examples {
 
 struct TransformerConfig {
@@ -81,6 +83,10 @@ struct CharTransformerImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(CharTransformer);
+
+// TransformerConfig::fused_attention from the examples' --attention flag:
+// "fused" true, "math" false; another name throws std::invalid_argument.
+bool fused_attention_named(const std::string& name);
 
 // Reads every regular file of Debian's /usr/share/common-licenses (package
 // base-files, present on every Debian system) as one byte string, or the

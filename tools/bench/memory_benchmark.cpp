@@ -127,7 +127,7 @@ namespace {
 
 int64_t context() { return absl::GetFlag(FLAGS_context); }
 int64_t batch() { return absl::GetFlag(FLAGS_batch); }
-int slices() { return absl::GetFlag(FLAGS_batch); }  // "in slices": one sequence of the batch at a time
+int slices() { return static_cast<int>(batch()); }  // "in slices": one sequence of the batch at a time
 
 struct Config {
   std::string name;
@@ -240,7 +240,7 @@ class Trainer {
     shape.context = context();
     shape.width = absl::GetFlag(FLAGS_width);
     shape.heads = absl::GetFlag(FLAGS_heads);
-    shape.fused_attention = absl::GetFlag(FLAGS_attention) == "fused";
+    shape.fused_attention = examples::fused_attention_named(absl::GetFlag(FLAGS_attention));
     shape.vocab = absl::GetFlag(FLAGS_vocab);
     shape.fused_loss = config.fused_loss;
     if (config.loss_windows) {
@@ -684,11 +684,10 @@ int loss_layer_table() {
 }
 
 int run() {
-  const std::string attention = absl::GetFlag(FLAGS_attention);
+  examples::fused_attention_named(absl::GetFlag(FLAGS_attention));  // a bad name stops here, not in a row
   if (context() < 2 || batch() < 1 || absl::GetFlag(FLAGS_heads) < 1 ||
-      absl::GetFlag(FLAGS_width) % absl::GetFlag(FLAGS_heads) != 0 || (attention != "fused" && attention != "math")) {
-    throw std::invalid_argument("--context must be >= 2, --batch >= 1, --width a multiple of --heads, --attention "
-                                "fused or math");
+      absl::GetFlag(FLAGS_width) % absl::GetFlag(FLAGS_heads) != 0) {
+    throw std::invalid_argument("--context must be >= 2, --batch >= 1, --width a multiple of --heads");
   }
   if (absl::GetFlag(FLAGS_rank) >= 0) return rank_main();
   if (absl::GetFlag(FLAGS_loss_layer)) return loss_layer_table();

@@ -142,7 +142,8 @@ def main():
     corpus = corpus_tokens(args.vocab)
     torch.manual_seed(0)
     model = Gpt(args.layers, args.width, args.context, heads=args.heads, vocab=args.vocab,
-                recompute={"checkpoint_gemms": "gemms", "fp32": None, "autocast": None}.get(args.mode, "whole"))
+                recompute="gemms" if args.mode == "checkpoint_gemms" else
+                "whole" if args.mode.startswith("checkpoint") else None)
     if args.mode == "checkpoint8bit":
         from torchao.optim import AdamW8bit
         optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)  # torch.optim.AdamW's default decay
@@ -150,6 +151,8 @@ def main():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(number):
+        # The whole step under the backend: checkpoint's rerun in backward
+        # picks its attention kernel again.
         with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
             return attended_step(number)
 
